@@ -1,0 +1,45 @@
+"""The attention backend: vLLM's CPU attention, then kvserve's scoring and compaction in the same layer pass.
+
+The stock kernel returns no probabilities, so the statistics a policy needs are computed right after it from the
+cache the kernel just read (only for evicting requests, only the rows a policy needs). Compaction happens here too,
+after this layer's attention for the step is done, so the step's output is unaffected and the next step reads the
+compacted cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+from kvserve.engine.worker_state import current_step
+
+SUPPORTED_ISAS = ("vec",)
+
+
+class KVServeAttentionImpl(CPUAttentionBackendImpl):
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None) -> torch.Tensor:
+        result = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                 output_block_scale)
+        step = current_step()
+        if step is None or not step.rows or attn_metadata is None or self.attn_type != AttentionType.DECODER:
+            return result
+        isa = getattr(layer, "isa", None)
+        if isa not in SUPPORTED_ISAS or self.kv_cache_dtype != "auto":
+            raise RuntimeError(
+                f"kvserve eviction supports the CPU cache layout of ISA {SUPPORTED_ISAS} with an unquantised cache; "
+                f"this engine uses ISA {isa!r} and kv_cache_dtype {self.kv_cache_dtype!r}"
+            )
+        layer_idx = getattr(layer, "_kvserve_layer_idx", None)
+        if layer_idx is None:
+            layer_idx = layer._kvserve_layer_idx = extract_layer_index(layer.layer_name)
+        step.after_attention(layer_idx, query, kv_cache, attn_metadata.block_table, self.scale)
+        return result
+
+
+class KVServeAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_impl_cls() -> type[KVServeAttentionImpl]:
+        return KVServeAttentionImpl

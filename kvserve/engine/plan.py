@@ -1,0 +1,22 @@
+"""The message from scheduler to worker: which requests compact after this step's forward, and to how many entries.
+
+It rides on vLLM's `SchedulerOutput` as the attribute `kvserve_compactions` (extra attributes survive the trip from
+engine core to worker; on CPU, scheduling is synchronous, so schedule -> execute -> update stay in lockstep).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PLAN_ATTR = "kvserve_compactions"
+
+
+@dataclass(frozen=True)
+class Compaction:
+    keep_tokens: int  # B: entries per layer and KV head after the step
+    logical_tokens: int  # tokens the request has computed after the step (drives RoPE positions)
+    cached_tokens: int  # entries in the cache after the step's writes, before compaction
+
+
+def compactions_of(scheduler_output: object) -> dict[str, Compaction]:
+    return getattr(scheduler_output, PLAN_ATTR, None) or {}

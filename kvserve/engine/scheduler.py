@@ -1,0 +1,112 @@
+"""The scheduler decides WHEN a request compacts and to HOW MANY entries; the worker decides WHICH entries.
+
+Rules (B = the request's budget, bs = block size), checked after each step is scheduled:
+- the chunk that completes the prompt (or a preempted request's recompute): compact to B if the cache exceeds B;
+- any earlier prompt chunk: the same, only with `kv_evict_every_chunk`;
+- a decode step: compact back to B once the cache reaches B + bs, so eviction runs once per block of new tokens.
+After the step ran, `update_from_output` frees the blocks past B.
+"""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.request import Request
+
+from kvserve.config import KVConfig, KVConfigError, parse_kv_config
+from kvserve.engine.block_manager import EvictingFullAttentionManager
+from kvserve.engine.plan import PLAN_ATTR, Compaction, compactions_of
+from kvserve.metrics import metrics
+
+logger = init_logger(__name__)
+
+
+class EvictingScheduler(Scheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
+            raise RuntimeError(
+                "kvserve evicts from one full-attention KV-cache group; this model has "
+                f"{[type(m).__name__ for m in managers]}"
+            )
+        # The manager is built deep inside KVCacheManager; swap its class rather than re-implementing the factory.
+        managers[0].__class__ = EvictingFullAttentionManager
+        managers[0].init_eviction_state()
+        self.evicting_manager: EvictingFullAttentionManager = managers[0]
+        self.kv_configs: dict[str, KVConfig] = {}
+        # Capacity statistics: most requests in the running queue, and most requests decoding in one step (a
+        # request decoding holds its whole cache; running ones may still be prefilling and get preempted).
+        self.peak_running = 0
+        self.peak_decoding = 0
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id not in self.requests and request.sampling_params is not None:
+            config = self._config_of(request)
+            if config.evicts:
+                self.kv_configs[request.request_id] = config
+                request.skip_reading_prefix_cache = True
+                self.evicting_manager.evicting.add(request.request_id)
+                if config.evict_every_chunk:
+                    chunk = self.scheduler_config.max_num_batched_tokens
+                    self.evicting_manager.admission_cap[request.request_id] = config.budget + chunk + self.block_size
+        super().add_request(request)
+
+    def _config_of(self, request: Request) -> KVConfig:
+        try:
+            return parse_kv_config(request.sampling_params.extra_args)
+        except KVConfigError:
+            # Front ends validate before a request gets here; a request that bypassed them still must not bring
+            # the engine down, so it runs without eviction and says so.
+            logger.exception("request %s: invalid eviction settings, serving it without eviction",
+                             request.request_id)
+            return KVConfig()
+
+    def schedule(self, *args, **kwargs):
+        output = super().schedule(*args, **kwargs)
+        plan: dict[str, Compaction] = {}
+        decoding = 0
+        for req_id, num_new in output.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            logical = request.num_computed_tokens  # already advanced past this step by the base scheduler
+            is_decode = num_new == 1 and logical - 1 >= request.num_prompt_tokens
+            decoding += is_decode
+            config = self.kv_configs.get(req_id)
+            if config is None:
+                continue
+            cached = logical - self.evicting_manager.evicted.get(req_id, 0)
+            if is_decode:
+                due = cached >= config.budget + self.block_size
+            elif logical >= request.num_tokens:
+                due = cached > config.budget
+            else:
+                due = config.evict_every_chunk and cached > config.budget
+            if due:
+                plan[req_id] = Compaction(keep_tokens=config.budget, logical_tokens=logical, cached_tokens=cached)
+        setattr(output, PLAN_ATTR, plan)
+        self.peak_running = max(self.peak_running, len(self.running))
+        self.peak_decoding = max(self.peak_decoding, decoding)
+        return output
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        for req_id, compaction in compactions_of(scheduler_output).items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            freed = self.evicting_manager.truncate(req_id, compaction.keep_tokens, compaction.logical_tokens)
+            metrics().record_compaction(self.kv_configs[req_id].policy,
+                                        compaction.cached_tokens - compaction.keep_tokens, freed)
+        result = super().update_from_output(scheduler_output, model_runner_output)
+        metrics().evicted_requests.set(sum(1 for v in self.evicting_manager.evicted.values() if v > 0))
+        return result
+
+    def _preempt_request(self, request: Request, *args, **kwargs) -> None:
+        self.num_preemptions += 1
+        super()._preempt_request(request, *args, **kwargs)
+
+    def _free_request(self, request: Request, *args, **kwargs):
+        self.kv_configs.pop(request.request_id, None)
+        self.evicting_manager.forget(request.request_id)
+        return super()._free_request(request, *args, **kwargs)

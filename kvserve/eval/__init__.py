@@ -1,0 +1,1 @@
+"""Evaluation: synthetic long-context tasks built from text that ships with Python."""

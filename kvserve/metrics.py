@@ -1,0 +1,35 @@
+"""kvserve's Prometheus series, created in the engine-core process.
+
+With `PROMETHEUS_MULTIPROC_DIR` set (`kvserve serve` sets it), prometheus_client writes them to files that the API
+server's `/metrics` collects beside vLLM's `vllm:*` series.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from prometheus_client import Counter, Gauge
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.tokens_evicted = Counter(
+            "kvserve:tokens_evicted",
+            "Tokens removed from requests' KV caches (each layer and KV head drops this many)", ["policy"])
+        self.blocks_freed = Counter("kvserve:blocks_freed", "KV-cache blocks returned to vLLM's pool by eviction",
+                                    ["policy"])
+        self.evictions = Counter("kvserve:evictions", "Compaction steps (one per request and step that evicts)",
+                                 ["policy"])
+        self.evicted_requests = Gauge("kvserve:requests_with_evicted_cache",
+                                      "Requests currently holding a compacted (evicted) KV cache",
+                                      multiprocess_mode="livesum")
+
+    def record_compaction(self, policy: str, tokens: int, blocks: int) -> None:
+        self.tokens_evicted.labels(policy=policy).inc(tokens)
+        self.blocks_freed.labels(policy=policy).inc(blocks)
+        self.evictions.labels(policy=policy).inc()
+
+
+@cache
+def metrics() -> Metrics:
+    return Metrics()

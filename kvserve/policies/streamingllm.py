@@ -1,0 +1,21 @@
+"""StreamingLLM (Xiao et al., 2023): attention sinks plus a recent window. No scores."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.policies.base import Knob, LayerObservation, Policy
+
+
+class StreamingLLM(Policy):
+    name = "streamingllm"
+    knobs = {"sink_tokens": Knob(int, 4, "first tokens always kept (attention sinks)", minimum=0)}
+
+    def protected_tokens(self) -> int:
+        return self.sink_tokens
+
+    def keep_indices(self, obs: LayerObservation, budget: int) -> torch.Tensor:
+        n = obs.num_tokens
+        recent = budget - self.sink_tokens
+        keep = torch.cat([torch.arange(self.sink_tokens), torch.arange(n - recent, n)])
+        return keep.to(obs.keys.device).expand(obs.num_heads, budget).contiguous()

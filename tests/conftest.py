@@ -1,0 +1,89 @@
+"""Shared fixtures: ONE in-process kvserve engine for the whole session, and vanilla vLLM in a subprocess.
+
+vLLM plugins patch process-wide state, so vanilla vLLM (the baseline) runs in its own process with
+VLLM_PLUGINS=none; it starts first and runs while this process builds the kvserve engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from engine_settings import engine_kwargs, in_process_env  # noqa: E402
+
+TESTS = Path(__file__).parent
+
+
+class Engine:
+    """The kvserve engine plus handles on its scheduler and worker state."""
+
+    def __init__(self) -> None:
+        in_process_env()
+        from vllm import LLM
+
+        self.llm = LLM(**engine_kwargs())
+        core = self.llm.llm_engine.engine_core.engine_core
+        self.scheduler = core.scheduler
+        self.runner = core.model_executor.driver_worker.worker.model_runner
+        self.tokenizer = self.llm.get_tokenizer()
+        self.pool = self.scheduler.kv_cache_manager.block_pool
+
+    def free_blocks(self) -> int:
+        return self.pool.get_num_free_blocks()
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, kv: dict | None = None, ignore_eos: bool = True):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, extra_args=kv)
+        return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+    def eviction_state(self, request_id: str):
+        """The worker's eviction state of a request (by its external id), live or recently finished."""
+        book = self.runner.kvserve
+        for table in (book.requests, book.recent):
+            for internal_id, state in table.items():
+                if internal_id == request_id or internal_id.startswith(f"{request_id}-"):
+                    return state
+        raise KeyError(request_id)
+
+
+@pytest.fixture(scope="session")
+def vanilla_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("vanilla") / "outputs.json"
+    env = dict(os.environ, VLLM_PLUGINS="none")
+    log = open(out.with_suffix(".log"), "w")
+    proc = subprocess.Popen([sys.executable, str(TESTS / "vanilla_run.py"), str(out)], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    yield proc, out
+    if proc.poll() is None:
+        proc.kill()
+
+
+@pytest.fixture(scope="session")
+def vanilla_outputs(vanilla_process):
+    proc, out = vanilla_process
+    if proc.wait(timeout=600) != 0:
+        raise RuntimeError("vanilla vLLM run failed:\n" + out.with_suffix(".log").read_text()[-4000:])
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="session")
+def engine(vanilla_process) -> Engine:
+    return Engine()
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    from hf_reference import load_hf_model
+
+    from kvserve.model import ensure_default_model
+
+    return load_hf_model(ensure_default_model())

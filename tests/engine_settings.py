@@ -1,0 +1,45 @@
+"""Engine settings shared by the in-process kvserve engine and the vanilla-vLLM subprocess, and the prompts both run."""
+
+from __future__ import annotations
+
+import os
+
+from kvserve.model import ensure_default_model
+
+BLOCK_SIZE = 32
+NUM_BLOCKS = 80  # a small pool (2,560 tokens): capacity and preemption tests need it to run out
+CHUNK_WHEN_SHARED = 128  # a prompt is prefilled in one chunk when alone, in 128-token chunks beside another request
+
+
+def engine_kwargs() -> dict:
+    return dict(
+        model=str(ensure_default_model()),
+        dtype="float32",
+        enforce_eager=True,
+        block_size=BLOCK_SIZE,
+        max_model_len=2048,
+        max_num_batched_tokens=1024,
+        long_prefill_token_threshold=CHUNK_WHEN_SHARED,
+        num_gpu_blocks_override=NUM_BLOCKS,
+        seed=0,
+    )
+
+
+def in_process_env() -> None:
+    """Engine core and worker in this process, so tests can read the scheduler's and worker's state."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def equivalence_prompts(tokenizer) -> list[list[int]]:
+    from kvserve.eval.haystack import haystack
+
+    question = tokenizer.encode(" In one sentence, what is this text about? It is about", add_special_tokens=False)
+    return [
+        haystack(tokenizer, 300, seed=1) + question,
+        haystack(tokenizer, 90, seed=2) + question,
+        tokenizer.encode("The three primary colors are", add_special_tokens=False),
+    ]
+
+
+EQUIVALENCE_MAX_TOKENS = 48

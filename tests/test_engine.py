@@ -1,0 +1,216 @@
+"""The real vLLM engine with kvserve, on the default model, against vanilla vLLM and plain-PyTorch references."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from engine_settings import BLOCK_SIZE, EQUIVALENCE_MAX_TOKENS, NUM_BLOCKS, equivalence_prompts
+from hf_reference import generate_with_kept, snapkv_reference, streamingllm_generate
+
+from kvserve.eval.haystack import haystack
+from kvserve.metrics import metrics
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def prompt(engine, n: int, seed: int) -> list[int]:
+    return haystack(engine.tokenizer, n, seed=seed)
+
+
+def test_baseline_is_vanilla_vllm(vanilla_outputs):
+    assert vanilla_outputs["scheduler"] == "Scheduler"  # the subprocess really ran without kvserve's plugin
+
+
+@pytest.mark.parametrize("kv", [None, {"kv_policy": "full"}, {"kv_policy": "streamingllm", "kv_budget": 2048},
+                                {"kv_policy": "snapkv", "kv_budget": 2048}])
+def test_budget_above_sequence_matches_vanilla(engine, vanilla_outputs, kv):
+    prompts = equivalence_prompts(engine.tokenizer)
+    outputs = engine.generate(prompts, EQUIVALENCE_MAX_TOKENS, kv)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == vanilla_outputs["outputs"]
+    if kv and kv["kv_policy"] != "full":
+        assert all(engine.eviction_state(o.request_id).compactions == 0 for o in outputs)
+
+
+def test_streamingllm_matches_pytorch_reference(engine, hf_model):
+    ids = prompt(engine, 200, seed=3)
+    budget, sinks, max_tokens = 96, 4, 120
+    out = engine.generate([ids], max_tokens, {"kv_policy": "streamingllm", "kv_budget": budget})[0]
+    reference = streamingllm_generate(hf_model, ids, max_tokens, budget, sinks, BLOCK_SIZE)
+    # prefill compaction plus one per block of decoded tokens
+    assert engine.eviction_state(out.request_id).compactions == 1 + (max_tokens - 1) // BLOCK_SIZE
+    assert list(out.outputs[0].token_ids) == reference
+
+
+def _assert_same_kept(engine_kept: torch.Tensor, ref_kept: torch.Tensor, ref_scores: torch.Tensor, layer: int):
+    """Equal kept sets, except where the reference itself cannot tell two tokens apart (a float tie)."""
+    for head in range(ref_kept.shape[0]):
+        ours, theirs = set(engine_kept[head].tolist()), set(ref_kept[head].tolist())
+        for a, b in zip(sorted(ours - theirs), sorted(theirs - ours), strict=True):
+            gap = abs(float(ref_scores[head, a] - ref_scores[head, b]))
+            assert gap <= 1e-5 * float(ref_scores[head].max()), f"layer {layer} head {head}: {a} kept, {b} dropped"
+
+
+def test_snapkv_keeps_what_dense_attention_chooses(engine, hf_model):
+    ids = prompt(engine, 400, seed=4)
+    budget, window, kernel = 128, 32, 7
+    out = engine.generate([ids], 1, {"kv_policy": "snapkv", "kv_budget": budget})[0]
+    state = engine.eviction_state(out.request_id)
+    ref_keep, ref_scores = snapkv_reference(hf_model, ids, budget, window, kernel)
+    assert len(state.layers) == len(ref_keep) == hf_model.config.num_hidden_layers
+    for layer, keep in enumerate(ref_keep):
+        kept = state.layers[layer].kept_positions
+        assert kept.shape == (hf_model.config.num_key_value_heads, budget)
+        _assert_same_kept(kept, keep, ref_scores[layer], layer)
+    # heads really choose differently (per-head eviction, not one shared choice)
+    assert any(not torch.equal(state.layers[i].kept_positions[0], state.layers[i].kept_positions[1])
+               for i in range(len(ref_keep)))
+
+
+def _record_schedules(engine, monkeypatch):
+    steps: list[dict[str, int]] = []
+    original = engine.scheduler.schedule
+
+    def schedule(*args, **kwargs):
+        output = original(*args, **kwargs)
+        steps.append(dict(output.num_scheduled_tokens))
+        return output
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    return steps
+
+
+def test_chunked_prefill_gives_same_kept_set_and_text(engine, hf_model, monkeypatch):
+    ids = prompt(engine, 420, seed=5)
+    kv = {"kv_policy": "snapkv", "kv_budget": 128}
+    single = engine.generate([ids], 24, kv)[0]
+    single_state = engine.eviction_state(single.request_id)
+    steps = _record_schedules(engine, monkeypatch)
+    # beside a second request the scheduler splits the prompt into 128-token chunks
+    chunked = engine.generate([ids, prompt(engine, 300, seed=6)], 24, kv)[0]
+    chunks = [s[k] for s in steps for k in s if k.startswith(f"{chunked.request_id}-") and s[k] > 1]
+    assert len(chunks) >= 3, chunks
+    chunked_state = engine.eviction_state(chunked.request_id)
+    for layer in single_state.layers:
+        assert torch.equal(single_state.layers[layer].kept_positions, chunked_state.layers[layer].kept_positions)
+    assert list(chunked.outputs[0].token_ids) == list(single.outputs[0].token_ids)
+    # and the text is what the model produces from exactly those kept entries
+    kept = [single_state.layers[i].kept_positions for i in range(len(single_state.layers))]
+    assert list(single.outputs[0].token_ids) == generate_with_kept(hf_model, ids, 24, kept)
+
+
+def test_blocks_freed_after_prefill_and_returned_at_finish(engine):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ids = prompt(engine, 400, seed=7)
+    budget = 64
+    free_before = engine.free_blocks()
+    freed_before = metrics().blocks_freed.labels(policy="streamingllm")._value.get()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                            extra_args={"kv_policy": "streamingllm", "kv_budget": budget})
+    engine.llm.llm_engine.add_request("accounting", TokensPrompt(prompt_token_ids=ids), params)
+    engine.llm.llm_engine.step()  # the whole prompt in one step, then compaction to the budget
+    assert engine.free_blocks() == free_before - cdiv(budget, BLOCK_SIZE)
+    freed = metrics().blocks_freed.labels(policy="streamingllm")._value.get() - freed_before
+    assert freed == cdiv(len(ids), BLOCK_SIZE) - cdiv(budget, BLOCK_SIZE)
+    while engine.llm.llm_engine.has_unfinished_requests():
+        engine.llm.llm_engine.step()
+    assert engine.free_blocks() == free_before
+
+
+def test_abort_mid_stream_returns_every_block(engine):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    free_before = engine.free_blocks()
+    llm_engine = engine.llm.llm_engine
+    for i, kv in enumerate([{"kv_policy": "snapkv", "kv_budget": 96}, {"kv_policy": "streamingllm", "kv_budget": 64},
+                            None]):
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, extra_args=kv)
+        llm_engine.add_request(f"abort-{i}", TokensPrompt(prompt_token_ids=prompt(engine, 300, seed=10 + i)), params)
+    for _ in range(40):  # past prefill compaction and one decode compaction
+        llm_engine.step()
+    assert engine.free_blocks() < free_before
+    llm_engine.abort_request([f"abort-{i}" for i in range(3)])
+    while llm_engine.has_unfinished_requests():
+        llm_engine.step()
+    llm_engine.step()
+    assert engine.free_blocks() == free_before
+
+
+def test_preempted_requests_return_every_block(engine):
+    free_before = engine.free_blocks()
+    preemptions_before = engine.scheduler.num_preemptions
+    prompts = [prompt(engine, 600, seed=20 + i) for i in range(3)]
+    # two full-cache requests that each grow to 41 blocks cannot both fit in the 80-block pool beside a third
+    kv_per_request = [{"kv_policy": "streamingllm", "kv_budget": 128}, None, None]
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [SamplingParams(temperature=0, max_tokens=700, ignore_eos=True, extra_args=kv) for kv in kv_per_request]
+    outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 700 for o in outputs)
+    assert engine.scheduler.num_preemptions > preemptions_before
+    assert engine.free_blocks() == free_before
+
+
+def test_eviction_raises_concurrency_in_a_small_pool(engine):
+    prompts = [prompt(engine, 600, seed=30 + i) for i in range(6)]  # 19 blocks each; 6 need 114 > 80
+    peaks, preemptions = {}, {}
+    for label, kv in [("full", None), ("streamingllm@128", {"kv_policy": "streamingllm", "kv_budget": 128})]:
+        engine.scheduler.peak_decoding = 0
+        before = engine.scheduler.num_preemptions
+        engine.generate(prompts, 32, kv)
+        peaks[label] = engine.scheduler.peak_decoding
+        preemptions[label] = engine.scheduler.num_preemptions - before
+    print(f"\npool {NUM_BLOCKS} blocks of {BLOCK_SIZE}: peak requests decoding together {peaks}, "
+          f"preemptions {preemptions}")
+    assert peaks["full"] <= NUM_BLOCKS // cdiv(600 + 32, BLOCK_SIZE)  # what fits without eviction
+    assert peaks["streamingllm@128"] == len(prompts)
+    assert preemptions["streamingllm@128"] <= preemptions["full"]
+
+
+def test_evict_every_chunk_bounds_the_cache_during_prefill(engine, monkeypatch):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ids = prompt(engine, 900, seed=40)
+    companion = prompt(engine, 300, seed=41)  # beside it, the prompt is prefilled in 128-token chunks
+    budget = 128
+    held: dict[str, list[tuple[int, int]]] = defaultdict(list)  # request id -> (blocks held, tokens) per step
+    manager = engine.scheduler.evicting_manager
+    original = engine.scheduler.schedule
+
+    def schedule(*args, **kwargs):
+        output = original(*args, **kwargs)
+        for req_id, num_new in output.num_scheduled_tokens.items():
+            held[req_id].append((len(manager.req_to_blocks.get(req_id, [])), num_new))
+        return output
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    steps = {}
+    for every_chunk in (True, False):
+        kv = {"kv_policy": "snapkv", "kv_budget": budget, "kv_evict_every_chunk": every_chunk}
+        params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, extra_args=kv),
+                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
+        out = engine.llm.generate([TokensPrompt(prompt_token_ids=ids), TokensPrompt(prompt_token_ids=companion)],
+                                  params, use_tqdm=False)[0]
+        steps[every_chunk] = next(v for rid, v in held.items() if rid.startswith(f"{out.request_id}-"))
+    # evicting after every chunk, the cache never holds more than the budget plus the chunk being computed
+    assert len(steps[True]) >= 3
+    assert all(blocks <= cdiv(budget + num_new, BLOCK_SIZE) for blocks, num_new in steps[True])
+    assert max(blocks for blocks, _ in steps[False]) >= cdiv(len(ids), BLOCK_SIZE)
+
+
+def test_invalid_settings_rejected_before_the_engine(engine):
+    from vllm.exceptions import VLLMValidationError  # what vLLM raises for its own invalid parameters
+
+    with pytest.raises(VLLMValidationError, match="kv_budget"):
+        engine.generate([[1, 2, 3]], 4, {"kv_policy": "snapkv", "kv_budget": "lots"})
+    with pytest.raises(VLLMValidationError, match="kv_policy"):
+        engine.generate([[1, 2, 3]], 4, {"kv_policy": "nope", "kv_budget": 64})
+    assert engine.generate([[1, 2, 3]], 4)[0].outputs[0].token_ids  # the engine still serves
