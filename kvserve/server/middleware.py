@@ -1,0 +1,135 @@
+"""ASGI middleware: `x-kv-*` headers -> `vllm_xargs`, validated before vLLM sees the request.
+
+`x-kv-budget: 256` becomes `vllm_xargs["kv_budget"] = "256"` (dashes to underscores). A setting given both as a
+header and in the body with different values is a conflict (400), never a silent choice. Every invalid setting gets
+HTTP 400 in OpenAI's error format, naming the field. Responses say what was applied in `x-kv-policy-applied` and
+`x-kv-budget-applied`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvserve.config import KEY_PREFIX, KVConfigError, parse_kv_config
+
+HEADER_PREFIX = b"x-kv-"
+MAX_HEADER_VALUE = 256
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class BadRequest(Exception):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def headers_to_xargs(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The `kv_*` request keys given as `x-kv-*` headers."""
+    xargs: dict[str, str] = {}
+    for raw_name, raw_value in headers:
+        name = raw_name.decode("latin-1").lower()
+        if not name.encode("latin-1").startswith(HEADER_PREFIX):
+            continue
+        key = KEY_PREFIX + name[len(HEADER_PREFIX) :].replace("-", "_")
+        value = raw_value.decode("latin-1").strip()
+        if key in xargs:
+            raise BadRequest(name, f"header {name} given more than once")
+        if len(value) > MAX_HEADER_VALUE:
+            raise BadRequest(name, f"header {name} is longer than {MAX_HEADER_VALUE} characters")
+        xargs[key] = value
+    return xargs
+
+
+def merge_into_body(body: dict[str, Any], header_xargs: dict[str, str]) -> dict[str, Any]:
+    xargs = body.get("vllm_xargs")
+    if xargs is None:
+        xargs = {}
+    if not isinstance(xargs, dict):
+        raise BadRequest("vllm_xargs", "must be a JSON object")
+    for key, value in header_xargs.items():
+        if key in xargs and str(xargs[key]).lower() != value.lower():
+            raise BadRequest(key, f"given as header x-kv-{key[3:].replace('_', '-')}={value!r} and in vllm_xargs="
+                                  f"{xargs[key]!r}; give it once")
+        xargs.setdefault(key, value)
+    if xargs:
+        body["vllm_xargs"] = xargs
+    return body
+
+
+def error_body(field: str, message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "BadRequestError", "param": field, "code": 400}}).encode()
+
+
+class KVHeadersMiddleware:
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        raw = await _read_body(receive)
+        try:
+            header_xargs = headers_to_xargs(scope["headers"])
+            try:
+                body = json.loads(raw) if raw else {}
+            except json.JSONDecodeError:
+                body = None  # not ours to judge: vLLM answers malformed JSON itself
+            if isinstance(body, dict):
+                body = merge_into_body(body, header_xargs)
+                config = parse_kv_config(body.get("vllm_xargs"))
+                raw = json.dumps(body).encode()
+            elif header_xargs:
+                raise BadRequest("body", "x-kv-* headers need a JSON object body")
+            else:
+                config = None
+        except (BadRequest, KVConfigError) as exc:
+            await _send_json(send, 400, error_body(exc.field, str(exc)))
+            return
+        scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+                     + [(b"content-length", str(len(raw)).encode())])
+        await self.app(scope, _replay(raw, receive), _with_applied_headers(send, config))
+
+
+async def _read_body(receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """Hand the (rewritten) body to the app once, then the real channel: vLLM watches it to abort on disconnect."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _with_applied_headers(send, config):
+    async def wrapped(message):
+        if message["type"] == "http.response.start" and config is not None:
+            headers = list(message.get("headers", []))
+            headers.append((b"x-kv-policy-applied", config.policy.encode()))
+            if config.budget is not None:
+                headers.append((b"x-kv-budget-applied", str(config.budget).encode()))
+            message = dict(message, headers=headers)
+        await send(message)
+
+    return wrapped
+
+
+async def _send_json(send, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,151 @@
+"""The real HTTP server (`kvserve serve`), real requests, real Prometheus text."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from kvserve.eval.haystack import haystack
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine tests set it for their in-process engine
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--max-model-len", "2048", "--block-size", "32", "--enforce-eager", "--served-model-name", "smollm"],
+            env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("server exited:\n" + log_path.read_text()[-4000:])
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not come up:\n" + log_path.read_text()[-4000:])
+    yield base
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def long_prompt():
+    from transformers import AutoTokenizer
+
+    from kvserve.model import ensure_default_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
+    return tokenizer.decode(haystack(tokenizer, 300, seed=50))
+
+
+def metric(base: str, name: str, labels: str = "", missing: float | None = None) -> float:
+    """A sample's value from /metrics; a series that does not exist (yet) is an error unless `missing` is given."""
+    text = httpx.get(base + "/metrics").text
+    pattern = rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$"
+    found = re.findall(pattern, text, flags=re.M)
+    if not found:
+        if missing is None:
+            raise AssertionError(f"{name}{labels} not in /metrics")
+        return missing
+    return float(found[0])
+
+
+def complete(base: str, prompt: str, headers: dict | None = None, **body):
+    payload = {"model": "smollm", "prompt": prompt, "max_tokens": 8, "temperature": 0, **body}
+    return httpx.post(base + "/v1/completions", json=payload, headers=headers or {}, timeout=120)
+
+
+def test_headers_select_the_policy_and_metrics_count_what_was_evicted(server, long_prompt):
+    labels = '{policy="streamingllm"}'
+    evicted_before = metric(server, "kvserve:tokens_evicted_total", labels, missing=0.0)
+    runs_before = metric(server, "kvserve:evictions_total", labels, missing=0.0)
+    response = complete(server, long_prompt, {"x-kv-policy": "streamingllm", "x-kv-budget": "64"})
+    assert response.status_code == 200, response.text
+    assert response.headers["x-kv-policy-applied"] == "streamingllm"
+    assert response.headers["x-kv-budget-applied"] == "64"
+    prompt_tokens = response.json()["usage"]["prompt_tokens"]
+    # 8 new tokens stay below budget + block size, so only the prompt was compacted: to exactly 64 entries
+    assert metric(server, "kvserve:tokens_evicted_total", labels) - evicted_before == prompt_tokens - 64
+    assert metric(server, "kvserve:evictions_total", labels) - runs_before == 1
+    assert metric(server, "kvserve:blocks_freed_total", labels) > 0
+
+
+def test_vllm_xargs_select_the_policy(server, long_prompt):
+    labels = '{policy="snapkv"}'
+    before = metric(server, "kvserve:evictions_total", labels, missing=0.0)
+    response = complete(server, long_prompt, vllm_xargs={"kv_policy": "snapkv", "kv_budget": 96, "kv_window": 16})
+    assert response.status_code == 200, response.text
+    assert response.headers["x-kv-policy-applied"] == "snapkv"
+    assert metric(server, "kvserve:evictions_total", labels) - before == 1
+
+
+def test_server_default_applies_without_headers(server):
+    response = complete(server, "Hello")
+    assert response.status_code == 200
+    assert (response.headers["x-kv-policy-applied"], response.headers["x-kv-budget-applied"]) == ("snapkv", "1024")
+
+
+def test_streaming_chat_with_eviction(server, long_prompt):
+    payload = {"model": "smollm", "messages": [{"role": "user", "content": long_prompt + " Summarise."}],
+               "max_tokens": 40, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server + "/v1/chat/completions", json=payload, timeout=120,
+                      headers={"x-kv-policy": "snapkv", "x-kv-budget": "128"}) as response:
+        assert response.status_code == 200
+        assert response.headers["x-kv-policy-applied"] == "snapkv"
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) > 5
+
+
+@pytest.mark.parametrize("headers,body,field", [
+    ({"x-kv-policy": "lru", "x-kv-budget": "64"}, {}, "kv_policy"),
+    ({"x-kv-policy": "snapkv", "x-kv-budget": "many"}, {}, "kv_budget"),
+    ({"x-kv-policy": "snapkv", "x-kv-budget": "16"}, {}, "kv_budget"),  # below the 32-token window it keeps
+    ({"x-kv-policy": "snapkv", "x-kv-budget": "64", "x-kv-window": "-3"}, {}, "kv_window"),
+    ({"x-kv-policy": "streamingllm", "x-kv-budget": "64", "x-kv-window": "8"}, {}, "kv_window"),
+    ({"x-kv-colour": "blue"}, {}, "kv_colour"),
+    ({"x-kv-budget": "x" * 300}, {}, "x-kv-budget"),
+    ({}, {"vllm_xargs": {"kv_policy": "snapkv", "kv_budget": "ten"}}, "kv_budget"),
+    ({"x-kv-budget": "300"}, {"vllm_xargs": {"kv_policy": "snapkv", "kv_budget": 200}}, "kv_budget"),
+])
+def test_invalid_settings_get_400_naming_the_field(server, headers, body, field):
+    response = complete(server, "Hello", headers, **body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and field in error["message"]
+
+
+def test_duplicate_header_is_rejected(server):
+    payload = b'{"model": "smollm", "prompt": "Hi", "max_tokens": 2}'
+    headers = [("content-type", "application/json"), ("x-kv-budget", "64"), ("x-kv-budget", "128")]
+    response = httpx.post(server + "/v1/completions", content=payload, headers=headers)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "x-kv-budget"
+
+
+def test_pool_is_full_again_after_all_requests(server):
+    assert httpx.get(server + "/health").status_code == 200
+    assert metric(server, "vllm:kv_cache_usage_perc", '{engine="0",model_name="smollm"}') == 0.0
+    assert metric(server, "kvserve:requests_with_evicted_cache") == 0.0
