@@ -77,7 +77,8 @@ def serve(argv: list[str]) -> None:
                "--middleware", "kvserve.server.middleware.KVHeadersMiddleware"]
     if "--async-scheduling" not in vllm_args:
         command.append("--no-async-scheduling")  # eviction plans need schedule -> execute -> update in lockstep
-    print(f"kvserve: serving {model_args[1:] or 'the --model given'} with eviction defaults {defaults}", file=sys.stderr, flush=True)
+    served = model_args[1] if model_args else "the --model given"
+    print(f"kvserve: serving {served} with eviction defaults {defaults}", file=sys.stderr, flush=True)
     os.execve(sys.executable, command + vllm_args, env)
 
 

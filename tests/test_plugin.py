@@ -1,0 +1,56 @@
+"""Plugin entry point, version pin, shipped configs and the CLI's handling of server defaults."""
+
+from __future__ import annotations
+
+import argparse
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvserve import REQUIRED_VLLM_VERSION, vllm_patches
+from kvserve.cli import BUILTIN_DEFAULTS, server_defaults
+from kvserve.config import parse_kv_config
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+
+
+def test_plugin_is_registered_with_vllm():
+    plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("kvserve") == "kvserve.plugin:register"
+
+
+def test_wrong_vllm_version_is_refused_with_the_needed_version(monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.31.2")
+    with pytest.raises(RuntimeError, match=REQUIRED_VLLM_VERSION):
+        vllm_patches.check_vllm_version()
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path):
+    settings = yaml.safe_load(path.read_text())
+    assert parse_kv_config(settings, defaults={}).evicts
+
+
+def test_default_config_file_matches_builtin_default():
+    settings = yaml.safe_load((CONFIGS / "default.yaml").read_text())
+    assert parse_kv_config(settings, defaults={}) == parse_kv_config(BUILTIN_DEFAULTS, defaults={})
+
+
+def namespace(**kv):
+    base = {"kv_config": None, "kv_policy": None, "kv_budget": None}
+    return argparse.Namespace(**{**base, **kv})
+
+
+def test_cli_flags_override_the_config_file():
+    defaults = server_defaults(namespace(kv_config=CONFIGS / "streamingllm-512.yaml", kv_budget="300"))
+    assert parse_kv_config({}, defaults).budget == 300
+    assert parse_kv_config({}, defaults).policy == "streamingllm"
+
+
+def test_cli_rejects_an_invalid_default_at_start_up():
+    with pytest.raises(SystemExit, match="kv_budget"):
+        server_defaults(namespace(kv_policy="snapkv", kv_budget="8"))
