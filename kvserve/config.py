@@ -141,11 +141,25 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
     return KVConfig(policy=policy, budget=budget, evict_every_chunk=every_chunk, knobs=tuple(knobs.items()))
 
 
+def _parse_float(key: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise KVConfigError(key, f"must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise KVConfigError(key, f"must be a number, got {value!r}") from None
+    if number != number or number in (float("inf"), float("-inf")):
+        raise KVConfigError(key, f"must be a finite number, got {value!r}")
+    return number
+
+
 def _parse_knob(key: str, raw: Any, knob: Any) -> Any:
-    if knob.kind is int:
-        value = _parse_int(key, raw)
+    if knob.kind in (int, float):
+        value = _parse_int(key, raw) if knob.kind is int else _parse_float(key, raw)
         if knob.minimum is not None and value < knob.minimum:
             raise KVConfigError(key, f"must be >= {knob.minimum}, got {value}")
+        if knob.maximum is not None and value > knob.maximum:
+            raise KVConfigError(key, f"must be <= {knob.maximum}, got {value}")
         if knob.odd and value % 2 == 0:
             raise KVConfigError(key, f"must be odd, got {value}")
         return value

@@ -11,6 +11,7 @@ from hf_reference import generate_with_kept, snapkv_reference, streamingllm_gene
 
 from kvserve.eval.haystack import haystack
 from kvserve.metrics import metrics
+from kvserve.policies import POLICY_NAMES
 
 
 def cdiv(a: int, b: int) -> int:
@@ -25,8 +26,8 @@ def test_baseline_is_vanilla_vllm(vanilla_outputs):
     assert vanilla_outputs["scheduler"] == "Scheduler"  # the subprocess really ran without kvserve's plugin
 
 
-@pytest.mark.parametrize("kv", [None, {"kv_policy": "full"}, {"kv_policy": "streamingllm", "kv_budget": 2048},
-                                {"kv_policy": "snapkv", "kv_budget": 2048}])
+@pytest.mark.parametrize("kv", [None] + [{"kv_policy": name, "kv_budget": 2048} if name != "full" else
+                                         {"kv_policy": "full"} for name in POLICY_NAMES], ids=str)
 def test_budget_above_sequence_matches_vanilla(engine, vanilla_outputs, kv):
     prompts = equivalence_prompts(engine.tokenizer)
     outputs = engine.generate(prompts, EQUIVALENCE_MAX_TOKENS, kv)
@@ -225,3 +226,39 @@ def test_prefix_cache_serves_plain_requests_and_is_bypassed_by_evicting_ones(eng
     other = prompt(engine, 256, seed=61)
     engine.generate([other], 2, kv)
     assert engine.generate([other], 2)[0].num_cached_tokens == 0  # ...nor publishes its (compacted) blocks
+
+
+def test_every_policy_evicts_within_budget_and_returns_its_blocks(engine, monkeypatch):
+    """All policies in one batch (mixed with each other in every step): prefill and decode compactions."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    budget, max_tokens = 96, 80  # decode reaches budget + block size after 32 tokens: at least one decode compaction
+    names = [name for name in POLICY_NAMES if name != "full"]
+    free_before = engine.free_blocks()
+    manager = engine.scheduler.evicting_manager
+    original = engine.scheduler.update_from_output
+    over_budget = []
+
+    def update_from_output(scheduler_output, model_runner_output):
+        result = original(scheduler_output, model_runner_output)
+        for req_id in getattr(scheduler_output, "kvserve_compactions", {}):
+            if len(manager.req_to_blocks.get(req_id, [])) > cdiv(budget, BLOCK_SIZE):
+                over_budget.append(req_id)
+        return result
+
+    monkeypatch.setattr(engine.scheduler, "update_from_output", update_from_output)
+    prompts = [TokensPrompt(prompt_token_ids=prompt(engine, 300, seed=70 + i)) for i in range(len(names))]
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                             extra_args={"kv_policy": name, "kv_budget": budget}) for name in names]
+    outputs = engine.llm.generate(prompts, params, use_tqdm=False)
+    assert not over_budget
+    for name, out in zip(names, outputs, strict=True):
+        assert len(out.outputs[0].token_ids) == max_tokens, name
+        state = engine.eviction_state(out.request_id)
+        assert state.config.policy == name and state.compactions >= 2, (name, state.compactions)
+        for layer in state.layers.values():
+            assert layer.kept_positions.shape == (engine.runner.model_config.get_total_num_kv_heads(), budget)
+            assert bool((layer.kept_positions[:, 1:] > layer.kept_positions[:, :-1]).all()), name
+    engine.generate([[1, 2, 3]], 1)  # one more step lets the worker drop the finished requests' state
+    assert engine.free_blocks() == free_before

@@ -54,3 +54,12 @@ def test_cli_flags_override_the_config_file():
 def test_cli_rejects_an_invalid_default_at_start_up():
     with pytest.raises(SystemExit, match="kv_budget"):
         server_defaults(namespace(kv_policy="snapkv", kv_budget="8"))
+
+
+def test_readme_documents_every_policy_setting():
+    from kvserve.policies import POLICY_NAMES, settings_table
+
+    readme = (CONFIGS.parent / "README.md").read_text()
+    assert settings_table() in readme
+    for name in POLICY_NAMES:
+        assert f"`{name.split('+')[0]}`" in readme

@@ -90,6 +90,12 @@ def test_window_attention_is_causal_and_normalised():
     ({"kv_policy": "streamingllm", "kv_budget": 64, "kv_evict_every_chunk": "sometimes"}, "kv_evict_every_chunk"),
     ({"kv_policy": "full", "kv_budget": 64}, "kv_budget"),
     ({"kv_polcy": "snapkv"}, "kv_polcy"),
+    ({"kv_policy": "ems", "kv_budget": 64, "kv_tau": "high"}, "kv_tau"),
+    ({"kv_policy": "ems", "kv_budget": 64, "kv_tau": 1.5}, "kv_tau"),
+    ({"kv_policy": "ems", "kv_budget": 64, "kv_gamma": "nan"}, "kv_gamma"),
+    ({"kv_policy": "mat", "kv_budget": 64, "kv_anchor_fraction": -0.1}, "kv_anchor_fraction"),
+    ({"kv_policy": "h2o+caote", "kv_budget": 16}, "kv_budget"),
+    ({"kv_policy": "streamingllm+caote", "kv_budget": 64}, "kv_policy"),
 ])
 def test_invalid_settings_name_the_field(bad, field):
     with pytest.raises(KVConfigError) as info:

@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.config import KVConfig
-from kvserve.engine.cache_layout import compact_entries, read_entries
+from kvserve.engine.cache_layout import compact_entries, read_entries, write_entries
 from kvserve.engine.plan import Compaction
 from kvserve.policies import LayerObservation, Policy
 
@@ -22,6 +23,7 @@ class LayerState:
     kept_positions: torch.Tensor | None = None  # [H, m] positions of cache slots 0..m-1 after the last compaction
     window_queries: torch.Tensor | None = None  # [w, num_q_heads, D]
     window_positions: torch.Tensor | None = None  # [w]
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # per-entry running statistics, [H, m] each
     last_keep: torch.Tensor | None = None  # [H, B] cache indices chosen at the last compaction (introspection)
 
     def positions(self, num_heads: int, num_entries: int, offset: int) -> torch.Tensor:
@@ -71,34 +73,58 @@ class StepContext:
         """Called by the attention backend after a layer's attention: record window queries, compact if planned."""
         for plan in self.rows:
             layer = plan.state.layer(layer_idx)
-            window = plan.state.policy.window_size()
+            policy = plan.state.policy
+            queries = query[plan.query_start : plan.query_end]
+            window = policy.window_size()
             if window:
-                _record_window(layer, query[plan.query_start : plan.query_end], plan, window)
+                _record_window(layer, queries, plan, window)
+            if not policy.stat_names and plan.compaction is None:
+                continue
+            obs = _observe(plan, layer, layer_idx, kv_cache, block_table[plan.row], scale)
+            if policy.stat_names:
+                layer.stats = obs.stats = policy.update_stats(obs, queries, _query_positions(plan))
             if plan.compaction is not None:
-                _compact(plan, layer, layer_idx, kv_cache, block_table[plan.row], scale)
+                _compact(plan, layer, obs, kv_cache, block_table[plan.row])
+
+
+def _query_positions(plan: RowPlan) -> torch.Tensor:
+    first = plan.cache_len - (plan.query_end - plan.query_start) + plan.state.offset
+    return torch.arange(plan.query_end - plan.query_start) + first
 
 
 def _record_window(layer: LayerState, queries: torch.Tensor, plan: RowPlan, window: int) -> None:
     queries = queries[-window:].detach().clone()
-    first_pos = plan.cache_len - (plan.query_end - plan.query_start) + plan.state.offset
-    positions = torch.arange(plan.query_end - plan.query_start)[-window:] + first_pos
+    positions = _query_positions(plan)[-window:]
     if layer.window_queries is not None and queries.shape[0] < window:
         queries = torch.cat([layer.window_queries, queries])[-window:]
         positions = torch.cat([layer.window_positions, positions])[-window:]
     layer.window_queries, layer.window_positions = queries, positions
 
 
-def _compact(plan: RowPlan, layer: LayerState, layer_idx: int, kv_cache: torch.Tensor, block_ids: torch.Tensor,
-             scale: float) -> None:
+def _observe(plan: RowPlan, layer: LayerState, layer_idx: int, kv_cache: torch.Tensor, block_ids: torch.Tensor,
+             scale: float) -> LayerObservation:
     n = plan.cache_len
-    budget = plan.compaction.keep_tokens
     keys, values = read_entries(kv_cache, block_ids, n)
-    positions = layer.positions(keys.shape[0], n, plan.state.offset)
-    obs = LayerObservation(layer_idx=layer_idx, keys=keys, values=values, positions=positions, scale=scale,
-                           window_queries=layer.window_queries, window_positions=layer.window_positions)
-    keep = plan.state.policy.keep_indices(obs, budget)
-    compact_entries(kv_cache, block_ids, keys, values, keep)
-    layer.kept_positions = positions.gather(1, keep)
+    stats = {}
+    for name in plan.state.policy.stat_names:  # entries appended since the last step start at zero
+        old = layer.stats.get(name)
+        stats[name] = torch.zeros(keys.shape[0], n) if old is None else F.pad(old, (0, n - old.shape[1]))
+    return LayerObservation(layer_idx=layer_idx, keys=keys, values=values,
+                            positions=layer.positions(keys.shape[0], n, plan.state.offset), scale=scale,
+                            window_queries=layer.window_queries, window_positions=layer.window_positions,
+                            stats=stats, budget=plan.compaction.keep_tokens if plan.compaction else 0)
+
+
+def _compact(plan: RowPlan, layer: LayerState, obs: LayerObservation, kv_cache: torch.Tensor,
+             block_ids: torch.Tensor) -> None:
+    selection = plan.state.policy.select(obs, plan.compaction.keep_tokens)
+    keep = selection.keep_indices
+    if selection.keys is None:
+        compact_entries(kv_cache, block_ids, obs.keys, obs.values, keep)
+    else:  # a merging policy rewrote the kept entries
+        write_entries(kv_cache, block_ids, selection.keys, selection.values)
+    layer.kept_positions = obs.positions.gather(1, keep)
+    layer.stats = selection.stats or {name: stat.gather(1, keep) for name, stat in obs.stats.items()}
     layer.last_keep = keep
 
 

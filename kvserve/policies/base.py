@@ -2,11 +2,15 @@
 
 Pure PyTorch, no vLLM import: the engine builds a `LayerObservation` from its cache, tests build one from random
 tensors. Shapes: H = KV heads, G = query heads per KV head (GQA), n = cached entries, w = window queries, D = head dim.
+
+A policy may keep running per-entry statistics (H2O's accumulated attention, MAT's anchor logits): `update_stats`
+sees every step's queries, and the engine stores what it returns beside the cache, compacts it with the same keep
+indices, and frees it with the request. Statistics are [H, n] per name, so their memory is bounded by the budget.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -16,10 +20,11 @@ import torch
 class Knob:
     """A per-request setting of a policy: its type, default, and allowed values."""
 
-    kind: type  # int or str
+    kind: type  # int, float or str
     default: Any
     help: str
-    minimum: int | None = None
+    minimum: float | None = None
+    maximum: float | None = None
     choices: tuple[str, ...] | None = None
     odd: bool = False
 
@@ -33,6 +38,8 @@ class LayerObservation:
     scale: float  # the attention's softmax scale (1/sqrt(D))
     window_queries: torch.Tensor | None = None  # [w, H*G, D] the most recent queries, oldest first
     window_positions: torch.Tensor | None = None  # [w] their logical positions
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # running per-entry statistics, [H, n] each
+    budget: int = 0  # entries each head keeps at this compaction (0 outside a compaction)
 
     @property
     def num_heads(self) -> int:
@@ -42,20 +49,47 @@ class LayerObservation:
     def num_tokens(self) -> int:
         return self.keys.shape[1]
 
-    def window_attention(self) -> torch.Tensor:
-        """Softmax attention of the window queries to the cached keys: [H, G, w, n].
+    def attention(self, queries: torch.Tensor, query_positions: torch.Tensor,
+                  logit_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+        """Softmax attention of `queries` [q, H*G, D] to the cached keys, causal by position: [H, G, q, n].
 
-        A query sees only entries at or before its own position (causal by position, not by slot, because a
-        window query may be older than entries appended after it).
+        A query sees only entries at or before its own position (by position, not slot: a window query may be older
+        than entries appended after it). `logit_scale` ([H, G, q, 1] or scalar) sharpens the usual logits.
         """
-        assert self.window_queries is not None and self.window_positions is not None
-        w, num_q_heads, dim = self.window_queries.shape
+        q, num_q_heads, dim = queries.shape
         group = num_q_heads // self.num_heads
-        queries = self.window_queries.float().reshape(w, self.num_heads, group, dim).permute(1, 2, 0, 3)
-        logits = torch.einsum("hgwd,hnd->hgwn", queries, self.keys.float()) * self.scale
-        visible = self.positions[:, None, None, :] <= self.window_positions[None, None, :, None]
-        logits = logits.masked_fill(~visible, float("-inf"))
-        return torch.softmax(logits, dim=-1)
+        grouped = queries.float().reshape(q, self.num_heads, group, dim).permute(1, 2, 0, 3)
+        logits = torch.einsum("hgqd,hnd->hgqn", grouped, self.keys.float()) * self.scale * logit_scale
+        visible = self.positions[:, None, None, :] <= query_positions[None, None, :, None]
+        return torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+
+    def attention_column_sums(self, queries: torch.Tensor, query_positions: torch.Tensor,
+                              chunk: int = 256) -> torch.Tensor:
+        """Each entry's attention summed over `queries` and the group's query heads: [H, n].
+
+        Chunked over queries, so a long prefill never materialises the whole [q, n] attention matrix.
+        """
+        total = torch.zeros(self.num_heads, self.num_tokens)
+        for start in range(0, queries.shape[0], chunk):
+            part = self.attention(queries[start : start + chunk], query_positions[start : start + chunk])
+            total += part.sum(dim=(1, 2))
+        return total
+
+    def window_attention(self) -> torch.Tensor:
+        """Attention of the window queries: [H, G, w, n]."""
+        assert self.window_queries is not None and self.window_positions is not None
+        return self.attention(self.window_queries, self.window_positions)
+
+
+@dataclass
+class Selection:
+    """What a compaction keeps: per head, ascending cache indices; merging policies also give the kept entries' new
+    keys and values (same order as `keep_indices`)."""
+
+    keep_indices: torch.Tensor  # [H, B]
+    keys: torch.Tensor | None = None  # [H, B, D]
+    values: torch.Tensor | None = None
+    stats: dict[str, torch.Tensor] | None = None  # the kept entries' statistics, if the policy rewrote them
 
 
 class Policy:
@@ -63,6 +97,7 @@ class Policy:
 
     name: ClassVar[str]
     knobs: ClassVar[dict[str, Knob]] = {}
+    stat_names: ClassVar[tuple[str, ...]] = ()  # running statistics this policy keeps (see update_stats)
 
     def __init__(self, **settings: Any) -> None:
         for key, knob in self.knobs.items():
@@ -76,9 +111,46 @@ class Policy:
         """How many of the most recent queries the policy reads (0: none)."""
         return 0
 
+    def update_stats(self, obs: LayerObservation, queries: torch.Tensor,
+                     query_positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Fold one step's queries [q, H*G, D] into the statistics; `obs.stats` are zero-padded to n entries."""
+        return obs.stats
+
     def keep_indices(self, obs: LayerObservation, budget: int) -> torch.Tensor:
         """Cache indices to keep, [H, budget], ascending per head."""
         raise NotImplementedError
+
+    def select(self, obs: LayerObservation, budget: int) -> Selection:
+        return Selection(self.keep_indices(obs, budget))
+
+
+def top_with_protected(scores: torch.Tensor, protected: torch.Tensor, budget: int) -> torch.Tensor:
+    """The protected entries plus the highest scores, [H, budget] ascending.
+
+    A stable sort, not topk: equal scores (max pooling makes plateaus) go to the earlier token, on every backend and
+    for every shape, so results are reproducible.
+    """
+    scores = scores.float().masked_fill(protected, float("inf"))
+    keep = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :budget]
+    return torch.sort(keep, dim=-1).values
+
+
+def recent_mask(obs: LayerObservation, count: int) -> torch.Tensor:
+    """[H, n] True for the last `count` entries."""
+    mask = torch.zeros(obs.num_heads, obs.num_tokens, dtype=torch.bool, device=obs.keys.device)
+    if count:
+        mask[:, -count:] = True
+    return mask
+
+
+def pool_scores(scores: torch.Tensor, kernel_size: int, mode: str = "avg") -> torch.Tensor:
+    """1-D pooling over entries ([H, n] -> [H, n]), same padding, as SnapKV smooths its votes."""
+    import torch.nn.functional as F
+
+    if scores.shape[-1] == 0:
+        return scores
+    pool = F.avg_pool1d if mode == "avg" else F.max_pool1d
+    return pool(scores[:, None, :], kernel_size, stride=1, padding=kernel_size // 2)[:, 0, :]
 
 
 class ScoredPolicy(Policy):
@@ -93,8 +165,6 @@ class ScoredPolicy(Policy):
         return torch.zeros(obs.num_heads, obs.num_tokens, dtype=torch.bool, device=obs.keys.device)
 
     def keep_indices(self, obs: LayerObservation, budget: int) -> torch.Tensor:
-        scores = self.score(obs).float().masked_fill(self.protected_mask(obs), float("inf"))
-        # A stable sort, not topk: equal scores (max pooling makes plateaus) go to the earlier token, on every
-        # backend and for every shape, so results are reproducible.
-        keep = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :budget]
-        return torch.sort(keep, dim=-1).values
+        if obs.budget != budget:  # scores that depend on the budget (AhaKV's step gain) must see this one
+            obs = replace(obs, budget=budget)
+        return top_with_protected(self.score(obs), self.protected_mask(obs), budget)

@@ -8,9 +8,8 @@ together with the window itself.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from kvserve.policies.base import Knob, LayerObservation, ScoredPolicy
+from kvserve.policies.base import Knob, LayerObservation, ScoredPolicy, pool_scores, recent_mask
 
 
 class SnapKV(ScoredPolicy):
@@ -28,15 +27,11 @@ class SnapKV(ScoredPolicy):
         return self.window
 
     def protected_mask(self, obs: LayerObservation) -> torch.Tensor:
-        mask = torch.zeros(obs.num_heads, obs.num_tokens, dtype=torch.bool, device=obs.keys.device)
-        mask[:, obs.num_tokens - self.window :] = True
-        return mask
+        return recent_mask(obs, self.window)
 
     def score(self, obs: LayerObservation) -> torch.Tensor:
         votes = obs.window_attention().sum(dim=(1, 2))  # [H, n]
-        prefix = votes[:, : obs.num_tokens - self.window]
+        split = obs.num_tokens - self.window
         # Pool over the prefix only (as SnapKV does), so the window's own large self-attention does not leak into
         # the scores of the keys just before it.
-        pool = F.avg_pool1d if self.pooling == "avg" else F.max_pool1d
-        pooled = pool(prefix[:, None, :], self.kernel_size, stride=1, padding=self.kernel_size // 2)[:, 0, :]
-        return torch.cat([pooled, votes[:, obs.num_tokens - self.window :]], dim=-1)
+        return torch.cat([pool_scores(votes[:, :split], self.kernel_size, self.pooling), votes[:, split:]], dim=-1)

@@ -1,0 +1,25 @@
+"""H2O (Zhang et al., 2023): heavy hitters by attention accumulated over every query so far, plus a recent window."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.policies.base import Knob, LayerObservation, ScoredPolicy, recent_mask
+
+
+class H2O(ScoredPolicy):
+    name = "h2o"
+    knobs = {"recent": Knob(int, 32, "most recent tokens always kept", minimum=0)}
+    stat_names = ("attention_sum",)
+
+    def protected_tokens(self) -> int:
+        return self.recent
+
+    def update_stats(self, obs: LayerObservation, queries: torch.Tensor, query_positions: torch.Tensor):
+        return {"attention_sum": obs.stats["attention_sum"] + obs.attention_column_sums(queries, query_positions)}
+
+    def protected_mask(self, obs: LayerObservation) -> torch.Tensor:
+        return recent_mask(obs, self.recent)
+
+    def score(self, obs: LayerObservation) -> torch.Tensor:
+        return obs.stats["attention_sum"]

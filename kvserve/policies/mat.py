@@ -1,0 +1,53 @@
+"""MAT (seed 003): shallow layers keep sinks + a window; deep layers keep the first token, a window and the
+"anchor" tokens, chosen by the LOWEST logit from their own query to the first key (anchors attend to each other
+with low logits).
+
+The anchor logit pi_i = q_i . k_0 / sqrt(d), averaged over the query heads of the KV group, is computed once when
+token i arrives (a by-product of its attention pass) and kept as a statistic. A deep layer with budget c keeps token
+0, the last c - beta entries, and the beta - 1 entries outside that window with the lowest pi (beta = c * fraction).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.policies.base import Knob, LayerObservation, Policy
+
+
+class MAT(Policy):
+    name = "mat"
+    knobs = {
+        "shallow_layers": Knob(int, 2, "first layers that keep sinks + window (L_s)", minimum=0),
+        "sink_tokens": Knob(int, 4, "sinks kept in shallow layers", minimum=1),
+        "anchor_fraction": Knob(float, 0.25, "beta / budget: share of the budget for anchors in deep layers",
+                                minimum=0.0, maximum=1.0),
+    }
+    stat_names = ("anchor_logit",)
+
+    def protected_tokens(self) -> int:
+        return self.sink_tokens
+
+    def update_stats(self, obs: LayerObservation, queries: torch.Tensor, query_positions: torch.Tensor):
+        group = queries.shape[1] // obs.num_heads
+        grouped = queries.float().reshape(queries.shape[0], obs.num_heads, group, -1)
+        first_key = obs.keys[:, 0].float()  # [H, D]: entry 0 is token 0 (always kept)
+        logits = torch.einsum("qhgd,hd->hq", grouped, first_key) * obs.scale / group  # [H, q]
+        stats = obs.stats["anchor_logit"].clone()
+        stats[:, obs.num_tokens - queries.shape[0] :] = logits  # this step's tokens are the newest entries
+        return {"anchor_logit": stats}
+
+    def anchors(self, budget: int) -> int:
+        return max(1, int(budget * self.anchor_fraction))
+
+    def keep_indices(self, obs: LayerObservation, budget: int) -> torch.Tensor:
+        n, heads = obs.num_tokens, obs.num_heads
+        if obs.layer_idx < self.shallow_layers:
+            keep = torch.cat([torch.arange(self.sink_tokens), torch.arange(n - (budget - self.sink_tokens), n)])
+            return keep.expand(heads, -1).contiguous()
+        beta = self.anchors(budget)
+        window_start = n - (budget - beta)
+        candidates = obs.stats["anchor_logit"][:, 1:window_start].float()  # entries between token 0 and the window
+        anchors = torch.sort(candidates, dim=-1, stable=True).indices[:, : beta - 1] + 1
+        window = torch.arange(window_start, n).expand(heads, -1)
+        first = torch.zeros(heads, 1, dtype=torch.long)
+        return torch.sort(torch.cat([first, anchors, window], dim=1), dim=-1).values
