@@ -29,6 +29,22 @@ def _sink_recent(length: int, budget: int, sinks: int, num_heads: int) -> torch.
     return torch.tensor(keep).expand(num_heads, -1)
 
 
+def _greedy(model, prompt_ids: list[int], max_tokens: int, after_prefill, after_decode_step) -> list[int]:
+    """Greedy decoding with logical RoPE positions; the callbacks may shrink the cache (after the step's logits)."""
+    out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+    cache = out.past_key_values
+    after_prefill(cache)
+    generated = [int(out.logits[0, -1].argmax())]
+    position = len(prompt_ids)
+    while len(generated) < max_tokens:
+        out = model(input_ids=torch.tensor([[generated[-1]]]), position_ids=torch.tensor([[position]]),
+                    past_key_values=cache, use_cache=True)
+        position += 1
+        after_decode_step(cache)
+        generated.append(int(out.logits[0, -1].argmax()))
+    return generated
+
+
 @torch.no_grad()
 def streamingllm_generate(model, prompt_ids: list[int], max_tokens: int, budget: int, sinks: int,
                           block_size: int) -> list[int]:
@@ -36,21 +52,14 @@ def streamingllm_generate(model, prompt_ids: list[int], max_tokens: int, budget:
     budget), then whenever the cache reaches budget + block_size after a decode step. RoPE positions stay logical."""
     num_layers = model.config.num_hidden_layers
     num_heads = model.config.num_key_value_heads
-    out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
-    cache = out.past_key_values
-    if len(prompt_ids) > budget:
-        _keep_in_cache(cache, [_sink_recent(len(prompt_ids), budget, sinks, num_heads)] * num_layers)
-    generated = [int(out.logits[0, -1].argmax())]
-    position = len(prompt_ids)
-    while len(generated) < max_tokens:
-        out = model(input_ids=torch.tensor([[generated[-1]]]), position_ids=torch.tensor([[position]]),
-                    past_key_values=cache, use_cache=True)
-        position += 1
+
+    def evict_if(cache, threshold: int) -> None:
         length = cache.layers[0].keys.shape[2]
-        if length >= budget + block_size:
+        if length >= threshold:
             _keep_in_cache(cache, [_sink_recent(length, budget, sinks, num_heads)] * num_layers)
-        generated.append(int(out.logits[0, -1].argmax()))
-    return generated
+
+    return _greedy(model, prompt_ids, max_tokens, lambda cache: evict_if(cache, budget + 1),
+                   lambda cache: evict_if(cache, budget + block_size))
 
 
 @torch.no_grad()
@@ -77,14 +86,5 @@ def snapkv_reference(model, prompt_ids: list[int], budget: int, window: int, ker
 @torch.no_grad()
 def generate_with_kept(model, prompt_ids: list[int], max_tokens: int, per_layer_keep) -> list[int]:
     """Greedy decoding after keeping the given cache positions per layer and head (no later eviction)."""
-    out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
-    cache = out.past_key_values
-    _keep_in_cache(cache, per_layer_keep)
-    generated = [int(out.logits[0, -1].argmax())]
-    position = len(prompt_ids)
-    while len(generated) < max_tokens:
-        out = model(input_ids=torch.tensor([[generated[-1]]]), position_ids=torch.tensor([[position]]),
-                    past_key_values=cache, use_cache=True)
-        position += 1
-        generated.append(int(out.logits[0, -1].argmax()))
-    return generated
+    return _greedy(model, prompt_ids, max_tokens, lambda cache: _keep_in_cache(cache, per_layer_keep),
+                   lambda cache: None)

@@ -4,7 +4,8 @@
         --policies full,streamingllm,snapkv --budgets 256,512,1024 --depths 0.1,0.5,0.9
 
 Prints one row per policy and budget (accuracy over depths, mean prompt tokens, KV blocks freed as reported by the
-server's `kvserve:blocks_freed_total`) and writes all answers as JSON.
+server's `kvserve:blocks_freed_total`) and appends every answer to a JSON-lines file; rerunning the command
+resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -24,18 +25,30 @@ def blocks_freed(url: str) -> float:
     return sum(float(v) for v in re.findall(r"^kvserve:blocks_freed_total\{[^}]*\} ([0-9.e+-]+)$", text, re.M))
 
 
+def load_rows(path: str) -> list[dict]:
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
 def run(url: str, model: str, tokenizer_path: str, tokens: int, policies: list[str], budgets: list[int],
-        depths: list[float], seed: int) -> list[dict]:
+        depths: list[float], seed: int, out: str) -> list[dict]:
+    """Runs every case not already in `out` (JSON lines, appended as each answer arrives: a run resumes)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     cases = [(p, None) for p in policies if p == "full"] + [(p, b) for p in policies if p != "full" for b in budgets]
-    rows = []
+    rows = load_rows(out)
+    done = {(r["policy"], r["budget"], r["depth"], r.get("tokens", tokens), r.get("seed", seed)) for r in rows}
     for policy, budget in cases:
         headers = {"x-kv-policy": policy}
         if budget is not None:
             headers["x-kv-budget"] = str(budget)
         for depth in depths:
+            if (policy, budget, depth, tokens, seed) in done:
+                continue
             prompt, key = passkey_prompt(tokenizer, tokens, depth, seed)
             freed_before = blocks_freed(url)
             start = time.time()
@@ -44,11 +57,16 @@ def run(url: str, model: str, tokenizer_path: str, tokens: int, policies: list[s
             response.raise_for_status()
             body = response.json()
             answer = body["choices"][0]["text"]
-            rows.append({"policy": policy, "budget": budget, "depth": depth, "key": key, "answer": answer,
+            rows.append({"policy": policy, "budget": budget, "depth": depth, "tokens": tokens, "seed": seed,
+                         "key": key, "answer": answer,
                          "correct": key in answer, "prompt_tokens": body["usage"]["prompt_tokens"],
                          "blocks_freed": blocks_freed(url) - freed_before, "seconds": time.time() - start})
+            with open(out, "a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
             print(json.dumps(rows[-1]), flush=True)
-    return rows
+    wanted = {(p, b) for p, b in cases}
+    return [r for r in rows if (r["policy"], r["budget"]) in wanted and r["depth"] in depths
+            and r.get("tokens", tokens) == tokens and r.get("seed", seed) == seed]
 
 
 def summary(rows: list[dict]) -> str:
@@ -78,13 +96,12 @@ def main() -> None:
     parser.add_argument("--budgets", default="256,512,1024")
     parser.add_argument("--depths", default="0.1,0.5,0.9")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="passkey.json")
+    parser.add_argument("--out", default="passkey.jsonl", help="answers, one JSON per line; an existing file resumes")
     args = parser.parse_args()
     model = args.model or httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
     rows = run(args.url, model, args.tokenizer, args.tokens, args.policies.split(","),
-               [int(b) for b in args.budgets.split(",")], [float(d) for d in args.depths.split(",")], args.seed)
-    with open(args.out, "w") as f:
-        json.dump(rows, f, indent=1)
+               [int(b) for b in args.budgets.split(",")], [float(d) for d in args.depths.split(",")], args.seed,
+               args.out)
     print(summary(rows))
 
 
