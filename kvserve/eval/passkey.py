@@ -84,6 +84,20 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def matrix(rows: list[dict]) -> str:
+    """Accuracy as a policy x budget table (the `full` row is the reference)."""
+    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    lines = ["| policy | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
+    for policy in policies:
+        cells = []
+        for budget in budgets:
+            group = [r for r in rows if r["policy"] == policy and r["budget"] in (budget, None)]
+            cells.append(f"{sum(r['correct'] for r in group) / len(group):.1f} ({len(group)})" if group else "-")
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     from kvserve.model import default_model_dir
 
@@ -103,6 +117,8 @@ def main() -> None:
                [int(b) for b in args.budgets.split(",")], [float(d) for d in args.depths.split(",")], args.seed,
                args.out)
     print(summary(rows))
+    print()
+    print(matrix(rows))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ centres, the next N_tbm are to-be-merged (TBM), the others are evicted. A TBM to
 R = cos(k_i, k_d) * cos(v_i, v_d) if R > tau, otherwise it is in the zero class (evicted, never stored).
 A centre's entry becomes the s_loc-weighted mean of its members' keys and values (post-RoPE keys: the paper's
 "w. pos" variant; one K and one V per centre, the simplification the spec chose).
+During decoding kvserve re-runs the same rule once per block of new tokens, with s_loc from the last `window`
+queries; the paper's alternating local windows (effective length window..2*window-1) are not reproduced.
 """
 
 from __future__ import annotations
