@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from functools import cache
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
+
+# eviction steps take from well under a millisecond (one short request) to seconds (thousands of tokens, 30 layers)
+COMPACTION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class Metrics:
@@ -23,6 +26,10 @@ class Metrics:
         self.evicted_requests = Gauge("kvserve:requests_with_evicted_cache",
                                       "Requests currently holding a compacted (evicted) KV cache",
                                       multiprocess_mode="livesum")
+        self.compaction_seconds = Histogram(
+            "kvserve:compaction_seconds",
+            "Worker time of one request's eviction step: scoring and compacting every layer, outside vLLM's attention",
+            ["policy"], buckets=COMPACTION_BUCKETS)
 
     def record_compaction(self, policy: str, tokens: int, blocks: int) -> None:
         self.tokens_evicted.labels(policy=policy).inc(tokens)

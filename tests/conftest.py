@@ -87,3 +87,21 @@ def hf_model():
     from kvserve.model import ensure_default_model
 
     return load_hf_model(ensure_default_model())
+
+
+SERVER_CHUNK = 128  # prefill chunk of the HTTP server: perplexity tests need eviction between chunks
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """ONE real `kvserve serve` for the HTTP tests (started the way the benchmark starts its servers)."""
+    from kvserve.bench.servers import running_server
+    from kvserve.model import ensure_default_model
+
+    args = ["--max-model-len", "2048", "--block-size", "32", "--enforce-eager", "--served-model-name", "smollm",
+            "--dtype", "float32",  # vLLM on CPU would serve this fp32 checkpoint in bf16; references are fp32
+            "--max-num-batched-tokens", str(SERVER_CHUNK)]
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    with running_server("kvserve", str(ensure_default_model()), args, log_path,
+                        env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
+        yield base

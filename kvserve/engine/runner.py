@@ -16,7 +16,7 @@ from vllm.utils.math_utils import cdiv
 
 from kvserve.config import KVConfigError, parse_kv_config
 from kvserve.engine.plan import compactions_of
-from kvserve.engine.worker_state import RequestState, RowPlan, StepContext, set_step
+from kvserve.engine.worker_state import RequestState, RowPlan, StepContext, current_step, set_step
 
 RECENT_LIMIT = 32
 
@@ -127,4 +127,7 @@ def after_prepare_inputs(runner, scheduler_output, num_scheduled_tokens: np.ndar
 
 
 def clear_step() -> None:
+    step = current_step()
+    if step is not None:
+        step.record_times()
     set_step(None)

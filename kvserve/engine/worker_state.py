@@ -7,6 +7,7 @@ Memory is bounded by the budget: per layer we keep the positions of the entries 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from kvserve.config import KVConfig
 from kvserve.engine.cache_layout import compact_entries, read_entries, write_entries
 from kvserve.engine.plan import Compaction
+from kvserve.metrics import metrics
 from kvserve.policies import LayerObservation, Policy
 
 
@@ -62,6 +64,7 @@ class RowPlan:
     query_end: int
     cache_len: int  # entries in the cache after this step's writes (physical seq_len)
     compaction: Compaction | None
+    eviction_seconds: float = 0.0  # scoring + compaction time over this step's layers
 
 
 @dataclass
@@ -80,11 +83,19 @@ class StepContext:
                 _record_window(layer, queries, plan, window)
             if not policy.stat_names and plan.compaction is None:
                 continue
+            start = time.perf_counter()
             obs = _observe(plan, layer, layer_idx, kv_cache, block_table[plan.row], scale)
             if policy.stat_names:
                 layer.stats = obs.stats = policy.update_stats(obs, queries, _query_positions(plan))
             if plan.compaction is not None:
                 _compact(plan, layer, obs, kv_cache, block_table[plan.row])
+            plan.eviction_seconds += time.perf_counter() - start
+
+    def record_times(self) -> None:
+        """After the forward: one histogram sample per request that compacted in this step."""
+        for plan in self.rows:
+            if plan.compaction is not None:
+                metrics().compaction_seconds.labels(policy=plan.state.config.policy).observe(plan.eviction_seconds)
 
 
 def _query_positions(plan: RowPlan) -> torch.Tensor:

@@ -12,25 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 
 import httpx
 
+from kvserve.eval.client import Setting, append_row, load_rows, metric_sum
 from kvserve.eval.haystack import passkey_prompt
 
 
 def blocks_freed(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(float(v) for v in re.findall(r"^kvserve:blocks_freed_total\{[^}]*\} ([0-9.e+-]+)$", text, re.M))
-
-
-def load_rows(path: str) -> list[dict]:
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except FileNotFoundError:
-        return []
+    return metric_sum(httpx.get(url + "/metrics", timeout=30).text, "kvserve:blocks_freed_total")
 
 
 def run(url: str, model: str, tokenizer_path: str, tokens: int, policies: list[str], budgets: list[int],
@@ -43,9 +34,7 @@ def run(url: str, model: str, tokenizer_path: str, tokens: int, policies: list[s
     rows = load_rows(out)
     done = {(r["policy"], r["budget"], r["depth"], r.get("tokens", tokens), r.get("seed", seed)) for r in rows}
     for policy, budget in cases:
-        headers = {"x-kv-policy": policy}
-        if budget is not None:
-            headers["x-kv-budget"] = str(budget)
+        headers = Setting(policy, budget).headers()
         for depth in depths:
             if (policy, budget, depth, tokens, seed) in done:
                 continue
@@ -61,8 +50,7 @@ def run(url: str, model: str, tokenizer_path: str, tokens: int, policies: list[s
                          "key": key, "answer": answer,
                          "correct": key in answer, "prompt_tokens": body["usage"]["prompt_tokens"],
                          "blocks_freed": blocks_freed(url) - freed_before, "seconds": time.time() - start})
-            with open(out, "a") as f:
-                f.write(json.dumps(rows[-1]) + "\n")
+            append_row(out, rows[-1])
             print(json.dumps(rows[-1]), flush=True)
     wanted = {(p, b) for p, b in cases}
     return [r for r in rows if (r["policy"], r["budget"]) in wanted and r["depth"] in depths
@@ -98,10 +86,11 @@ def matrix(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from kvserve.model import default_model_dir
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="kvserve eval passkey", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="served model name (default: the server's first model)")
     parser.add_argument("--tokenizer", default=str(default_model_dir()))
@@ -111,7 +100,7 @@ def main() -> None:
     parser.add_argument("--depths", default="0.1,0.5,0.9")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="passkey.jsonl", help="answers, one JSON per line; an existing file resumes")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model = args.model or httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
     rows = run(args.url, model, args.tokenizer, args.tokens, args.policies.split(","),
                [int(b) for b in args.budgets.split(",")], [float(d) for d in args.depths.split(",")], args.seed,

@@ -1,0 +1,126 @@
+"""`python -m kvserve.bench {capacity,overhead}` (also `kvserve bench ...`): kvserve against vanilla vLLM, one run.
+
+The benchmark starts each server itself with the same engine flags (vanilla with vLLM's plugins off), sends the same
+workload (N prompts of haystack text at once, streamed, `ignore_eos` so every request makes exactly --max-tokens),
+and prints each setting's numbers and its ratio to vanilla's.
+
+    # capacity: a fixed pool of 64 blocks of 128 tokens, 8 prompts of 3k tokens, SnapKV at budgets 256 and 512
+    python -m kvserve.bench capacity --num-blocks 64 --prompts 8 --prompt-tokens 3000 --budgets 256,512
+
+    # overhead: kvserve with policy full, and with scoring on but a budget above every sequence, vs vanilla
+    python -m kvserve.bench overhead --prompts 8 --prompt-tokens 3000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import tempfile
+from pathlib import Path
+
+from kvserve.bench.servers import running_server
+from kvserve.bench.workload import run_workload
+from kvserve.eval.client import Setting
+
+SERVED_NAME = "bench"
+COLUMNS = ("peak_running", "requests_per_s", "output_tokens_per_s", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
+
+
+def prompts(count: int, tokens: int, model: str) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from kvserve.eval.haystack import haystack
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return [haystack(tokenizer, tokens, seed=1000 + number) for number in range(count)]
+
+
+def run(kind_settings: dict[str, list[Setting]], engine_args: list[str], env: dict, workload: dict,
+        log_dir: Path) -> list[dict]:
+    """Each server kind in turn (vanilla first), every setting of it on the same workload; one result each."""
+    results = []
+    for kind, kind_settings_list in kind_settings.items():
+        with running_server(kind, workload["model"], engine_args, log_dir / f"{kind}.log", env) as url:
+            run_workload(url, SERVED_NAME, workload["prompts"][:1], 2, kind_settings_list[0])  # warm-up
+            for setting in kind_settings_list:
+                result = run_workload(url, SERVED_NAME, workload["prompts"], workload["max_tokens"], setting)
+                result.update(server=kind, policy=setting.policy, budget=setting.budget,
+                              evict_every_chunk=setting.evict_every_chunk)
+                results.append(result)
+                print(f"{kind} {setting.policy} {setting.budget or '-'}: " + ", ".join(
+                    f"{c}={result[c]:.3g}" for c in COLUMNS), flush=True)
+    return results
+
+
+def report(results: list[dict], prompt_tokens: int) -> str:
+    vanilla = next(r for r in results if r["server"] == "vanilla")
+    header = ("| server | policy | budget | " + " | ".join(COLUMNS) + " | preemptions | blocks freed | compactions "
+              "| mean compaction ms |")
+    lines = [header, "|---" * (header.count("|") - 1) + "|"]
+    for r in results:
+        mean_ms = 1000 * r["compaction_seconds"] / r["compactions"] if r["compactions"] else 0.0
+        lines.append(f"| {r['server']} | {r['policy']} | {r['budget'] or '-'} | "
+                     + " | ".join(f"{r[c]:.3g}" for c in COLUMNS)
+                     + f" | {r['preemptions']:.0f} | {r['blocks_freed']:.0f} | {r['compactions']:.0f}"
+                     + f" | {mean_ms:.1f} |")
+    lines += ["", "Ratios kvserve / vanilla (time columns: lower is better; theoretical = prompt tokens / budget):", ""]
+    header = "| policy | budget | " + " | ".join(COLUMNS) + " | theoretical |"
+    lines += [header, "|---" * (header.count("|") - 1) + "|"]
+    for r in results:
+        if r["server"] == "vanilla":
+            continue
+        theoretical = f"{prompt_tokens / r['budget']:.1f}" if r["budget"] and r["budget"] < prompt_tokens else "-"
+        lines.append(f"| {r['policy']} | {r['budget'] or '-'} | "
+                     + " | ".join(f"{r[c] / vanilla[c]:.2f}" if vanilla[c] else "-" for c in COLUMNS)
+                     + f" | {theoretical} |")
+    lines += ["", "Compaction time histogram (steps per bucket, upper bound in seconds):", ""]
+    for r in results:
+        if r["compactions"]:
+            buckets = ", ".join(f"<={b}: {n:.0f}" for b, n in r["compaction_histogram"].items() if n)
+            lines.append(f"- {r['policy']} {r['budget']}: {buckets}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from kvserve.model import default_model_dir
+
+    parser = argparse.ArgumentParser(prog="kvserve bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("capacity", "overhead"))
+    parser.add_argument("--model", default=str(default_model_dir()))
+    parser.add_argument("--prompts", type=int, default=8, help="requests, all sent at once")
+    parser.add_argument("--prompt-tokens", type=int, default=3000)
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
+    parser.add_argument("--policy", default="snapkv")
+    parser.add_argument("--budgets", default="256,512", help="capacity: the budgets to compare")
+    parser.add_argument("--evict-every-chunk", action="store_true", help="capacity: evict between prefill chunks")
+    parser.add_argument("--num-blocks", type=int, default=64, help="capacity: KV pool size in blocks (both servers)")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--kv-space-gib", default="4", help="VLLM_CPU_KVCACHE_SPACE for both servers")
+    parser.add_argument("--server-args", default="", help="more engine flags for both servers, one string")
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    args = parser.parse_args(argv)
+
+    max_model_len = args.prompt_tokens + args.max_tokens + args.block_size
+    engine_args = ["--served-model-name", SERVED_NAME, "--max-model-len", str(max_model_len),
+                   "--block-size", str(args.block_size), *shlex.split(args.server_args)]
+    if args.command == "capacity":
+        engine_args += ["--num-gpu-blocks-override", str(args.num_blocks)]
+        kvserve_settings = [Setting(args.policy, int(b), args.evict_every_chunk) for b in args.budgets.split(",")]
+    else:  # scoring on, nothing evicted: the budget is above every sequence in the workload
+        kvserve_settings = [Setting("full", None), Setting(args.policy, max_model_len)]
+    workload = {"model": args.model, "prompts": prompts(args.prompts, args.prompt_tokens, args.model),
+                "max_tokens": args.max_tokens}
+    with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as log_dir:
+        results = run({"vanilla": [Setting("full", None)], "kvserve": kvserve_settings}, engine_args,
+                      {"VLLM_CPU_KVCACHE_SPACE": args.kv_space_gib}, workload, Path(log_dir))
+    print()
+    print(report(results, args.prompt_tokens))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": args.command, "args": vars(args), "results": results},
+                                             indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""One workload: N long prompts sent at once, streamed, timed per request; the server's gauges sampled meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import statistics
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from kvserve.eval.client import Setting, metric_sum
+
+
+@dataclass
+class RequestTiming:
+    ttft: float  # seconds from sending to the first streamed token
+    tpot: float  # mean seconds per output token after the first
+    output_tokens: int
+    latency: float
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
+               setting: Setting) -> RequestTiming:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = None
+    output_tokens = 0
+    async with client.stream("POST", url + "/v1/completions", json=body, headers=setting.headers()) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url} answered {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if chunk.get("choices") and chunk["choices"][0].get("text") and first is None:
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                output_tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    first = end if first is None else first
+    return RequestTiming(ttft=first - start, tpot=(end - first) / max(output_tokens - 1, 1),
+                         output_tokens=output_tokens, latency=end - start)
+
+
+async def _sample_running(client: httpx.AsyncClient, url: str, stop: asyncio.Event, peak: list[float]) -> None:
+    while not stop.is_set():
+        text = (await client.get(url + "/metrics")).text
+        peak[0] = max(peak[0], metric_sum(text, "vllm:num_requests_running"))
+        await asyncio.sleep(0.1)
+
+
+async def _run(url: str, model: str, prompts: list[list[int]], max_tokens: int, setting: Setting) -> dict:
+    async with httpx.AsyncClient(timeout=3600) as client:
+        before = (await client.get(url + "/metrics")).text
+        stop, peak = asyncio.Event(), [0.0]
+        sampler = asyncio.create_task(_sample_running(client, url, stop, peak))
+        start = time.perf_counter()
+        timings = await asyncio.gather(*(_one(client, url, model, p, max_tokens, setting) for p in prompts))
+        wall = time.perf_counter() - start
+        stop.set()
+        await sampler
+        after = (await client.get(url + "/metrics")).text
+    return summarize(timings, wall, peak[0], before, after)
+
+
+def run_workload(url: str, model: str, prompts: list[list[int]], max_tokens: int, setting: Setting) -> dict:
+    return asyncio.run(_run(url, model, prompts, max_tokens, setting))
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def summarize(timings: list[RequestTiming], wall: float, peak_running: float, metrics_before: str,
+              metrics_after: str) -> dict:
+    ttft = [t.ttft for t in timings]
+    tpot = [t.tpot for t in timings]
+    output_tokens = sum(t.output_tokens for t in timings)
+
+    def delta(name: str) -> float:
+        return metric_sum(metrics_after, name) - metric_sum(metrics_before, name)
+
+    return {
+        "requests": len(timings), "wall_s": wall, "peak_running": peak_running,
+        "requests_per_s": len(timings) / wall, "output_tokens_per_s": output_tokens / wall,
+        "ttft_p50": _percentile(ttft, 50), "ttft_p90": _percentile(ttft, 90),
+        "tpot_p50": _percentile(tpot, 50), "tpot_p90": _percentile(tpot, 90),
+        "preemptions": delta("vllm:num_preemptions_total"),
+        "blocks_freed": delta("kvserve:blocks_freed_total"),
+        "compactions": delta("kvserve:compaction_seconds_count"),
+        "compaction_seconds": delta("kvserve:compaction_seconds_sum"),
+        "compaction_histogram": compaction_histogram(metrics_before, metrics_after),
+    }
+
+
+def compaction_histogram(before: str, after: str) -> dict[str, float]:
+    """Per-bucket counts (not cumulative) of `kvserve:compaction_seconds` added between two scrapes."""
+
+    def buckets(text: str) -> dict[str, float]:
+        counts: dict[str, float] = {}
+        for bound, value in re.findall(r'^kvserve:compaction_seconds_bucket\{[^}]*le="([^"]+)"[^}]*\} (\S+)$', text,
+                                       re.M):
+            counts[bound] = counts.get(bound, 0.0) + float(value)
+        return counts
+
+    start, end = buckets(before), buckets(after)
+    cumulative = {bound: end[bound] - start.get(bound, 0.0) for bound in end}
+    ordered = sorted(cumulative, key=lambda b: float("inf") if b == "+Inf" else float(b))
+    previous, per_bucket = 0.0, {}
+    for bound in ordered:
+        per_bucket[bound] = cumulative[bound] - previous
+        previous = cumulative[bound]
+    return per_bucket

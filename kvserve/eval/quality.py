@@ -1,0 +1,122 @@
+"""Task accuracy for settings (policy x budget) over one or more servers; resumable JSON lines.
+
+Each server answers one request at a time (on CPU a server uses about one core, so two servers on two cores do twice
+the work); the cases are spread over the servers. A row is written as soon as its answer arrives, so an interrupted
+run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import defaultdict
+
+from kvserve.eval.client import Server, Setting, append_row, load_rows
+from kvserve.eval.report import grid_table
+from kvserve.eval.tasks import Case, score
+
+
+def row_key(row: dict) -> tuple:
+    return (row["policy"], row["budget"], row["task"], row["length"], row["index"], row["seed"])
+
+
+def run(servers: list[Server], settings: list[Setting], cases: list[Case], out: str,
+        progress: bool = True) -> list[dict]:
+    rows = load_rows(out)
+    done = {row_key(r) for r in rows}
+    todo: queue.Queue = queue.Queue()
+    for setting in settings:
+        for case in cases:
+            if (setting.policy, setting.budget, *case.key) not in done:
+                todo.put((setting, case))
+    bar = _progress_bar(todo.qsize(), progress)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def work(server: Server) -> None:
+        while not errors:
+            try:
+                setting, case = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                row = answer(server, setting, case)
+            except BaseException as error:  # noqa: BLE001 - reported after the other workers stop
+                errors.append(error)
+                return
+            with lock:
+                rows.append(row)
+                append_row(out, row)
+                bar.update(1)
+
+    threads = [threading.Thread(target=work, args=(server,)) for server in servers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    bar.close()
+    if errors:
+        raise errors[0]
+    wanted = {(s.policy, s.budget, *c.key) for s in settings for c in cases}
+    return [r for r in rows if row_key(r) in wanted]
+
+
+def answer(server: Server, setting: Setting, case: Case) -> dict:
+    freed_before = server.blocks_freed()
+    start = time.time()
+    body = server.complete(setting, case.prompt, max_tokens=case.max_tokens)
+    text = body["choices"][0]["text"]
+    return {"policy": setting.policy, "budget": setting.budget, "task": case.task, "length": case.length,
+            "index": case.index, "seed": case.seed, "depth": round(case.depth, 3),
+            "references": list(case.references), "answer": text, "score": score(text, case.references),
+            "prompt_tokens": body["usage"]["prompt_tokens"], "blocks_freed": server.blocks_freed() - freed_before,
+            "seconds": round(time.time() - start, 3)}
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=not enabled, desc="cases", unit="req")
+
+
+def mean_scores(rows: list[dict], by: tuple[str, ...]) -> dict[tuple, tuple[float, int]]:
+    """Mean score and count per group of the given row fields."""
+    groups: dict[tuple, list[float]] = defaultdict(list)
+    for row in rows:
+        groups[tuple(row[field] for field in by)].append(row["score"])
+    return {key: (sum(values) / len(values), len(values)) for key, values in groups.items()}
+
+
+def summary_table(rows: list[dict]) -> str:
+    """Mean score per setting and task (columns), plus the mean over tasks; budgets as rows of each policy."""
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    by_task = mean_scores(rows, ("policy", "budget", "task"))
+    overall = mean_scores(rows, ("policy", "budget"))
+    lines = ["| policy | budget | " + " | ".join(tasks) + " | mean | n |", "|---" * (len(tasks) + 4) + "|"]
+    for (policy, budget), (mean, count) in sorted(overall.items(), key=_setting_order):
+        cells = [f"{by_task[(policy, budget, t)][0]:.2f}" if (policy, budget, t) in by_task else "-" for t in tasks]
+        lines.append(f"| {policy} | {budget or '-'} | " + " | ".join(cells) + f" | {mean:.2f} | {count} |")
+    return "\n".join(lines)
+
+
+def matrix_table(rows: list[dict]) -> str:
+    """Mean score over all tasks and lengths: policy rows x budget columns (`full` is the reference row)."""
+    return grid_table({key: mean for key, (mean, _) in mean_scores(rows, ("policy", "budget")).items()})
+
+
+def best_per_budget(rows: list[dict]) -> str:
+    """The best policy at each budget and its score relative to full cache."""
+    overall = mean_scores(rows, ("policy", "budget"))
+    full = overall.get(("full", None), (float("nan"), 0))[0]
+    lines = []
+    for budget in sorted({b for _, b in overall if b is not None}):
+        policy, (mean, _) = max(((p, v) for (p, b), v in overall.items() if b == budget), key=lambda pv: pv[1][0])
+        ratio = mean / full if full else float("nan")
+        lines.append(f"B={budget}: {policy} {mean:.2f} (full {full:.2f}, ratio {ratio:.2f})")
+    return "\n".join(lines)
+
+
+def _setting_order(item) -> tuple:
+    (policy, budget), _ = item
+    return (policy != "full", policy, budget or 0)

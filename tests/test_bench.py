@@ -1,0 +1,58 @@
+"""Benchmark commands on a tiny workload (they start their own vanilla and kvserve servers), and their parsing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from kvserve.bench.__main__ import main as bench_main
+from kvserve.bench.workload import compaction_histogram
+
+PROMPTS, PROMPT_TOKENS, MAX_TOKENS, BUDGET = 3, 300, 4, 64
+TINY = ["--prompts", str(PROMPTS), "--prompt-tokens", str(PROMPT_TOKENS), "--max-tokens", str(MAX_TOKENS),
+        "--block-size", "32", "--kv-space-gib", "1", "--server-args=--enforce-eager"]
+
+
+def test_compaction_histogram_is_the_per_bucket_difference_of_two_scrapes():
+    registry = CollectorRegistry()
+    histogram = Histogram("kvserve:compaction_seconds", "t", ["policy"], buckets=(0.01, 0.1, 1.0), registry=registry)
+    histogram.labels(policy="snapkv").observe(0.5)
+    before = generate_latest(registry).decode()
+    samples = [0.005, 0.05, 0.07, 0.5, 3.0]
+    for value in samples:
+        histogram.labels(policy="snapkv").observe(value)
+    histogram.labels(policy="h2o").observe(0.05)
+    after = generate_latest(registry).decode()
+    expected = {"0.01": 1, "0.1": 3, "1.0": 1, "+Inf": 1}  # samples binned by hand, plus h2o's one in 0.1
+    assert compaction_histogram(before, after) == pytest.approx(expected)
+
+
+def test_capacity_command_compares_vanilla_and_kvserve(tmp_path, capsys):
+    out = tmp_path / "capacity.json"
+    bench_main(["capacity", *TINY, "--num-blocks", "24", "--budgets", str(BUDGET), "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    vanilla, kvserve = results
+    assert (vanilla["server"], kvserve["server"], kvserve["budget"]) == ("vanilla", "kvserve", BUDGET)
+    for result in results:
+        assert result["requests"] == PROMPTS
+        assert result["output_tokens_per_s"] * result["wall_s"] == pytest.approx(PROMPTS * MAX_TOKENS)
+        assert 1 <= result["peak_running"] <= PROMPTS
+    # a 300-token prompt at budget 64: one compaction per request, none in 4 decode steps; vanilla never evicts
+    assert vanilla["blocks_freed"] == 0 and vanilla["compactions"] == 0
+    assert kvserve["compactions"] == PROMPTS and kvserve["blocks_freed"] > 0
+    assert sum(kvserve["compaction_histogram"].values()) == PROMPTS
+    printed = capsys.readouterr().out
+    assert "Ratios kvserve / vanilla" in printed and f"| {PROMPT_TOKENS / BUDGET:.1f} |" in printed
+
+
+def test_overhead_command_runs_full_and_scoring_without_eviction(tmp_path):
+    out = tmp_path / "overhead.json"
+    bench_main(["overhead", *TINY, "--policy", "h2o", "--out", str(out)])
+    vanilla, full, scoring = json.loads(out.read_text())["results"]
+    assert (full["policy"], scoring["policy"]) == ("full", "h2o")
+    assert scoring["budget"] > PROMPT_TOKENS + MAX_TOKENS
+    for result in (full, scoring):
+        assert result["blocks_freed"] == 0 and result["compactions"] == 0
+        assert result["output_tokens_per_s"] * result["wall_s"] == pytest.approx(PROMPTS * MAX_TOKENS)

@@ -1,0 +1,121 @@
+"""Evaluation tools: task generators (offline) and the `eval` commands against the real server."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvserve.eval import perplexity, quality
+from kvserve.eval.__main__ import main as eval_main
+from kvserve.eval.client import Server, Setting, load_rows
+from kvserve.eval.tasks import TASKS, make_case, score
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from kvserve.model import ensure_default_model
+
+    return AutoTokenizer.from_pretrained(ensure_default_model())
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+@pytest.mark.parametrize("length", [500, 1500])
+def test_task_cases_are_deterministic_sized_and_hold_their_answers(tokenizer, task, length):
+    case = make_case(tokenizer, task, length, index=0)
+    assert case == make_case(tokenizer, task, length, index=0)
+    assert make_case(tokenizer, task, length, index=1).prompt != case.prompt
+    # within 1% (+ passkey's one-line intro, which its budget does not count: kept so issue 2's prompts stay put)
+    assert abs(len(tokenizer.encode(case.prompt)) - length) <= 0.01 * length + 20
+    for reference in case.references:  # every answer is findable in the text before the question
+        assert reference in case.prompt[: case.prompt.rindex("\n") if "\n" in case.prompt else None]
+    assert 0.0 <= case.depth <= 1.0
+
+
+def test_multi_needle_tasks_plant_distractors(tokenizer):
+    multikey = make_case(tokenizer, "niah_multikey", 800, 0)
+    assert multikey.prompt.count("One of the special magic numbers for") == 4 and len(multikey.references) == 1
+    multivalue = make_case(tokenizer, "niah_multivalue", 800, 0)
+    assert len(set(multivalue.references)) == 4
+    chain = make_case(tokenizer, "variable_tracking", 800, 0)
+    first, *rest = chain.references
+    for previous, name in zip(chain.references, rest, strict=False):
+        assert f"VAR {name} = VAR {previous}." in chain.prompt
+    assert chain.prompt.index(f"VAR {first} =") < chain.prompt.index(f"VAR {rest[-1]} =")
+
+
+def test_score_counts_the_references_found():
+    references = ("1234567", "7654321", "5555555")
+    assert score("they are 1234567 and 5555555.", references) == pytest.approx(2 / 3)
+    assert score("none here", references) == 0.0
+    assert score("QXR, blt", ("qxr", "BLT")) == 1.0
+
+
+def test_perplexity_pools_tokens_over_passages():
+    rows = [{"policy": "snapkv", "budget": 64, "nll_sum": 30.0, "tokens": 10},
+            {"policy": "snapkv", "budget": 64, "nll_sum": 10.0, "tokens": 30}]
+    assert perplexity.perplexities(rows)[("snapkv", 64)] == pytest.approx(math.exp(40.0 / 40))
+
+
+def test_eval_tasks_command_runs_resumes_and_plots(server, tmp_path, capsys):
+    out, plot = tmp_path / "tasks.jsonl", tmp_path / "tasks.png"
+    argv = ["tasks", "--url", server, "--tasks", "passkey,niah_single", "--lengths", "400",
+            "--policies", "full,snapkv", "--budgets", "64", "--out", str(out), "--plot", str(plot), "--quiet"]
+    eval_main(argv)
+    rows = load_rows(str(out))
+    assert {(r["policy"], r["budget"], r["task"]) for r in rows} == {
+        (p, b, t) for p, b in (("full", None), ("snapkv", 64)) for t in ("passkey", "niah_single")}
+    for row in rows:
+        assert row["score"] == score(row["answer"], row["references"])
+        # 400-token prompts in 32-token blocks: SnapKV at 64 frees blocks, full frees none
+        assert (row["blocks_freed"] > 0) == (row["policy"] == "snapkv")
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "| full | - |" in printed and "B=64" in printed
+    requests_before = _requests_done(server)
+    eval_main(argv)  # everything is in the file: nothing is asked again
+    assert len(load_rows(str(out))) == len(rows)
+    assert _requests_done(server) == requests_before
+
+
+def _requests_done(url: str) -> float:
+    from kvserve.eval.client import metric_sum
+
+    return metric_sum(Server(url).metrics_text(), "vllm:request_success_total")
+
+
+def test_perplexity_of_full_cache_matches_transformers(server, tokenizer, hf_model):
+    passage = perplexity.texts(tokenizer, 300, 1, seed=3)[0]
+    served = perplexity.token_logprobs(Server(server), Setting("full", None), passage)
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([passage])).logits[0, :-1].float()
+    reference = logits.log_softmax(-1).gather(1, torch.tensor(passage[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(served), reference, atol=2e-3)
+
+
+def test_perplexity_sees_eviction_between_chunks(server, tokenizer):
+    """The server prefills in 128-token chunks: tokens of later chunks are predicted from the evicted cache."""
+    passage = perplexity.texts(tokenizer, 512, 1, seed=4)[0]
+    client = Server(server)
+    full = perplexity.token_logprobs(client, Setting("full", None), passage)
+    roomy = perplexity.token_logprobs(client, Setting("snapkv", 1024, evict_every_chunk=True), passage)
+    tight = perplexity.token_logprobs(client, Setting("streamingllm", 64, evict_every_chunk=True), passage)
+    assert roomy == pytest.approx(full, abs=1e-4)  # budget above the passage: nothing evicted
+    # the first chunk sees no eviction (the cache starts empty), later chunks do
+    assert tight[:127] == pytest.approx(full[:127], abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(tight[128:], full[128:], strict=True)) > 1e-2
+
+
+def test_summary_tables_agree_with_rows():
+    rows = [dict(policy="full", budget=None, task="passkey", score=1.0),
+            dict(policy="full", budget=None, task="niah_single", score=0.0),
+            dict(policy="snapkv", budget=64, task="passkey", score=0.5),
+            dict(policy="snapkv", budget=64, task="niah_single", score=0.5)]
+    means = quality.mean_scores(rows, ("policy", "budget"))
+    assert means[("full", None)] == (0.5, 2) and means[("snapkv", 64)] == (0.5, 2)
+    assert "| snapkv | 0.50 |" in quality.matrix_table(rows)
+    assert json.dumps(quality.best_per_budget(rows)).count("ratio 1.00") == 1
