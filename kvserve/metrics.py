@@ -11,6 +11,7 @@ from functools import cache
 from prometheus_client import Counter, Gauge, Histogram
 
 # eviction steps take from well under a millisecond (one short request) to seconds (thousands of tokens, 30 layers)
+KEPT_RATIO_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 COMPACTION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -21,6 +22,16 @@ class Metrics:
             "Tokens removed from requests' KV caches (each layer and KV head drops this many)", ["policy"])
         self.blocks_freed = Counter("kvserve:blocks_freed", "KV-cache blocks returned to vLLM's pool by eviction",
                                     ["policy"])
+        self.bytes_freed = Counter(
+            "kvserve:kv_cache_bytes_freed",
+            "KV-cache memory returned to vLLM's pool by eviction (blocks freed x bytes per block over all layers)",
+            ["policy"])
+        self.kept_ratio = Histogram(
+            "kvserve:kept_token_ratio",
+            "Per finished request of an evicting policy: cache entries held at the end / tokens of the sequence",
+            ["policy"], buckets=KEPT_RATIO_BUCKETS)
+        self.policy_errors = Counter("kvserve:policy_errors", "Requests failed because their eviction policy raised",
+                                     ["policy"])
         self.evictions = Counter("kvserve:evictions", "Compaction steps (one per request and step that evicts)",
                                  ["policy"])
         self.evicted_requests = Gauge("kvserve:requests_with_evicted_cache",
@@ -31,9 +42,10 @@ class Metrics:
             "Worker time of one request's eviction step: scoring and compacting every layer, outside vLLM's attention",
             ["policy"], buckets=COMPACTION_BUCKETS)
 
-    def record_compaction(self, policy: str, tokens: int, blocks: int) -> None:
+    def record_compaction(self, policy: str, tokens: int, blocks: int, bytes_per_block: int) -> None:
         self.tokens_evicted.labels(policy=policy).inc(tokens)
         self.blocks_freed.labels(policy=policy).inc(blocks)
+        self.bytes_freed.labels(policy=policy).inc(blocks * bytes_per_block)
         self.evictions.labels(policy=policy).inc()
 
 

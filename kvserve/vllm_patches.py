@@ -8,7 +8,8 @@ Named integration points (vLLM 0.32.0):
    `--scheduler-cls` is respected and disables eviction).
 3. `GPUModelRunner._update_states` (CPU runner inherits it): shrink block tables of requests compacted last step.
 4. `GPUModelRunner._prepare_inputs`: map positions to cache slots for compacted requests; publish the step context.
-5. `GPUModelRunner.execute_model`: clear the step context afterwards, so no dummy/profile run sees a stale one.
+5. `GPUModelRunner.execute_model` / `sample_tokens`: clear the step context afterwards, so no dummy/profile run sees a
+   stale one; put requests whose policy raised on the step's output, for the scheduler to fail them.
 6. `InputProcessor._validate_params`: reject invalid `kv_*` settings with vLLM's validation error (HTTP 400),
    before a request reaches the engine.
 """
@@ -89,6 +90,7 @@ def _patch_model_runner() -> None:
     update_states = GPUModelRunner._update_states
     prepare_inputs = GPUModelRunner._prepare_inputs
     execute_model = GPUModelRunner.execute_model
+    sample_tokens = GPUModelRunner.sample_tokens
 
     @functools.wraps(update_states)
     def _update_states(self, scheduler_output):
@@ -104,13 +106,19 @@ def _patch_model_runner() -> None:
     @functools.wraps(execute_model)
     def _execute_model(self, scheduler_output, *args, **kwargs):
         try:
-            return execute_model(self, scheduler_output, *args, **kwargs)
+            output = execute_model(self, scheduler_output, *args, **kwargs)
         finally:
-            hooks.clear_step()
+            hooks.clear_step(self)
+        return hooks.attach_failures(self, output)
+
+    @functools.wraps(sample_tokens)
+    def _sample_tokens(self, *args, **kwargs):
+        return hooks.attach_failures(self, sample_tokens(self, *args, **kwargs))
 
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.execute_model = _execute_model
+    GPUModelRunner.sample_tokens = _sample_tokens
 
 
 def _patch_input_validation() -> None:
@@ -126,9 +134,14 @@ def _patch_input_validation() -> None:
     def _validate_params(self, params, *args, **kwargs):
         if isinstance(params, SamplingParams):
             try:
-                parse_kv_config(params.extra_args)
+                config = parse_kv_config(params.extra_args)
             except KVConfigError as exc:
                 raise VLLMValidationError(str(exc), parameter=exc.field) from exc
+            limit = self.model_config.max_model_len
+            if config.evicts and config.budget > limit:
+                # a budget no sequence can reach is a mistake, not a way to turn eviction off (policy full does that)
+                raise VLLMValidationError(f"kv_budget: {config.budget} is above max_model_len ({limit})",
+                                          parameter="kv_budget")
         return original(self, params, *args, **kwargs)
 
     InputProcessor._validate_params = _validate_params

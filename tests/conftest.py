@@ -105,3 +105,14 @@ def server(tmp_path_factory):
     with running_server("kvserve", str(ensure_default_model()), args, log_path,
                         env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
         yield base
+
+
+@pytest.fixture(scope="session")
+def long_prompt():
+    from transformers import AutoTokenizer
+
+    from kvserve.eval.haystack import haystack
+    from kvserve.model import ensure_default_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
+    return tokenizer.decode(haystack(tokenizer, 300, seed=50))

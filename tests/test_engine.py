@@ -262,3 +262,31 @@ def test_every_policy_evicts_within_budget_and_returns_its_blocks(engine, monkey
             assert bool((layer.kept_positions[:, 1:] > layer.kept_positions[:, :-1]).all()), name
     engine.generate([[1, 2, 3]], 1)  # one more step lets the worker drop the finished requests' state
     assert engine.free_blocks() == free_before
+
+
+def test_a_raising_policy_fails_only_its_request(engine, monkeypatch):
+    """A bug in a policy ends that request with finish_reason "error"; its batch neighbours and the engine go on."""
+    from kvserve.policies.tova import TOVA
+
+    def broken(self, obs, budget):
+        raise RuntimeError("injected policy failure")
+
+    prompts = [prompt(engine, 300, seed=60 + i) for i in range(2)]
+    snapkv = {"kv_policy": "snapkv", "kv_budget": 64}
+    alone = engine.generate(prompts[1:], 40, snapkv)[0].outputs[0]
+    free_before = engine.free_blocks()
+    monkeypatch.setattr(TOVA, "keep_indices", broken)
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, extra_args=kv)
+              for kv in ({"kv_policy": "tova", "kv_budget": 64}, snapkv)]
+    failed, neighbour = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                            use_tqdm=False)
+    assert failed.outputs[0].finish_reason == "error"
+    assert neighbour.outputs[0].finish_reason == "length"
+    assert neighbour.outputs[0].token_ids == alone.token_ids  # same as without the failing neighbour
+    assert engine.free_blocks() == free_before
+    monkeypatch.undo()
+    again = engine.generate(prompts[:1], 8, {"kv_policy": "tova", "kv_budget": 64})[0].outputs[0]
+    assert again.finish_reason == "length"  # the engine still serves, the same policy included

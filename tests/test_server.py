@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
 import pytest
 
-from kvserve.eval.haystack import haystack
-
-
-@pytest.fixture(scope="session")
-def long_prompt():
-    from transformers import AutoTokenizer
-
-    from kvserve.model import ensure_default_model
-
-    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
-    return tokenizer.decode(haystack(tokenizer, 300, seed=50))
+from kvserve.model import ensure_default_model
 
 
 def metric(base: str, name: str, labels: str = "", missing: float | None = None) -> float:
@@ -42,6 +33,9 @@ def test_headers_select_the_policy_and_metrics_count_what_was_evicted(server, lo
     evicted_before = metric(server, "kvserve:tokens_evicted_total", labels, missing=0.0)
     runs_before = metric(server, "kvserve:evictions_total", labels, missing=0.0)
     timed_before = metric(server, "kvserve:compaction_seconds_count", labels, missing=0.0)
+    bytes_before = metric(server, "kvserve:kv_cache_bytes_freed_total", labels, missing=0.0)
+    blocks_before = metric(server, "kvserve:blocks_freed_total", labels, missing=0.0)
+    ratio_sum_before = metric(server, "kvserve:kept_token_ratio_sum", labels, missing=0.0)
     seconds_before = metric(server, "kvserve:compaction_seconds_sum", labels, missing=0.0)
     response = complete(server, long_prompt, {"x-kv-policy": "streamingllm", "x-kv-budget": "64"})
     assert response.status_code == 200, response.text
@@ -55,6 +49,15 @@ def test_headers_select_the_policy_and_metrics_count_what_was_evicted(server, lo
     # the worker timed that one compaction step: the histogram gained one positive sample
     assert metric(server, "kvserve:compaction_seconds_count", labels) - timed_before == 1
     assert metric(server, "kvserve:compaction_seconds_sum", labels) > seconds_before
+    # bytes = blocks x (K and V of 32 tokens, 3 KV heads x 64 dims, fp32, 30 layers), from the model's own config
+    config = json.loads((ensure_default_model() / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    block_bytes = 2 * 32 * config["num_key_value_heads"] * head_dim * 4 * config["num_hidden_layers"]
+    blocks = metric(server, "kvserve:blocks_freed_total", labels) - blocks_before
+    assert metric(server, "kvserve:kv_cache_bytes_freed_total", labels) - bytes_before == blocks * block_bytes
+    # finished with 64 kept prompt entries + 7 computed output tokens (the 8th is sampled, never fed back)
+    kept_ratio = metric(server, "kvserve:kept_token_ratio_sum", labels) - ratio_sum_before
+    assert kept_ratio == pytest.approx((64 + 7) / (prompt_tokens + 7))
 
 
 def test_vllm_xargs_select_the_policy(server, long_prompt):
@@ -87,6 +90,8 @@ def test_streaming_chat_with_eviction(server, long_prompt):
     ({"x-kv-policy": "lru", "x-kv-budget": "64"}, {}, "kv_policy"),
     ({"x-kv-policy": "snapkv", "x-kv-budget": "many"}, {}, "kv_budget"),
     ({"x-kv-policy": "snapkv", "x-kv-budget": "16"}, {}, "kv_budget"),  # below the 32-token window it keeps
+    ({"x-kv-policy": "snapkv", "x-kv-budget": "4096"}, {}, "kv_budget"),  # above the server's max_model_len 2048
+    ({"x-kv-policy": "ems", "x-kv-budget": "64", "x-kv-tau": "1.5"}, {}, "kv_tau"),
     ({"x-kv-policy": "snapkv", "x-kv-budget": "64", "x-kv-window": "-3"}, {}, "kv_window"),
     ({"x-kv-policy": "streamingllm", "x-kv-budget": "64", "x-kv-window": "8"}, {}, "kv_window"),
     ({"x-kv-colour": "blue"}, {}, "kv_colour"),
@@ -124,3 +129,21 @@ def test_server_processes_use_a_fixed_mmap_threshold(server):
                     and port in (p.info["cmdline"] or [])]
     # the engine core and worker inherit it (their /proc environ is overwritten by vLLM's process titles)
     assert api_server.environ().get("MALLOC_MMAP_THRESHOLD_") == str(1 << 20)
+
+
+def test_every_dashboard_query_names_a_served_series(server, long_prompt):
+    """Each metric a Grafana panel queries exists on the real server's /metrics (after one evicting request)."""
+    from pathlib import Path
+
+    response = complete(server, long_prompt, {"x-kv-policy": "snapkv", "x-kv-budget": "64"})
+    assert response.status_code == 200, response.text
+    served = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{| )", httpx.get(server + "/metrics").text, re.M))
+    dashboards = sorted((Path(__file__).parent.parent / "deploy" / "grafana" / "dashboards").glob("*.json"))
+    assert dashboards
+    queried = set()
+    for path in dashboards:
+        for panel in json.loads(path.read_text())["panels"]:
+            for target in panel["targets"]:
+                queried |= set(re.findall(r"\b((?:vllm|kvserve):[a-zA-Z0-9_:]+)", target["expr"]))
+    assert {name for name in queried if name.startswith("kvserve:")}  # the dashboards do show kvserve's series
+    assert queried - served == set()

@@ -20,3 +20,11 @@ class Compaction:
 
 def compactions_of(scheduler_output: object) -> dict[str, Compaction]:
     return getattr(scheduler_output, PLAN_ATTR, None) or {}
+
+
+# Attribute of a ModelRunnerOutput: {req_id: message} for requests whose policy raised in that step.
+FAILURES_ATTR = "kvserve_failures"
+
+
+def failures_of(model_runner_output) -> dict[str, str]:
+    return getattr(model_runner_output, FAILURES_ATTR, None) or {}

@@ -8,6 +8,7 @@ whose cache holds fewer entries, we subtract its offset from `seq_lens` and reco
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 from vllm.utils.math_utils import cdiv
 
 from kvserve.config import KVConfigError, parse_kv_config
-from kvserve.engine.plan import compactions_of
+from kvserve.engine.plan import FAILURES_ATTR, compactions_of
 from kvserve.engine.worker_state import RequestState, RowPlan, StepContext, current_step, set_step
 
 RECENT_LIMIT = 32
@@ -31,6 +32,7 @@ class EvictionBook:
         self.recent: OrderedDict[str, RequestState] = OrderedDict()
         self.not_evicting: set[str] = set()
         self.pending: dict[str, tuple[int, int]] = {}  # req id -> (keep_tokens, logical_tokens) from the last step
+        self.failures: dict[str, str] = {}  # req id -> why its policy failed, until the scheduler hears of it
 
     def state_for(self, req_id: str, sampling_params) -> RequestState | None:
         if req_id in self.requests:
@@ -107,7 +109,7 @@ def after_prepare_inputs(runner, scheduler_output, num_scheduled_tokens: np.ndar
         offsets[row] = state.offset
         logical_len = int(runner.input_batch.num_computed_tokens_cpu[row]) + int(num_scheduled_tokens[row])
         compaction = compactions.get(req_id)
-        rows.append(RowPlan(state=state, row=row, query_start=int(query_starts[row]),
+        rows.append(RowPlan(req_id=req_id, state=state, row=row, query_start=int(query_starts[row]),
                             query_end=int(query_starts[row + 1]), cache_len=logical_len - state.offset,
                             compaction=compaction))
         if compaction is not None:
@@ -126,8 +128,24 @@ def after_prepare_inputs(runner, scheduler_output, num_scheduled_tokens: np.ndar
     set_step(StepContext(rows=rows) if rows else None)
 
 
-def clear_step() -> None:
+def clear_step(runner) -> None:
     step = current_step()
     if step is not None:
         step.record_times()
+        failures = step.failures()
+        book = book_of(runner)
+        book.failures.update(failures)
+        for req_id in failures:  # its cache was not compacted: the scheduler frees it whole when it fails it
+            book.pending.pop(req_id, None)
     set_step(None)
+
+
+def attach_failures(runner, output):
+    """Hand failed requests to the scheduler on the step's output (it travels to the engine core pickled)."""
+    book = book_of(runner)
+    if output is None or not book.failures:
+        return output
+    output = copy.copy(output)  # never mark a shared constant such as EMPTY_MODEL_RUNNER_OUTPUT
+    setattr(output, FAILURES_ATTR, dict(book.failures))
+    book.failures.clear()
+    return output

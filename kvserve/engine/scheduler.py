@@ -16,7 +16,7 @@ from vllm.v1.request import Request
 
 from kvserve.config import KVConfig, KVConfigError, parse_kv_config
 from kvserve.engine.block_manager import EvictingFullAttentionManager
-from kvserve.engine.plan import PLAN_ATTR, Compaction, compactions_of
+from kvserve.engine.plan import PLAN_ATTR, Compaction, compactions_of, failures_of
 from kvserve.metrics import metrics
 
 logger = init_logger(__name__)
@@ -38,6 +38,8 @@ class EvictingScheduler(Scheduler):
         managers[0].init_eviction_state()
         self.evicting_manager: EvictingFullAttentionManager = managers[0]
         self.kv_configs: dict[str, KVConfig] = {}
+        group = self.kv_cache_config.kv_cache_groups[0]  # one full-attention group, checked above
+        self.bytes_per_block = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
         # Capacity statistics: most requests in the running queue, and most requests decoding in one step (a
         # request decoding holds its whole cache; running ones may still be prefilling and get preempted).
         self.peak_running = 0
@@ -93,13 +95,21 @@ class EvictingScheduler(Scheduler):
         return output
 
     def update_from_output(self, scheduler_output, model_runner_output):
+        failures = failures_of(model_runner_output)
+        for req_id, message in failures.items():
+            config = self.kv_configs.get(req_id)
+            logger.error("kvserve: request %s fails: %s", req_id, message)
+            metrics().policy_errors.labels(policy=config.policy if config else "unknown").inc()
+        # vLLM finishes the requests in this set with FINISHED_ERROR (HTTP 500) at the end of this update; the set
+        # is named for grammar failures but is its generic "fail these requests" hook.
+        self.grammar_compile_error_reqs.update(req_id for req_id in failures if req_id in self.requests)
         for req_id, compaction in compactions_of(scheduler_output).items():
             request = self.requests.get(req_id)
-            if request is None or request.is_finished():
+            if request is None or request.is_finished() or req_id in failures:
                 continue
             freed = self.evicting_manager.truncate(req_id, compaction.keep_tokens, compaction.logical_tokens)
             metrics().record_compaction(self.kv_configs[req_id].policy,
-                                        compaction.cached_tokens - compaction.keep_tokens, freed)
+                                        compaction.cached_tokens - compaction.keep_tokens, freed, self.bytes_per_block)
         result = super().update_from_output(scheduler_output, model_runner_output)
         metrics().evicted_requests.set(sum(1 for v in self.evicting_manager.evicted.values() if v > 0))
         return result
@@ -109,6 +119,9 @@ class EvictingScheduler(Scheduler):
         super()._preempt_request(request, *args, **kwargs)
 
     def _free_request(self, request: Request, *args, **kwargs):
-        self.kv_configs.pop(request.request_id, None)
+        config = self.kv_configs.pop(request.request_id, None)
+        if config is not None and request.num_computed_tokens > 0:
+            kept = request.num_computed_tokens - self.evicting_manager.evicted.get(request.request_id, 0)
+            metrics().kept_ratio.labels(policy=config.policy).observe(kept / request.num_computed_tokens)
         self.evicting_manager.forget(request.request_id)
         return super()._free_request(request, *args, **kwargs)

@@ -7,6 +7,7 @@ Memory is bounded by the budget: per layer we keep the positions of the entries 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +19,8 @@ from kvserve.engine.cache_layout import compact_entries, read_entries, write_ent
 from kvserve.engine.plan import Compaction
 from kvserve.metrics import metrics
 from kvserve.policies import LayerObservation, Policy
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,6 +61,7 @@ class RequestState:
 class RowPlan:
     """One evicting request's slice of the current batch."""
 
+    req_id: str
     state: RequestState
     row: int
     query_start: int
@@ -65,6 +69,7 @@ class RowPlan:
     cache_len: int  # entries in the cache after this step's writes (physical seq_len)
     compaction: Compaction | None
     eviction_seconds: float = 0.0  # scoring + compaction time over this step's layers
+    failure: str | None = None  # the policy raised: the request fails, the rest of the batch goes on
 
 
 @dataclass
@@ -75,26 +80,39 @@ class StepContext:
                         block_table: torch.Tensor, scale: float) -> None:
         """Called by the attention backend after a layer's attention: record window queries, compact if planned."""
         for plan in self.rows:
-            layer = plan.state.layer(layer_idx)
-            policy = plan.state.policy
-            queries = query[plan.query_start : plan.query_end]
-            window = policy.window_size()
-            if window:
-                _record_window(layer, queries, plan, window)
-            if not policy.stat_names and plan.compaction is None:
+            if plan.failure is not None:
                 continue
             start = time.perf_counter()
-            obs = _observe(plan, layer, layer_idx, kv_cache, block_table[plan.row], scale)
-            if policy.stat_names:
-                layer.stats = obs.stats = policy.update_stats(obs, queries, _query_positions(plan))
-            if plan.compaction is not None:
-                _compact(plan, layer, obs, kv_cache, block_table[plan.row])
+            try:
+                self._evict(plan, layer_idx, query, kv_cache, block_table, scale)
+            except Exception as error:  # a policy's bug fails its request, never the engine (the scheduler ends it)
+                plan.failure = f"kv_policy {plan.state.config.policy!r} failed: {type(error).__name__}: {error}"
+                logger.exception("kvserve: request %s: %s", plan.req_id, plan.failure)
             plan.eviction_seconds += time.perf_counter() - start
+
+    def _evict(self, plan: RowPlan, layer_idx: int, query: torch.Tensor, kv_cache: torch.Tensor,
+               block_table: torch.Tensor, scale: float) -> None:
+        layer = plan.state.layer(layer_idx)
+        policy = plan.state.policy
+        queries = query[plan.query_start : plan.query_end]
+        window = policy.window_size()
+        if window:
+            _record_window(layer, queries, plan, window)
+        if not policy.stat_names and plan.compaction is None:
+            return
+        obs = _observe(plan, layer, layer_idx, kv_cache, block_table[plan.row], scale)
+        if policy.stat_names:
+            layer.stats = obs.stats = policy.update_stats(obs, queries, _query_positions(plan))
+        if plan.compaction is not None:
+            _compact(plan, layer, obs, kv_cache, block_table[plan.row])
+
+    def failures(self) -> dict[str, str]:
+        return {plan.req_id: plan.failure for plan in self.rows if plan.failure is not None}
 
     def record_times(self) -> None:
         """After the forward: one histogram sample per request that compacted in this step."""
         for plan in self.rows:
-            if plan.compaction is not None:
+            if plan.compaction is not None and plan.failure is None:
                 metrics().compaction_seconds.labels(policy=plan.state.config.policy).observe(plan.eviction_seconds)
 
 

@@ -117,16 +117,47 @@ def _replay(body: bytes, receive):
 
 
 def _with_applied_headers(send, config):
+    """Say what was applied; on a 500 for an evicting request, say which policy was in play (buffered: small JSON)."""
+    held_start: dict | None = None
+    held_body: list[bytes] = []
+
     async def wrapped(message):
+        nonlocal held_start
         if message["type"] == "http.response.start" and config is not None:
             headers = list(message.get("headers", []))
             headers.append((b"x-kv-policy-applied", config.policy.encode()))
             if config.budget is not None:
                 headers.append((b"x-kv-budget-applied", str(config.budget).encode()))
             message = dict(message, headers=headers)
+            if message["status"] == 500 and config.evicts:
+                held_start = message
+                return
+        if held_start is not None and message["type"] == "http.response.body":
+            held_body.append(message.get("body", b""))
+            if message.get("more_body"):
+                return
+            body = name_the_policy(b"".join(held_body), config.policy)
+            headers = [(k, v) for k, v in held_start["headers"] if k.lower() != b"content-length"]
+            await send(dict(held_start, headers=headers + [(b"content-length", str(len(body)).encode())]))
+            await send({"type": "http.response.body", "body": body})
+            return
         await send(message)
 
     return wrapped
+
+
+def name_the_policy(body: bytes, policy: str) -> bytes:
+    """vLLM answers a request the engine failed with a bare "Internal server error"; kvserve's engine fails a
+    request when its eviction policy raises (and logs why), so the message names the policy."""
+    try:
+        error = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return body
+    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
+        return body
+    error["message"] += (f" (kv_policy {policy!r}: kvserve fails a request whose eviction policy raises; the server"
+                         " log has the error, kvserve:policy_errors_total counts them)")
+    return json.dumps({"error": error}).encode()
 
 
 async def _send_json(send, status: int, body: bytes) -> None:
