@@ -77,6 +77,9 @@ def serve(argv: list[str]) -> None:
     # mmap threshold then serves them from the heap, which fragments: a worker grew ~400 MB per 3k-token h2o request
     # (2.8 -> 4.4 GB RSS in 5 requests). With a fixed 1 MiB threshold they are mmapped and returned: flat 2.2 GB.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    # Accumulating policies (h2o, ems) add O(n^2) CPU work to a long prefill step; on a loaded 2-core machine one
+    # 3k-token h2o step passed vLLM's 300 s worker deadline and vLLM shut the engine down. Allow 30 minutes.
+    env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "1800")
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *model_args,
                "--middleware", "kvserve.server.middleware.KVHeadersMiddleware"]
     if "--async-scheduling" not in vllm_args:

@@ -88,3 +88,22 @@ def generate_with_kept(model, prompt_ids: list[int], max_tokens: int, per_layer_
     """Greedy decoding after keeping the given cache positions per layer and head (no later eviction)."""
     return _greedy(model, prompt_ids, max_tokens, lambda cache: _keep_in_cache(cache, per_layer_keep),
                    lambda cache: None)
+
+
+@torch.no_grad()
+def attention_probabilities(model, prompt_ids: list[int]) -> list[torch.Tensor]:
+    """Per layer, the model's own eager attention probabilities summed over each KV group's query heads:
+    [H_kv, n queries, n keys]."""
+    out = model(input_ids=torch.tensor([prompt_ids]), output_attentions=True)
+    num_kv = model.config.num_key_value_heads
+    n = len(prompt_ids)
+    return [attn[0].reshape(num_kv, -1, n, n).sum(dim=1) for attn in out.attentions]
+
+
+def top_keep(scores: torch.Tensor, budget: int, protected: int) -> torch.Tensor:
+    """Sorted positions: the last `protected` always, then the highest scores (ties: the earlier position)."""
+    n = scores.shape[-1]
+    candidates = scores[:, : n - protected]
+    top = torch.sort(candidates, dim=-1, descending=True, stable=True).indices[:, : budget - protected]
+    recent = torch.arange(n - protected, n).expand(scores.shape[0], -1)
+    return torch.sort(torch.cat([top, recent], dim=1), dim=1).values

@@ -7,7 +7,13 @@ from collections import defaultdict
 import pytest
 import torch
 from engine_settings import BLOCK_SIZE, EQUIVALENCE_MAX_TOKENS, NUM_BLOCKS, equivalence_prompts
-from hf_reference import generate_with_kept, snapkv_reference, streamingllm_generate
+from hf_reference import (
+    attention_probabilities,
+    generate_with_kept,
+    snapkv_reference,
+    streamingllm_generate,
+    top_keep,
+)
 
 from kvserve.eval.haystack import haystack
 from kvserve.metrics import metrics
@@ -69,6 +75,22 @@ def test_snapkv_keeps_what_dense_attention_chooses(engine, hf_model):
     # heads really choose differently (per-head eviction, not one shared choice)
     assert any(not torch.equal(state.layers[i].kept_positions[0], state.layers[i].kept_positions[1])
                for i in range(len(ref_keep)))
+
+
+@pytest.mark.parametrize("policy", ["tova", "h2o"])
+def test_scores_from_the_attention_pass_match_dense_attention(engine, hf_model, policy):
+    """TOVA ranks by the last query's attention (group mean), H2O by attention summed over every prompt query
+    with 32 recent tokens protected; the references take both from the model's own eager attention."""
+    ids = prompt(engine, 400, seed=8)
+    budget = 128
+    out = engine.generate([ids], 1, {"kv_policy": policy, "kv_budget": budget})[0]
+    state = engine.eviction_state(out.request_id)
+    for layer, probs in enumerate(attention_probabilities(hf_model, ids)):
+        if policy == "tova":
+            scores, protected = probs[:, -1, :], 0
+        else:
+            scores, protected = probs.sum(dim=1), 32
+        _assert_same_kept(state.layers[layer].kept_positions, top_keep(scores, budget, protected), scores, layer)
 
 
 def _record_schedules(engine, monkeypatch):

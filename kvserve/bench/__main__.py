@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=8, help="requests, all sent at once")
     parser.add_argument("--prompt-tokens", type=int, default=3000)
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
-    parser.add_argument("--policy", default="snapkv")
+    parser.add_argument("--policy", default="snapkv", help="policy, or a comma list of policies")
     parser.add_argument("--budgets", default="256,512", help="capacity: the budgets to compare")
     parser.add_argument("--evict-every-chunk", action="store_true", help="capacity: evict between prefill chunks")
     parser.add_argument("--num-blocks", type=int, default=64, help="capacity: KV pool size in blocks (both servers)")
@@ -102,14 +102,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
 
+    policies = args.policy.split(",")
     max_model_len = args.prompt_tokens + args.max_tokens + args.block_size
     engine_args = ["--served-model-name", SERVED_NAME, "--max-model-len", str(max_model_len),
                    "--block-size", str(args.block_size), *shlex.split(args.server_args)]
     if args.command == "capacity":
         engine_args += ["--num-gpu-blocks-override", str(args.num_blocks)]
-        kvserve_settings = [Setting(args.policy, int(b), args.evict_every_chunk) for b in args.budgets.split(",")]
+        kvserve_settings = [Setting(policy, int(b), args.evict_every_chunk)
+                            for policy in policies for b in args.budgets.split(",")]
     else:  # scoring on, nothing evicted: the budget is above every sequence in the workload
-        kvserve_settings = [Setting("full", None), Setting(args.policy, max_model_len)]
+        kvserve_settings = [Setting("full", None)] + [Setting(policy, max_model_len) for policy in policies]
     workload = {"model": args.model, "prompts": prompts(args.prompts, args.prompt_tokens, args.model),
                 "max_tokens": args.max_tokens}
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as log_dir:
