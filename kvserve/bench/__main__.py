@@ -42,7 +42,8 @@ def run(kind_settings: dict[str, list[Setting]], engine_args: list[str], env: di
     results = []
     for kind, kind_settings_list in kind_settings.items():
         with running_server(kind, workload["model"], engine_args, log_dir / f"{kind}.log", env) as url:
-            run_workload(url, SERVED_NAME, workload["prompts"][:1], 2, kind_settings_list[0])  # warm-up
+            # warm-up on a prompt outside the workload: a workload prompt would sit in vanilla's prefix cache
+            run_workload(url, SERVED_NAME, [workload["warmup"]], 2, Setting("full", None))
             for setting in kind_settings_list:
                 result = run_workload(url, SERVED_NAME, workload["prompts"], workload["max_tokens"], setting)
                 result.update(server=kind, policy=setting.policy, budget=setting.budget,
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
                             for policy in policies for b in args.budgets.split(",")]
     else:  # scoring on, nothing evicted: the budget is above every sequence in the workload
         kvserve_settings = [Setting("full", None)] + [Setting(policy, max_model_len) for policy in policies]
-    workload = {"model": args.model, "prompts": prompts(args.prompts, args.prompt_tokens, args.model),
+    workload_prompts = prompts(args.prompts + 1, args.prompt_tokens, args.model)
+    workload = {"model": args.model, "prompts": workload_prompts[1:], "warmup": workload_prompts[0][:64],
                 "max_tokens": args.max_tokens}
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as log_dir:
         results = run({"vanilla": [Setting("full", None)], "kvserve": kvserve_settings}, engine_args,

@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
               sep="\n")
         values = {key: mean for key, (mean, _) in quality.mean_scores(rows, ("policy", "budget")).items()}
         if args.plot:
-            plot_vs_budget(values, "mean task score", args.plot, f"Task accuracy ({args.tasks}; {args.lengths} tok)")
+            title = f"Mean score over {len(args.tasks.split(','))} tasks at {args.lengths} tokens"
+            plot_vs_budget(values, "mean task score", args.plot, title)
     else:
         from kvserve.eval import perplexity
 

@@ -106,14 +106,16 @@ def matrix_table(rows: list[dict]) -> str:
 
 
 def best_per_budget(rows: list[dict]) -> str:
-    """The best policy at each budget and its score relative to full cache."""
+    """The best policies at each budget (all that tie) and their score relative to full cache."""
     overall = mean_scores(rows, ("policy", "budget"))
     full = overall.get(("full", None), (float("nan"), 0))[0]
     lines = []
     for budget in sorted({b for _, b in overall if b is not None}):
-        policy, (mean, _) = max(((p, v) for (p, b), v in overall.items() if b == budget), key=lambda pv: pv[1][0])
-        ratio = mean / full if full else float("nan")
-        lines.append(f"B={budget}: {policy} {mean:.2f} (full {full:.2f}, ratio {ratio:.2f})")
+        scores = {p: mean for (p, b), (mean, _) in overall.items() if b == budget}
+        best = max(scores.values())
+        leaders = ", ".join(sorted(p for p, mean in scores.items() if mean == best)) if best > 0 else "none above 0"
+        ratio = best / full if full else float("nan")
+        lines.append(f"B={budget}: {best:.2f} ({leaders}); full {full:.2f}, ratio {ratio:.2f}")
     return "\n".join(lines)
 
 

@@ -32,7 +32,8 @@ def plot_vs_budget(values: Values, ylabel: str, path: str, title: str, log_y: bo
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    ax.set_prop_cycle(color=plt.cm.tab20.colors)  # 16 policies: tab10 would repeat colours
     markers = "os^vD<>ph*xP"
     for number, policy in enumerate(p for p in _policies(values) if p != "full"):
         points = sorted((b, v) for (p, b), v in values.items() if p == policy and math.isfinite(v))
@@ -46,8 +47,8 @@ def plot_vs_budget(values: Values, ylabel: str, path: str, title: str, log_y: bo
         ax.set_yscale("log")
     ax.set_xlabel("KV budget (tokens per layer and head)")
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
