@@ -75,7 +75,8 @@ def report(results: list[dict], prompt_tokens: int) -> str:
         lines.append(f"| {r['policy']} | {r['budget'] or '-'} | "
                      + " | ".join(f"{r[c] / vanilla[c]:.2f}" if vanilla[c] else "-" for c in COLUMNS)
                      + f" | {theoretical} |")
-    lines += ["", "Compaction time histogram (steps per bucket, upper bound in seconds):", ""]
+    if any(r["compactions"] for r in results):
+        lines += ["", "Compaction time histogram (steps per bucket, upper bound in seconds):", ""]
     for r in results:
         if r["compactions"]:
             buckets = ", ".join(f"<={b}: {n:.0f}" for b, n in r["compaction_histogram"].items() if n)
