@@ -10,8 +10,8 @@ from functools import cache
 
 from prometheus_client import Counter, Gauge, Histogram
 
-# eviction steps take from well under a millisecond (one short request) to seconds (thousands of tokens, 30 layers)
 KEPT_RATIO_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+# eviction steps take from well under a millisecond (one short request) to seconds (thousands of tokens, 30 layers)
 COMPACTION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 

@@ -19,7 +19,6 @@ class RequestTiming:
     ttft: float  # seconds from sending to the first streamed token
     tpot: float  # mean seconds per output token after the first
     output_tokens: int
-    latency: float
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
@@ -43,7 +42,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
     end = time.perf_counter()
     first = end if first is None else first
     return RequestTiming(ttft=first - start, tpot=(end - first) / max(output_tokens - 1, 1),
-                         output_tokens=output_tokens, latency=end - start)
+                         output_tokens=output_tokens)
 
 
 async def _sample_running(client: httpx.AsyncClient, url: str, stop: asyncio.Event, peak: list[float]) -> None:
@@ -71,7 +70,7 @@ def run_workload(url: str, model: str, prompts: list[list[int]], max_tokens: int
     return asyncio.run(_run(url, model, prompts, max_tokens, setting))
 
 
-def _percentile(values: list[float], q: float) -> float:
+def _percentile(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 

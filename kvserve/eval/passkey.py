@@ -18,6 +18,7 @@ import httpx
 
 from kvserve.eval.client import Setting, append_row, load_rows, metric_sum
 from kvserve.eval.haystack import passkey_prompt
+from kvserve.eval.report import grid_table
 
 
 def blocks_freed(url: str) -> float:
@@ -74,16 +75,10 @@ def summary(rows: list[dict]) -> str:
 
 def matrix(rows: list[dict]) -> str:
     """Accuracy as a policy x budget table (the `full` row is the reference)."""
-    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
-    lines = ["| policy | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
-    for policy in policies:
-        cells = []
-        for budget in budgets:
-            group = [r for r in rows if r["policy"] == policy and r["budget"] in (budget, None)]
-            cells.append(f"{sum(r['correct'] for r in group) / len(group):.1f} ({len(group)})" if group else "-")
-        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    groups: dict[tuple, list[bool]] = {}
+    for row in rows:
+        groups.setdefault((row["policy"], row["budget"]), []).append(row["correct"])
+    return grid_table({key: sum(found) / len(found) for key, found in groups.items()}, ".1f")
 
 
 def main(argv: list[str] | None = None) -> None:

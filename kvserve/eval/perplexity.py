@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections import defaultdict
 
 from kvserve.eval.client import Server, Setting, append_row, load_rows
 from kvserve.eval.haystack import corpus
@@ -60,11 +61,12 @@ def run(server: Server, settings: list[Setting], passages: list[list[int]], out:
 
 def perplexities(rows: list[dict]) -> dict[tuple, float]:
     """exp(mean negative log-likelihood per token) for each (policy, budget), pooled over passages."""
-    totals: dict[tuple, list[float]] = {}
+    nll: dict[tuple, float] = defaultdict(float)
+    tokens: dict[tuple, int] = defaultdict(int)
     for row in rows:
-        nll, count = totals.setdefault((row["policy"], row["budget"]), [0.0, 0])
-        totals[(row["policy"], row["budget"])] = [nll + row["nll_sum"], count + row["tokens"]]
-    return {key: math.exp(nll / count) for key, (nll, count) in totals.items()}
+        nll[(row["policy"], row["budget"])] += row["nll_sum"]
+        tokens[(row["policy"], row["budget"])] += row["tokens"]
+    return {key: math.exp(nll[key] / tokens[key]) for key in nll}
 
 
 def perplexity_table(rows: list[dict]) -> str:

@@ -1,8 +1,8 @@
 """Task accuracy for settings (policy x budget) over one or more servers; resumable JSON lines.
 
-Each server answers one request at a time (on CPU a server uses about one core, so two servers on two cores do twice
-the work); the cases are spread over the servers. A row is written as soon as its answer arrives, so an interrupted
-run resumes where it stopped.
+Each server answers one request at a time; the cases are spread over the servers (on a machine with spare cores:
+on CPU each vLLM server keeps one core busy for its worker and, while it waits, another for its engine core).
+A row is written as soon as its answer arrives, so an interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
