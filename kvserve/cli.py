@@ -80,8 +80,8 @@ def serve(argv: list[str]) -> None:
     # Accumulating policies (h2o, ems) add O(n^2) CPU work to a long prefill step; on a loaded 2-core machine one
     # 3k-token h2o step passed vLLM's 300 s worker deadline and vLLM shut the engine down. Allow 30 minutes.
     env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "1800")
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *model_args,
-               "--middleware", "kvserve.server.middleware.KVHeadersMiddleware"]
+    # (the x-kv-* header middleware is installed by the plugin itself, inside vLLM's --api-key check)
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *model_args]
     if "--async-scheduling" not in vllm_args:
         command.append("--no-async-scheduling")  # eviction plans need schedule -> execute -> update in lockstep
     served = model_args[1] if model_args else "the --model given"

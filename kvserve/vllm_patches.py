@@ -12,6 +12,10 @@ Named integration points (vLLM 0.32.0):
    stale one; put requests whose policy raised on the step's output, for the scheduler to fail them.
 6. `InputProcessor._validate_params`: reject invalid `kv_*` settings with vLLM's validation error (HTTP 400),
    before a request reaches the engine.
+7. `AsyncLLM.generate` (API server): move each finished request's evicted-token count off its output into the HTTP
+   request's tally, which the middleware writes into the response's usage block (`kvserve/server/evicted.py`).
+8. `launchers.app.init_entrypoints_middleware` (API server): add kvserve's header middleware INSIDE vLLM's own, so
+   `--api-key` authentication (and CORS) run before any `x-kv-*` header or body is read.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def apply() -> None:
     _patch_scheduler_choice()
     _patch_model_runner()
     _patch_input_validation()
+    _patch_api_server()
     _applied = True
 
 
@@ -145,3 +150,39 @@ def _patch_input_validation() -> None:
         return original(self, params, *args, **kwargs)
 
     InputProcessor._validate_params = _validate_params
+
+
+def _patch_api_server() -> None:
+    import sys
+
+    # Only the API server process has imported the app builder (at start-up, before plugins load); engine-core and
+    # worker processes skip this patch instead of importing FastAPI's world.
+    app_module = sys.modules.get("vllm.entrypoints.launchers.app")
+    if app_module is None:
+        return
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from kvserve.server.evicted import take_evicted_count
+    from kvserve.server.middleware import KVHeadersMiddleware
+
+    generate = AsyncLLM.generate
+
+    @functools.wraps(generate)
+    async def _generate(self, *args, **kwargs):
+        outputs = generate(self, *args, **kwargs)
+        try:
+            async for output in outputs:
+                take_evicted_count(output)
+                yield output
+        finally:
+            await outputs.aclose()  # a client that went away aborts the request now, not when this is collected
+
+    init_middleware = app_module.init_entrypoints_middleware
+
+    @functools.wraps(init_middleware)
+    def init_entrypoints_middleware(args, app, *rest, **kwargs):
+        app.add_middleware(KVHeadersMiddleware)  # Starlette: added first = innermost, so vLLM's run before it
+        return init_middleware(args, app, *rest, **kwargs)
+
+    AsyncLLM.generate = _generate
+    app_module.init_entrypoints_middleware = init_entrypoints_middleware

@@ -59,3 +59,18 @@ def test_other_responses_pass_unchanged():
         start, body, _ = run(headers, status, reply)
         assert start["status"] == status and json.loads(body) == reply
         assert dict(start["headers"])[b"x-kv-policy-applied"] == headers["x-kv-policy"].encode()
+
+
+def test_the_usage_block_gets_the_evicted_count_once_the_engine_reported_it():
+    from kvserve.server.evicted import EvictedTally
+    from kvserve.server.middleware import _add_evicted_to_stream_event, _add_evicted_to_usage
+
+    done = EvictedTally(tokens=236, finished_requests=1)
+    body = json.dumps({"id": "cmpl-1", "usage": {"prompt_tokens": 300}}).encode()
+    assert json.loads(_add_evicted_to_usage(body, done))["usage"] == {"prompt_tokens": 300, "kv_tokens_evicted": 236}
+    assert _add_evicted_to_usage(body, EvictedTally()) == body  # nothing reported (yet): no made-up zero
+    event = b'data: {"id":"cmpl-1","choices":[],"usage":{"prompt_tokens":300}}\n\n'
+    rewritten = _add_evicted_to_stream_event(event, done)
+    assert rewritten.startswith(b"data: ") and rewritten.endswith(b"}\n\n")
+    assert json.loads(rewritten[6:])["usage"]["kv_tokens_evicted"] == 236
+    assert _add_evicted_to_stream_event(b"data: [DONE]\n\n", done) == b"data: [DONE]\n\n"

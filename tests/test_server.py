@@ -149,3 +149,29 @@ def test_every_dashboard_query_names_a_served_series(server, long_prompt):
                 queried |= set(re.findall(r"\b((?:vllm|kvserve):[a-zA-Z0-9_:]+)", target["expr"]))
     assert {name for name in queried if name.startswith("kvserve:")}  # the dashboards do show kvserve's series
     assert queried - served == set()
+
+
+def test_usage_reports_the_tokens_eviction_removed(server, long_prompt):
+    """usage.kv_tokens_evicted, unstreamed and in the streamed usage chunk, equals what the engine's counter saw."""
+    labels = '{policy="streamingllm"}'
+    evict = {"x-kv-policy": "streamingllm", "x-kv-budget": "64"}
+    before = metric(server, "kvserve:tokens_evicted_total", labels, missing=0.0)
+    usage = complete(server, long_prompt, evict).json()["usage"]
+    counted = metric(server, "kvserve:tokens_evicted_total", labels) - before
+    assert usage["kv_tokens_evicted"] == counted == usage["prompt_tokens"] - 64
+
+    payload = {"model": "smollm", "prompt": long_prompt, "max_tokens": 8, "temperature": 0, "stream": True,
+               "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server + "/v1/completions", json=payload, headers=evict, timeout=120) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    [streamed_usage] = [chunk["usage"] for chunk in chunks if chunk.get("usage")]
+    assert streamed_usage["kv_tokens_evicted"] == counted
+
+    chat = {"model": "smollm", "messages": [{"role": "user", "content": long_prompt}], "max_tokens": 4,
+            "temperature": 0}
+    chat_usage = httpx.post(server + "/v1/chat/completions", json=chat, headers=evict, timeout=120).json()["usage"]
+    assert chat_usage["kv_tokens_evicted"] == chat_usage["prompt_tokens"] - 64
+
+    kept_all = complete(server, long_prompt, {"x-kv-policy": "full"}).json()
+    assert kept_all["usage"]["kv_tokens_evicted"] == 0 and kept_all.get("kv_transfer_params") is None

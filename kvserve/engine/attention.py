@@ -11,11 +11,35 @@ from __future__ import annotations
 import torch
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
 
 from kvserve.engine.worker_state import current_step
 
-SUPPORTED_ISAS = ("vec",)
+SUPPORTED_ISAS = ("vec",)  # the cache layouts kvserve reads and compacts (kvserve/engine/cache_layout.py)
+
+
+class KVServeAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    """vLLM picks the kernel ISA, and with it the cache layout, once per KV-cache group at engine start. On a CPU with
+    AMX tiles it picks "amx" for bf16, whose block layout kvserve cannot read or compact; the "vec" kernel serves
+    bf16 as well, so kvserve asks for that. Any other layout is refused here, at start-up, with the reason, rather
+    than failing the first evicting request inside a forward pass."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if self.isa == "amx":
+            self.isa = "vec"
+            self._set_isa_to_layers(layer_names)
+        if self.isa not in SUPPORTED_ISAS or self.kv_cache_dtype != "auto":
+            raise RuntimeError(
+                f"kvserve eviction supports the CPU cache layout of ISA {SUPPORTED_ISAS} with an unquantised cache; "
+                f"this engine would use ISA {self.isa!r} (head size {self.head_dim}, block size {self.block_size}) and "
+                f"kv_cache_dtype {self.kv_cache_dtype!r}. Use a block size that is a multiple of 32, no fp8 cache, "
+                "or run vanilla vLLM (VLLM_PLUGINS without 'kvserve')."
+            )
 
 
 class KVServeAttentionImpl(CPUAttentionBackendImpl):
@@ -26,12 +50,6 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         step = current_step()
         if step is None or not step.rows or attn_metadata is None or self.attn_type != AttentionType.DECODER:
             return result
-        isa = getattr(layer, "isa", None)
-        if isa not in SUPPORTED_ISAS or self.kv_cache_dtype != "auto":
-            raise RuntimeError(
-                f"kvserve eviction supports the CPU cache layout of ISA {SUPPORTED_ISAS} with an unquantised cache; "
-                f"this engine uses ISA {isa!r} and kv_cache_dtype {self.kv_cache_dtype!r}"
-            )
         layer_idx = getattr(layer, "_kvserve_layer_idx", None)
         if layer_idx is None:
             layer_idx = layer._kvserve_layer_idx = extract_layer_index(layer.layer_name)
@@ -43,3 +61,7 @@ class KVServeAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[KVServeAttentionImpl]:
         return KVServeAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KVServeAttentionMetadataBuilder]:
+        return KVServeAttentionMetadataBuilder

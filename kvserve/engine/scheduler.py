@@ -18,6 +18,7 @@ from kvserve.config import KVConfig, KVConfigError, parse_kv_config
 from kvserve.engine.block_manager import EvictingFullAttentionManager
 from kvserve.engine.plan import PLAN_ATTR, Compaction, compactions_of, failures_of
 from kvserve.metrics import metrics
+from kvserve.server.evicted import with_evicted_count
 
 logger = init_logger(__name__)
 
@@ -120,8 +121,11 @@ class EvictingScheduler(Scheduler):
 
     def _free_request(self, request: Request, *args, **kwargs):
         config = self.kv_configs.pop(request.request_id, None)
+        evicted = self.evicting_manager.evicted.get(request.request_id, 0)
         if config is not None and request.num_computed_tokens > 0:
-            kept = request.num_computed_tokens - self.evicting_manager.evicted.get(request.request_id, 0)
+            kept = request.num_computed_tokens - evicted
             metrics().kept_ratio.labels(policy=config.policy).observe(kept / request.num_computed_tokens)
         self.evicting_manager.forget(request.request_id)
-        return super()._free_request(request, *args, **kwargs)
+        kv_transfer_params, ec_transfer_params = super()._free_request(request, *args, **kwargs)
+        # The finished request's output carries the count to the front end (the response's usage block).
+        return with_evicted_count(kv_transfer_params, evicted), ec_transfer_params

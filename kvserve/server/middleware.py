@@ -3,7 +3,10 @@
 `x-kv-budget: 256` becomes `vllm_xargs["kv_budget"] = "256"` (dashes to underscores). A setting given both as a
 header and in the body with different values is a conflict (400), never a silent choice. Every invalid setting gets
 HTTP 400 in OpenAI's error format, naming the field. Responses say what was applied in `x-kv-policy-applied` and
-`x-kv-budget-applied`.
+`x-kv-budget-applied`, and how many tokens eviction removed in `usage.kv_tokens_evicted`.
+
+The plugin installs this middleware inside vLLM's own (`kvserve/vllm_patches.py`), so with `--api-key` an
+unauthenticated request gets vLLM's 401 before anything here reads it.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import json
 from typing import Any
 
 from kvserve.config import KEY_PREFIX, KVConfigError, parse_kv_config
+from kvserve.server.evicted import EVICTED_KEY, EvictedTally, open_tally
 
 HEADER_PREFIX = b"x-kv-"
 MAX_HEADER_VALUE = 256
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+HANDLED = "kvserve.headers_handled"  # scope key: a second copy of this middleware (given by --middleware too) passes
 
 
 class BadRequest(Exception):
@@ -67,7 +72,8 @@ class KVHeadersMiddleware:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+        if (scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS
+                or scope.get(HANDLED)):
             await self.app(scope, receive, send)
             return
         raw = await _read_body(receive)
@@ -90,7 +96,9 @@ class KVHeadersMiddleware:
             return
         scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
                      + [(b"content-length", str(len(raw)).encode())])
-        await self.app(scope, _replay(raw, receive), _with_applied_headers(send, config))
+        scope[HANDLED] = True
+        tally = open_tally()
+        await self.app(scope, _replay(raw, receive), _with_applied_headers(send, config, tally))
 
 
 async def _read_body(receive) -> bytes:
@@ -116,34 +124,65 @@ def _replay(body: bytes, receive):
     return replay
 
 
-def _with_applied_headers(send, config):
-    """Say what was applied; on a 500 for an evicting request, say which policy was in play (buffered: small JSON)."""
+def _with_applied_headers(send, config, tally: EvictedTally):
+    """Say what was applied (headers) and what was evicted (usage block); on a 500 for an evicting request, say which
+    policy was in play. A JSON body is buffered to rewrite it (it is small); a stream is rewritten event by event."""
     held_start: dict | None = None
     held_body: list[bytes] = []
 
     async def wrapped(message):
         nonlocal held_start
-        if message["type"] == "http.response.start" and config is not None:
+        if message["type"] == "http.response.start":
             headers = list(message.get("headers", []))
-            headers.append((b"x-kv-policy-applied", config.policy.encode()))
-            if config.budget is not None:
-                headers.append((b"x-kv-budget-applied", str(config.budget).encode()))
+            if config is not None:
+                headers.append((b"x-kv-policy-applied", config.policy.encode()))
+                if config.budget is not None:
+                    headers.append((b"x-kv-budget-applied", str(config.budget).encode()))
             message = dict(message, headers=headers)
-            if message["status"] == 500 and config.evicts:
+            content_type = dict((k.lower(), v) for k, v in headers).get(b"content-type", b"")
+            if content_type.startswith(b"application/json") and message["status"] in (200, 500):
                 held_start = message
                 return
-        if held_start is not None and message["type"] == "http.response.body":
+        elif message["type"] == "http.response.body" and held_start is not None:
             held_body.append(message.get("body", b""))
             if message.get("more_body"):
                 return
-            body = name_the_policy(b"".join(held_body), config.policy)
+            body = b"".join(held_body)
+            if held_start["status"] == 500 and config is not None and config.evicts:
+                body = name_the_policy(body, config.policy)
+            elif held_start["status"] == 200:
+                body = _add_evicted_to_usage(body, tally)
             headers = [(k, v) for k, v in held_start["headers"] if k.lower() != b"content-length"]
             await send(dict(held_start, headers=headers + [(b"content-length", str(len(body)).encode())]))
             await send({"type": "http.response.body", "body": body})
             return
+        elif message["type"] == "http.response.body" and b'"usage":{' in message.get("body", b""):
+            message = dict(message, body=_add_evicted_to_stream_event(message["body"], tally))
         await send(message)
 
     return wrapped
+
+
+def _add_evicted_to_usage(body: bytes, tally: EvictedTally) -> bytes:
+    try:
+        response = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(response, dict) or not isinstance(response.get("usage"), dict) or not tally.finished_requests:
+        return body
+    response["usage"][EVICTED_KEY] = tally.tokens
+    return json.dumps(response).encode()
+
+
+def _add_evicted_to_stream_event(body: bytes, tally: EvictedTally) -> bytes:
+    """vLLM sends each server-sent event as one body message: `data: {json}\n\n`. The usage chunk comes after the
+    last output, so the tally is complete by then."""
+    prefix, _, rest = body.partition(b"data: ")
+    payload = rest.rstrip(b"\n")
+    rewritten = _add_evicted_to_usage(payload, tally)
+    if prefix or rewritten is payload:
+        return body
+    return b"data: " + rewritten + rest[len(payload):]
 
 
 def name_the_policy(body: bytes, policy: str) -> bytes:
