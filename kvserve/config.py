@@ -108,7 +108,8 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
 
     policy = request.get("kv_policy", defaults.get("kv_policy", "full"))
     if not isinstance(policy, str) or policy not in POLICY_NAMES:
-        raise KVConfigError("kv_policy", f"unknown policy {policy!r}; allowed: {', '.join(POLICY_NAMES)}")
+        raise KVConfigError("kv_policy", _unsupported_combination(policy)
+                            or f"unknown policy {policy!r}; allowed: {', '.join(POLICY_NAMES)}")
     if policy == "full":
         stray = [k for k in request if k not in ("kv_policy",)]
         if stray:
@@ -139,6 +140,21 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
         "kv_evict_every_chunk", request.get("kv_evict_every_chunk", defaults.get("kv_evict_every_chunk", False))
     )
     return KVConfig(policy=policy, budget=budget, evict_every_chunk=every_chunk, knobs=tuple(knobs.items()))
+
+
+def _unsupported_combination(policy: Any) -> str | None:
+    """Why `<base>+caote` is refused for a base that exists but has no per-token score to rescore."""
+    if not isinstance(policy, str) or "+" not in policy:
+        return None
+    base, _, meta = policy.partition("+")
+    if base not in POLICIES or meta not in ("caote", "fastcaote"):
+        return None
+    rescorable = sorted({name.partition("+")[0] for name in POLICIES if "+" in name})
+    why = ("it merges evicted entries into kept ones, and CAOTE's error of evicting a token does not model a merge"
+           if base == "ems" else "it selects by a fixed rule (positions; MAT's anchors by logit rank per layer), "
+           "not by one score per token")
+    return (f"{policy!r} is not a supported combination: {meta} rescores a base policy's per-token scores, and "
+            f"{base} cannot be rescored ({why}); {meta} applies to: {', '.join(rescorable)}")
 
 
 def _parse_float(key: str, value: Any) -> float:

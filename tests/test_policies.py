@@ -110,3 +110,17 @@ def test_server_defaults_apply_and_foreign_default_knobs_are_dropped():
     assert snap.policy == "snapkv" and snap.budget == 256 and dict(snap.knobs)["window"] == 32
     assert parse_kv_config({"kv_policy": "full"}, defaults).evicts is False
     assert parse_kv_config({"kv_budget": "300", "kv_evict_every_chunk": "true"}, defaults).evict_every_chunk
+
+
+@pytest.mark.parametrize("policy", ["ems+caote", "streamingllm+fastcaote", "mat+caote"])
+def test_caote_over_a_policy_without_scores_is_refused_with_the_reason(policy):
+    with pytest.raises(KVConfigError) as error:
+        parse_kv_config({"kv_policy": policy, "kv_budget": 128}, defaults={})
+    assert error.value.field == "kv_policy"
+    assert "not a supported combination" in error.value.message and "h2o" in error.value.message
+
+
+def test_an_unknown_policy_lists_the_allowed_ones():
+    with pytest.raises(KVConfigError) as error:
+        parse_kv_config({"kv_policy": "lru+caote", "kv_budget": 128}, defaults={})
+    assert "unknown policy" in error.value.message and "snapkv+caote" in error.value.message

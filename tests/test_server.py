@@ -88,6 +88,7 @@ def test_streaming_chat_with_eviction(server, long_prompt):
 
 @pytest.mark.parametrize("headers,body,field", [
     ({"x-kv-policy": "lru", "x-kv-budget": "64"}, {}, "kv_policy"),
+    ({"x-kv-policy": "ems+caote", "x-kv-budget": "64"}, {}, "kv_policy"),  # an unsupported combination
     ({"x-kv-policy": "snapkv", "x-kv-budget": "many"}, {}, "kv_budget"),
     ({"x-kv-policy": "snapkv", "x-kv-budget": "16"}, {}, "kv_budget"),  # below the 32-token window it keeps
     ({"x-kv-policy": "snapkv", "x-kv-budget": "4096"}, {}, "kv_budget"),  # above the server's max_model_len 2048
