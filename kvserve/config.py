@@ -40,6 +40,11 @@ class KVConfig:
     def evicts(self) -> bool:
         return self.policy != "full"
 
+    @property
+    def ragged(self) -> bool:
+        """The policy decides per head how many entries to keep (Attention-Gate); the budget, if any, caps them."""
+        return self.evicts and POLICIES[self.policy].budget_optional
+
     def make_policy(self) -> Policy:
         return POLICIES[self.policy](**dict(self.knobs))
 
@@ -127,12 +132,14 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
         raw = request.get(key, defaults.get(key, knob.default))
         knobs[name] = _parse_knob(key, raw, knob)
 
-    if "kv_budget" not in request and "kv_budget" not in defaults:
+    budget: int | None = None
+    if "kv_budget" in request or "kv_budget" in defaults:
+        budget = _parse_int("kv_budget", request.get("kv_budget", defaults.get("kv_budget")))
+    elif not cls.budget_optional:
         raise KVConfigError("kv_budget", f"is required with kv_policy={policy} (tokens kept per layer and KV head)")
-    budget = _parse_int("kv_budget", request.get("kv_budget", defaults.get("kv_budget")))
     policy_obj = cls(**knobs)
     protected = policy_obj.protected_tokens()
-    if budget <= protected:
+    if budget is not None and budget <= protected:
         raise KVConfigError(
             "kv_budget", f"must be greater than the {protected} tokens {policy} always keeps, got {budget}"
         )
@@ -186,3 +193,20 @@ def _parse_knob(key: str, raw: Any, knob: Any) -> Any:
 
 def _knob_list(cls: type[Policy]) -> str:
     return ", ".join(KEY_PREFIX + name for name in cls.knobs) or "(none)"
+
+
+def check_against_model(config: KVConfig, model: str, max_model_len: int) -> None:
+    """The checks that need the served model: a budget no sequence can reach, a gate the model does not have.
+
+    Run by the HTTP middleware (so a streamed request gets a 400, not an error event after its 200) and by vLLM's
+    input validation (offline use)."""
+    if config.evicts and config.budget is not None and config.budget > max_model_len:
+        # a budget no sequence can reach is a mistake, not a way to turn eviction off (policy full does that)
+        raise KVConfigError("kv_budget", f"{config.budget} is above max_model_len ({max_model_len})")
+    if config.policy == "attention_gate":
+        from kvserve.gates.registry import NoGateError, gate_entry
+
+        try:
+            gate_entry(model)
+        except NoGateError as exc:
+            raise KVConfigError("kv_policy", str(exc)) from exc

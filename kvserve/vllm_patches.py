@@ -131,7 +131,7 @@ def _patch_input_validation() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from kvserve.config import KVConfigError, parse_kv_config
+    from kvserve.config import KVConfigError, check_against_model, parse_kv_config
 
     original = InputProcessor._validate_params
 
@@ -140,13 +140,9 @@ def _patch_input_validation() -> None:
         if isinstance(params, SamplingParams):
             try:
                 config = parse_kv_config(params.extra_args)
+                check_against_model(config, self.model_config.model, self.model_config.max_model_len)
             except KVConfigError as exc:
                 raise VLLMValidationError(str(exc), parameter=exc.field) from exc
-            limit = self.model_config.max_model_len
-            if config.evicts and config.budget > limit:
-                # a budget no sequence can reach is a mistake, not a way to turn eviction off (policy full does that)
-                raise VLLMValidationError(f"kv_budget: {config.budget} is above max_model_len ({limit})",
-                                          parameter="kv_budget")
         return original(self, params, *args, **kwargs)
 
     InputProcessor._validate_params = _validate_params

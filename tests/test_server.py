@@ -176,3 +176,13 @@ def test_usage_reports_the_tokens_eviction_removed(server, long_prompt):
 
     kept_all = complete(server, long_prompt, {"x-kv-policy": "full"}).json()
     assert kept_all["usage"]["kv_tokens_evicted"] == 0 and kept_all.get("kv_transfer_params") is None
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_streamed_request_over_max_model_len_is_a_400_not_an_error_event(server, path):
+    body = {"model": "smollm", "max_tokens": 4, "stream": True,
+            **({"prompt": "Hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]})}
+    response = httpx.post(server + path, json=body, headers={"x-kv-policy": "snapkv", "x-kv-budget": "4096"},
+                          timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "kv_budget" and "max_model_len" in response.json()["error"]["message"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import sys
 import tempfile
 from pathlib import Path
 
@@ -86,6 +87,12 @@ def report(results: list[dict], prompt_tokens: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     from kvserve.model import default_model_dir
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["load"]:  # a command with its own options: kvserve/bench/load.py
+        from kvserve.bench.load import main as load_main
+
+        return load_main(argv[1:])
 
     parser = argparse.ArgumentParser(prog="kvserve bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

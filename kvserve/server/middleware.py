@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvserve.config import KEY_PREFIX, KVConfigError, parse_kv_config
+from kvserve.config import KEY_PREFIX, KVConfigError, check_against_model, parse_kv_config
 from kvserve.server.evicted import EVICTED_KEY, EvictedTally, open_tally
 
 HEADER_PREFIX = b"x-kv-"
@@ -86,6 +86,9 @@ class KVHeadersMiddleware:
             if isinstance(body, dict):
                 body = merge_into_body(body, header_xargs)
                 config = parse_kv_config(body.get("vllm_xargs"))
+                model_config = _model_config(scope)
+                if model_config is not None:  # here, a streamed request still gets a 400 rather than an error event
+                    check_against_model(config, model_config.model, model_config.max_model_len)
                 raw = json.dumps(body).encode()
             elif header_xargs:
                 raise BadRequest("body", "x-kv-* headers need a JSON object body")
@@ -99,6 +102,13 @@ class KVHeadersMiddleware:
         scope[HANDLED] = True
         tally = open_tally()
         await self.app(scope, _replay(raw, receive), _with_applied_headers(send, config, tally))
+
+
+def _model_config(scope):
+    """The served model's config: vLLM puts its VllmConfig on the app's state before serving."""
+    app = scope.get("app")
+    vllm_config = getattr(getattr(app, "state", None), "vllm_config", None)
+    return getattr(vllm_config, "model_config", None)
 
 
 async def _read_body(receive) -> bytes:

@@ -1,0 +1,86 @@
+"""The load script (`kvserve bench load`): its plan offline, and a reduced run against the session's HTTP server."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import httpx
+import pytest
+
+from kvserve.bench.load import POLICY_MIX, Mix, plan, render, run_load
+from kvserve.config import KVConfigError, parse_kv_config
+from kvserve.eval.client import metric_sum
+from kvserve.model import ensure_default_model
+
+MAX_MODEL_LEN = 2048  # the `server` fixture's
+# reduced: short prompts (many still above the smaller budgets, so eviction runs), a larger invalid share so every
+# way of being invalid is sent at least once; 16 at a time as in the full run
+REDUCED = Mix(requests=48, invalid_share=0.25, abort_share=0.125, prompt_lengths=(24, 64, 160),
+              budgets=(40, 48, 64, 96), max_tokens=(4, 12), abort_max_tokens=24, seed=7)
+
+
+def _settings(case) -> dict:
+    """The kv_* keys a case sends, headers and body merged (the first of a duplicated header)."""
+    merged = dict(case.xargs)
+    for name, value in case.headers:
+        merged.setdefault("kv_" + name[len("x-kv-"):].replace("-", "_"), value)
+    return merged
+
+
+def test_plan_is_seeded_covers_every_policy_and_valid_means_valid():
+    cases = plan(Mix(requests=300, seed=3), MAX_MODEL_LEN)
+    assert [c.headers for c in cases] == [c.headers for c in plan(Mix(requests=300, seed=3), MAX_MODEL_LEN)]
+    kinds = Counter(c.kind for c in cases)
+    assert kinds == {"valid": 240, "abort": 30, "invalid": 30}
+    assert {c.policy for c in cases if c.kind != "invalid"} == set(POLICY_MIX)
+    assert all(c.stream and c.abort_after <= 3 for c in cases if c.kind == "abort")
+    for case in cases:
+        if case.kind == "invalid":
+            continue
+        config = parse_kv_config(_settings(case), defaults={})  # the server's parser accepts it
+        assert config.policy == case.policy and (config.budget or 0) <= MAX_MODEL_LEN
+    evicting = [c for c in cases if c.kind == "valid" and c.policy != "full"]
+    assert any(c.prompt_tokens > int(_settings(c)["kv_budget"]) for c in evicting)  # eviction will run
+
+
+def test_invalid_cases_are_invalid_for_the_servers_parser():
+    cases = [c for c in plan(REDUCED, MAX_MODEL_LEN) if c.kind == "invalid"]
+    assert len({c.policy for c in cases}) >= 10
+    for case in cases:
+        settings = _settings(case)
+        if case.expect_param.startswith("x-kv-"):  # duplicate and oversized headers: the middleware's own checks
+            names = [n for n, _ in case.headers]
+            assert names.count(case.expect_param) > 1 or any(len(v) > 256 for _, v in case.headers)
+        elif case.policy == "budget_above_max_model_len":  # vLLM's input validation knows max_model_len
+            assert int(settings["kv_budget"]) > MAX_MODEL_LEN
+        elif case.policy == "header_body_conflict":
+            header = dict(case.headers)["x-kv-budget"]
+            assert str(case.xargs["kv_budget"]) != header
+        else:
+            with pytest.raises(KVConfigError) as error:
+                parse_kv_config(settings, defaults={})
+            assert error.value.field == case.expect_param
+
+
+def test_reduced_load_leaves_the_server_healthy_with_its_pool_full(server):
+    report = run_load(server, str(ensure_default_model()), REDUCED, concurrency=16, max_seconds=240,
+                      request_timeout=180, settle_s=30)
+    print(render(report))
+    cases = plan(REDUCED, MAX_MODEL_LEN)
+    planned = Counter(c.kind for c in cases)
+    assert not report["max_seconds_hit"] and report["sent"] == REDUCED.requests
+    assert report["unexpected"] == {}
+    assert report["ok"] == planned["valid"]
+    assert report["aborted"] == planned["abort"] > 0
+    assert report["rejected_as_expected"] == planned["invalid"] == len(report["invalid"])
+    assert all(i["rejected_as_expected"] and i["detail"] == i["expected_param"] for i in report["invalid"])
+    assert report["latency_s"]["all"]["n"] == planned["valid"] and report["ttft_s"]["all"]["n"] > 0
+    end = report["end_state"]
+    assert all(end["checks"].values()), end
+    assert end["evictions"] > 0 and end["tokens_evicted"] > 0
+    # and independently of the report's own scrape: healthy, pool full, nothing held
+    assert httpx.get(server + "/health").status_code == 200
+    text = httpx.get(server + "/metrics").text
+    assert metric_sum(text, "vllm:kv_cache_usage_perc") == 0.0
+    assert metric_sum(text, "kvserve:requests_with_evicted_cache") == 0.0
+    assert report["passed"]
