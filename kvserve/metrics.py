@@ -37,6 +37,11 @@ class Metrics:
         self.evicted_requests = Gauge("kvserve:requests_with_evicted_cache",
                                       "Requests currently holding a compacted (evicted) KV cache",
                                       multiprocess_mode="livesum")
+        # Attention-Gate: eviction ratio per layer and KV head = 1 - kept / judged (every head judges every token)
+        self.gate_tokens_judged = Counter("kvserve:gate_tokens_judged",
+                                          "Prompt tokens judged by Attention-Gate (each layer and KV head judges each)")
+        self.gate_tokens_kept = Counter("kvserve:gate_tokens_kept", "Prompt tokens Attention-Gate kept",
+                                        ["layer", "kv_head"])
         self.compaction_seconds = Histogram(
             "kvserve:compaction_seconds",
             "Worker time of one request's eviction step: scoring and compacting every layer, outside vLLM's attention",

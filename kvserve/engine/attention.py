@@ -53,7 +53,7 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         layer_idx = getattr(layer, "_kvserve_layer_idx", None)
         if layer_idx is None:
             layer_idx = layer._kvserve_layer_idx = extract_layer_index(layer.layer_name)
-        step.after_attention(layer_idx, query, kv_cache, attn_metadata.block_table, self.scale)
+        step.after_attention(layer_idx, query, kv_cache, attn_metadata.block_table, self.scale, result)
         return result
 
 

@@ -13,7 +13,7 @@ PLAN_ATTR = "kvserve_compactions"
 
 @dataclass(frozen=True)
 class Compaction:
-    keep_tokens: int  # B: entries per layer and KV head after the step
+    keep_tokens: int  # B: entries per layer and KV head after the step (a ragged policy: at most this many)
     logical_tokens: int  # tokens the request has computed after the step (drives RoPE positions)
     cached_tokens: int  # entries in the cache after the step's writes, before compaction
 
@@ -28,3 +28,11 @@ FAILURES_ATTR = "kvserve_failures"
 
 def failures_of(model_runner_output) -> dict[str, str]:
     return getattr(model_runner_output, FAILURES_ATTR, None) or {}
+
+
+# Attribute of a ModelRunnerOutput: {req_id: entries kept} for ragged compactions, whose count the worker decides.
+KEPT_ATTR = "kvserve_kept"
+
+
+def kept_of(model_runner_output) -> dict[str, int]:
+    return getattr(model_runner_output, KEPT_ATTR, None) or {}

@@ -16,8 +16,9 @@ import torch
 from vllm.utils.math_utils import cdiv
 
 from kvserve.config import KVConfigError, parse_kv_config
-from kvserve.engine.plan import FAILURES_ATTR, compactions_of
-from kvserve.engine.worker_state import RequestState, RowPlan, StepContext, current_step, set_step
+from kvserve.engine.gated import pad_layers_to
+from kvserve.engine.plan import FAILURES_ATTR, KEPT_ATTR, compactions_of
+from kvserve.engine.worker_state import GateRuntime, RequestState, RowPlan, StepContext, current_step, set_step
 
 RECENT_LIMIT = 32
 
@@ -33,10 +34,13 @@ class EvictionBook:
         self.not_evicting: set[str] = set()
         self.pending: dict[str, tuple[int, int]] = {}  # req id -> (keep_tokens, logical_tokens) from the last step
         self.failures: dict[str, str] = {}  # req id -> why its policy failed, until the scheduler hears of it
+        self.kept: dict[str, int] = {}  # req id -> entries a ragged compaction kept, until the scheduler hears of it
 
-    def state_for(self, req_id: str, sampling_params) -> RequestState | None:
+    def state_for(self, req_id: str, runner) -> RequestState | None:
         if req_id in self.requests:
             return self.requests[req_id]
+        req_state = runner.requests.get(req_id)
+        sampling_params = getattr(req_state, "sampling_params", None)
         if req_id in self.not_evicting or sampling_params is None:
             return None
         try:
@@ -46,7 +50,15 @@ class EvictionBook:
         if config is None or not config.evicts:
             self.not_evicting.add(req_id)
             return None
-        state = self.requests[req_id] = RequestState(config=config, policy=config.make_policy())
+        state = RequestState(config=config, policy=config.make_policy())
+        if config.ragged:
+            try:
+                state.gate = _gate_runtime(runner, req_state)
+            except Exception as error:  # e.g. a gate file that fails its checksum: fail the request, not the engine
+                self.failures[req_id] = f"kv_policy {config.policy!r} cannot start: {error}"
+                self.not_evicting.add(req_id)
+                return None
+        self.requests[req_id] = state
         return state
 
     def forget(self, req_id: str) -> None:
@@ -59,6 +71,20 @@ class EvictionBook:
                 self.recent.popitem(last=False)
         self.not_evicting.discard(req_id)
         self.pending.pop(req_id, None)
+
+
+def _gate_runtime(runner, req_state) -> GateRuntime:
+    from kvserve.gates.registry import load_gates
+
+    config = runner.model_config.hf_config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    if (rope.get("rope_type") or "default") != "default":
+        raise ValueError(f"the gate undoes Llama's default RoPE only; this model uses {rope.get('rope_type')!r}")
+    gates = load_gates(runner.model_config.model, config.num_hidden_layers, config.num_attention_heads * head_dim,
+                       config.num_key_value_heads)
+    return GateRuntime(gates=gates, rope_theta=theta, prompt_len=req_state.num_prompt_tokens)
 
 
 def book_of(runner) -> EvictionBook:
@@ -102,8 +128,7 @@ def after_prepare_inputs(runner, scheduler_output, num_scheduled_tokens: np.ndar
     rows: list[RowPlan] = []
     query_starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens[:num_reqs])])
     for row, req_id in enumerate(runner.input_batch.req_ids[:num_reqs]):
-        req_state = runner.requests.get(req_id)
-        state = book.state_for(req_id, getattr(req_state, "sampling_params", None))
+        state = book.state_for(req_id, runner)
         if state is None:
             continue
         offsets[row] = state.offset
@@ -137,15 +162,23 @@ def clear_step(runner) -> None:
         book.failures.update(failures)
         for req_id in failures:  # its cache was not compacted: the scheduler frees it whole when it fails it
             book.pending.pop(req_id, None)
+        for plan in step.rows:  # ragged compactions: the count is known only now, after every layer ran
+            if plan.kept_tokens is not None and plan.failure is None:
+                pad_layers_to(plan.state, plan.kept_tokens)
+                book.pending[plan.req_id] = (plan.kept_tokens, plan.compaction.logical_tokens)
+                book.kept[plan.req_id] = plan.kept_tokens
     set_step(None)
 
 
 def attach_failures(runner, output):
-    """Hand failed requests to the scheduler on the step's output (it travels to the engine core pickled)."""
+    """Hand failed requests, and ragged compactions' kept counts, to the scheduler on the step's output (it travels
+    to the engine core pickled)."""
     book = book_of(runner)
-    if output is None or not book.failures:
+    if output is None or not (book.failures or book.kept):
         return output
     output = copy.copy(output)  # never mark a shared constant such as EMPTY_MODEL_RUNNER_OUTPUT
     setattr(output, FAILURES_ATTR, dict(book.failures))
+    setattr(output, KEPT_ATTR, dict(book.kept))
     book.failures.clear()
+    book.kept.clear()
     return output

@@ -5,6 +5,10 @@ Rules (B = the request's budget, bs = block size), checked after each step is sc
 - any earlier prompt chunk: the same, only with `kv_evict_every_chunk`;
 - a decode step: compact back to B once the cache reaches B + bs, so eviction runs once per block of new tokens.
 After the step ran, `update_from_output` frees the blocks past B.
+
+A ragged policy (Attention-Gate) decides its counts in the worker: its prompt always compacts, to at most B (or to
+at most the whole cache without a budget), and the worker reports how many entries it kept on the step's output;
+during decoding the B + bs rule applies only when a budget was given.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from vllm.v1.request import Request
 
 from kvserve.config import KVConfig, KVConfigError, parse_kv_config
 from kvserve.engine.block_manager import EvictingFullAttentionManager
-from kvserve.engine.plan import PLAN_ATTR, Compaction, compactions_of, failures_of
+from kvserve.engine.plan import PLAN_ATTR, Compaction, compactions_of, failures_of, kept_of
 from kvserve.metrics import metrics
 from kvserve.server.evicted import with_evicted_count
 
@@ -54,7 +58,7 @@ class EvictingScheduler(Scheduler):
                 self.kv_configs[request.request_id] = config
                 request.skip_reading_prefix_cache = True
                 self.evicting_manager.evicting.add(request.request_id)
-                if config.evict_every_chunk:
+                if config.evict_every_chunk and config.budget is not None:
                     chunk = self.scheduler_config.max_num_batched_tokens
                     self.evicting_manager.admission_cap[request.request_id] = config.budget + chunk + self.block_size
         super().add_request(request)
@@ -82,18 +86,24 @@ class EvictingScheduler(Scheduler):
             if config is None:
                 continue
             cached = logical - self.evicting_manager.evicted.get(req_id, 0)
-            if is_decode:
-                due = cached >= config.budget + self.block_size
-            elif logical >= request.num_tokens:
-                due = cached > config.budget
-            else:
-                due = config.evict_every_chunk and cached > config.budget
-            if due:
-                plan[req_id] = Compaction(keep_tokens=config.budget, logical_tokens=logical, cached_tokens=cached)
+            keep = self._keep_tokens(config, cached, is_decode, prompt_done=logical >= request.num_tokens)
+            if keep is not None:
+                plan[req_id] = Compaction(keep_tokens=keep, logical_tokens=logical, cached_tokens=cached)
         setattr(output, PLAN_ATTR, plan)
         self.peak_running = max(self.peak_running, len(self.running))
         self.peak_decoding = max(self.peak_decoding, decoding)
         return output
+
+    def _keep_tokens(self, config: KVConfig, cached: int, is_decode: bool, prompt_done: bool) -> int | None:
+        """The entries a request compacts to after this step, or None if it does not compact now."""
+        budget = config.budget
+        if is_decode:
+            return budget if budget is not None and cached >= budget + self.block_size else None
+        if not prompt_done and not config.evict_every_chunk:
+            return None
+        if config.ragged:  # the gate decides; the budget caps
+            return cached if budget is None else min(budget, cached)
+        return budget if cached > budget else None
 
     def update_from_output(self, scheduler_output, model_runner_output):
         failures = failures_of(model_runner_output)
@@ -104,13 +114,15 @@ class EvictingScheduler(Scheduler):
         # vLLM finishes the requests in this set with FINISHED_ERROR (HTTP 500) at the end of this update; the set
         # is named for grammar failures but is its generic "fail these requests" hook.
         self.grammar_compile_error_reqs.update(req_id for req_id in failures if req_id in self.requests)
+        kept_by_worker = kept_of(model_runner_output)
         for req_id, compaction in compactions_of(scheduler_output).items():
             request = self.requests.get(req_id)
             if request is None or request.is_finished() or req_id in failures:
                 continue
-            freed = self.evicting_manager.truncate(req_id, compaction.keep_tokens, compaction.logical_tokens)
-            metrics().record_compaction(self.kv_configs[req_id].policy,
-                                        compaction.cached_tokens - compaction.keep_tokens, freed, self.bytes_per_block)
+            keep = kept_by_worker.get(req_id, compaction.keep_tokens)
+            freed = self.evicting_manager.truncate(req_id, keep, compaction.logical_tokens)
+            metrics().record_compaction(self.kv_configs[req_id].policy, compaction.cached_tokens - keep, freed,
+                                        self.bytes_per_block)
         result = super().update_from_output(scheduler_output, model_runner_output)
         metrics().evicted_requests.set(sum(1 for v in self.evicting_manager.evicted.values() if v > 0))
         return result

@@ -10,13 +10,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.config import KVConfig
 from kvserve.engine.cache_layout import compact_entries, read_entries, write_entries
+from kvserve.engine.gated import gated_layer_step
 from kvserve.engine.plan import Compaction
+from kvserve.gates.module import GatePast
 from kvserve.metrics import metrics
 from kvserve.policies import LayerObservation, Policy
 
@@ -30,6 +33,9 @@ class LayerState:
     window_positions: torch.Tensor | None = None  # [w]
     stats: dict[str, torch.Tensor] = field(default_factory=dict)  # per-entry running statistics, [H, m] each
     last_keep: torch.Tensor | None = None  # [H, B] cache indices chosen at the last compaction (introspection)
+    # ragged policies (Attention-Gate): per-head validity of the first entries (later ones are valid), the gate's past
+    valid: torch.Tensor | None = None  # [H, v] bool
+    gate_past: GatePast | None = None
 
     def positions(self, num_heads: int, num_entries: int, offset: int) -> torch.Tensor:
         """Logical positions of cache entries 0..num_entries-1 per head: [H, num_entries]."""
@@ -41,12 +47,22 @@ class LayerState:
 
 
 @dataclass
+class GateRuntime:
+    """What a ragged (gated) request needs besides its policy: the model's gates and how to undo its RoPE."""
+
+    gates: Any  # kvserve.gates.gateset.GateSet
+    rope_theta: float
+    prompt_len: int
+
+
+@dataclass
 class RequestState:
     config: KVConfig
     policy: Policy
     offset: int = 0  # logical tokens minus cache entries
     compactions: int = 0
     layers: dict[int, LayerState] = field(default_factory=dict)
+    gate: GateRuntime | None = None
 
     def layer(self, idx: int) -> LayerState:
         return self.layers.setdefault(idx, LayerState())
@@ -69,6 +85,7 @@ class RowPlan:
     cache_len: int  # entries in the cache after this step's writes (physical seq_len)
     compaction: Compaction | None
     eviction_seconds: float = 0.0  # scoring + compaction time over this step's layers
+    kept_tokens: int | None = None  # a ragged compaction: the largest count kept by any layer and head
     failure: str | None = None  # the policy raised: the request fails, the rest of the batch goes on
 
 
@@ -77,14 +94,20 @@ class StepContext:
     rows: list[RowPlan]
 
     def after_attention(self, layer_idx: int, query: torch.Tensor, kv_cache: torch.Tensor,
-                        block_table: torch.Tensor, scale: float) -> None:
-        """Called by the attention backend after a layer's attention: record window queries, compact if planned."""
+                        block_table: torch.Tensor, scale: float, output: torch.Tensor) -> None:
+        """Called by the attention backend after a layer's attention: record window queries, compact if planned;
+        for gated requests, recompute their output rows [q, Hq, D] with the per-head keep mask."""
         for plan in self.rows:
             if plan.failure is not None:
                 continue
             start = time.perf_counter()
             try:
-                self._evict(plan, layer_idx, query, kv_cache, block_table, scale)
+                if plan.state.gate is not None:
+                    gated_layer_step(plan, plan.state.layer(layer_idx), layer_idx,
+                                     query[plan.query_start : plan.query_end], _query_positions(plan), output,
+                                     kv_cache, block_table[plan.row], scale)
+                else:
+                    self._evict(plan, layer_idx, query, kv_cache, block_table, scale)
             except Exception as error:  # a policy's bug fails its request, never the engine (the scheduler ends it)
                 plan.failure = f"kv_policy {plan.state.config.policy!r} failed: {type(error).__name__}: {error}"
                 logger.exception("kvserve: request %s: %s", plan.req_id, plan.failure)

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         cases = make_cases(tokenizer, args.tasks.split(","), _ints(args.lengths), args.samples, args.seed)
         rows = quality.run(servers, settings(policies, budgets), cases, args.out, progress=not args.quiet)
         print(quality.summary_table(rows), "", quality.matrix_table(rows), "", quality.best_per_budget(rows),
-              sep="\n")
+              quality.gate_summary(rows), sep="\n")
         values = {key: mean for key, (mean, _) in quality.mean_scores(rows, ("policy", "budget")).items()}
         if args.plot:
             title = f"Mean score over {len(args.tasks.split(','))} tasks at {args.lengths} tokens"

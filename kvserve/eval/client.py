@@ -31,9 +31,15 @@ class Setting:
 
 
 def settings(policies: list[str], budgets: list[int], evict_every_chunk: bool = False) -> list[Setting]:
-    """`full` once (the reference row), every other policy at every budget."""
-    full = [Setting("full", None)] if "full" in policies else []
-    return full + [Setting(p, b, evict_every_chunk) for p in policies if p != "full" for b in budgets]
+    """`full` once (the reference row), a policy that sets its own counts (attention_gate) once without a budget,
+    every other policy at every budget."""
+    from kvserve.policies import POLICIES
+
+    def unbudgeted(policy: str) -> bool:
+        return policy == "full" or POLICIES[policy].budget_optional
+
+    once = [Setting(p, None, evict_every_chunk and p != "full") for p in policies if unbudgeted(p)]
+    return once + [Setting(p, b, evict_every_chunk) for p in policies if not unbudgeted(p) for b in budgets]
 
 
 def metric_sum(text: str, name: str) -> float:
@@ -54,12 +60,14 @@ class Server:
     def blocks_freed(self) -> float:
         return metric_sum(self.metrics_text(), "kvserve:blocks_freed_total")
 
-    def complete(self, setting: Setting, prompt: str | list[int], **body) -> dict:
-        response = self.http.post(self.url + "/v1/completions", headers=setting.headers(), json={
-            "model": self.model, "prompt": prompt, "temperature": 0, **body})
-        if response.status_code != 200:
-            raise RuntimeError(f"{self.url} answered {response.status_code}: {response.text[:500]}")
-        return response.json()
+    def gate_counts(self) -> tuple[float, dict[tuple[int, int], float]]:
+        """Attention-Gate's counters: prompt tokens judged, and tokens kept per (layer, KV head)."""
+        text = self.metrics_text()
+        kept = {}
+        for labels, value in re.findall(r"^kvserve:gate_tokens_kept_total\{([^}]*)\} ([0-9.e+-]+)$", text, re.M):
+            named = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            kept[(int(named["layer"]), int(named["kv_head"]))] = float(value)
+        return metric_sum(text, "kvserve:gate_tokens_judged_total"), kept
 
 
 def load_rows(path: str) -> list[dict]:
@@ -73,3 +81,16 @@ def load_rows(path: str) -> list[dict]:
 def append_row(path: str, row: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+def gate_keep_ratios(server: Server, before: tuple[float, dict[tuple[int, int], float]]) -> list[float] | None:
+    """Per layer, the share of prompt tokens the gate kept (mean over KV heads) since `before`; None if the gate
+    judged nothing (not an attention_gate request)."""
+    judged, kept = server.gate_counts()
+    judged -= before[0]
+    if judged <= 0:
+        return None
+    by_layer: dict[int, list[float]] = {}
+    for (layer, _), value in kept.items():
+        by_layer.setdefault(layer, []).append((value - before[1].get((layer, _), 0.0)) / judged)
+    return [round(sum(shares) / len(shares), 4) for _, shares in sorted(by_layer.items())]

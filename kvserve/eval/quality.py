@@ -12,7 +12,7 @@ import threading
 import time
 from collections import defaultdict
 
-from kvserve.eval.client import Server, Setting, append_row, load_rows
+from kvserve.eval.client import Server, Setting, append_row, gate_keep_ratios, load_rows
 from kvserve.eval.report import grid_table
 from kvserve.eval.tasks import Case, score
 
@@ -64,14 +64,19 @@ def run(servers: list[Server], settings: list[Setting], cases: list[Case], out: 
 
 def answer(server: Server, setting: Setting, case: Case) -> dict:
     freed_before = server.blocks_freed()
+    gate_before = server.gate_counts()
     start = time.time()
     body = server.complete(setting, case.prompt, max_tokens=case.max_tokens)
     text = body["choices"][0]["text"]
-    return {"policy": setting.policy, "budget": setting.budget, "task": case.task, "length": case.length,
-            "index": case.index, "seed": case.seed, "depth": round(case.depth, 3),
-            "references": list(case.references), "answer": text, "score": score(text, case.references),
-            "prompt_tokens": body["usage"]["prompt_tokens"], "blocks_freed": server.blocks_freed() - freed_before,
-            "seconds": round(time.time() - start, 3)}
+    row = {"policy": setting.policy, "budget": setting.budget, "task": case.task, "length": case.length,
+           "index": case.index, "seed": case.seed, "depth": round(case.depth, 3),
+           "references": list(case.references), "answer": text, "score": score(text, case.references),
+           "prompt_tokens": body["usage"]["prompt_tokens"], "blocks_freed": server.blocks_freed() - freed_before,
+           "kv_tokens_evicted": body["usage"].get("kv_tokens_evicted"), "seconds": round(time.time() - start, 3)}
+    keep_by_layer = gate_keep_ratios(server, gate_before)
+    if keep_by_layer is not None:
+        row["gate_keep_by_layer"] = keep_by_layer
+    return row
 
 
 def _progress_bar(total: int, enabled: bool):
@@ -122,3 +127,19 @@ def best_per_budget(rows: list[dict]) -> str:
 def _setting_order(item) -> tuple:
     (policy, budget), _ = item
     return (policy != "full", policy, budget or 0)
+
+
+def gate_summary(rows: list[dict]) -> str:
+    """Attention-Gate rows: mean share of prompt tokens kept (all layers and heads) and the eviction ratio per layer,
+    with the average budget it amounts to at each prompt length (the budget to give other policies to compare)."""
+    gated = [r for r in rows if r.get("gate_keep_by_layer")]
+    if not gated:
+        return ""
+    layers = len(gated[0]["gate_keep_by_layer"])
+    per_layer = [sum(r["gate_keep_by_layer"][i] for r in gated) / len(gated) for i in range(layers)]
+    keep = sum(per_layer) / layers
+    lines = [f"attention_gate kept {keep:.3f} of prompt tokens on average over {len(gated)} requests "
+             f"(eviction ratio {1 - keep:.3f}); average budget by prompt length: "
+             + ", ".join(f"{length}: {keep * length:.0f}" for length in sorted({r['length'] for r in gated})),
+             "eviction ratio by layer: " + " ".join(f"{i}:{1 - v:.2f}" for i, v in enumerate(per_layer))]
+    return "\n".join(lines)

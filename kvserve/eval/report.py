@@ -17,8 +17,8 @@ def grid_table(values: Values, fmt: str = ".2f") -> str:
     budgets = sorted({b for _, b in values if b is not None})
     lines = ["| policy | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
     for policy in _policies(values):
-        if policy == "full":
-            cells = [format(values[("full", None)], fmt)] * len(budgets)
+        if (policy, None) in values:  # full, or a policy that sets its own counts: one value for every column
+            cells = [format(values[(policy, None)], fmt)] * len(budgets)
         else:
             cells = [format(values[(policy, b)], fmt) if (policy, b) in values else "-" for b in budgets]
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
@@ -36,6 +36,9 @@ def plot_vs_budget(values: Values, ylabel: str, path: str, title: str, log_y: bo
     ax.set_prop_cycle(color=plt.cm.tab20.colors)  # 16 policies: tab10 would repeat colours
     markers = "os^vD<>ph*xP"
     for number, policy in enumerate(p for p in _policies(values) if p != "full"):
+        if (policy, None) in values:  # its own counts, no budget: a horizontal line like the full cache
+            ax.axhline(values[(policy, None)], color="tab:red", linestyle="-.", label=f"{policy} (own counts)")
+            continue
         points = sorted((b, v) for (p, b), v in values.items() if p == policy and math.isfinite(v))
         style = "--" if "+" in policy else "-"
         ax.plot([b for b, _ in points], [v for _, v in points], style, marker=markers[number % len(markers)],

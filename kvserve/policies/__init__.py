@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from kvserve.policies.ahakv import AhaKV
+from kvserve.policies.attention_gate import AttentionGate
 from kvserve.policies.base import Knob, LayerObservation, Policy, ScoredPolicy, Selection
 from kvserve.policies.caote import caote_variant
 from kvserve.policies.ems import EMS
@@ -15,7 +16,7 @@ from kvserve.policies.snapkv import SnapKV
 from kvserve.policies.streamingllm import StreamingLLM
 from kvserve.policies.tova import TOVA
 
-BASE_POLICIES: tuple[type[Policy], ...] = (StreamingLLM, H2O, SnapKV, TOVA, AhaKV, MAT, EMS)
+BASE_POLICIES: tuple[type[Policy], ...] = (StreamingLLM, H2O, SnapKV, TOVA, AhaKV, MAT, EMS, AttentionGate)
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in BASE_POLICIES}
 for _base in BASE_POLICIES:
     if issubclass(_base, ScoredPolicy):
@@ -24,8 +25,8 @@ for _base in BASE_POLICIES:
             POLICIES[_variant.name] = _variant
 POLICY_NAMES: tuple[str, ...] = ("full", *POLICIES)
 
-__all__ = ["POLICIES", "POLICY_NAMES", "AhaKV", "EMS", "H2O", "Knob", "LayerObservation", "MAT", "Policy",
-           "ScoredPolicy", "Selection", "SnapKV", "StreamingLLM", "TOVA", "caote_variant"]
+__all__ = ["POLICIES", "POLICY_NAMES", "AhaKV", "AttentionGate", "EMS", "H2O", "Knob", "LayerObservation", "MAT",
+           "Policy", "ScoredPolicy", "Selection", "SnapKV", "StreamingLLM", "TOVA", "caote_variant"]
 
 
 def settings_table() -> str:

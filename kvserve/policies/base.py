@@ -98,6 +98,7 @@ class Policy:
     name: ClassVar[str]
     knobs: ClassVar[dict[str, Knob]] = {}
     stat_names: ClassVar[tuple[str, ...]] = ()  # running statistics this policy keeps (see update_stats)
+    budget_optional: ClassVar[bool] = False  # True: the policy decides counts itself; kv_budget only caps them
 
     def __init__(self, **settings: Any) -> None:
         for key, knob in self.knobs.items():

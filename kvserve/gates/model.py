@@ -1,0 +1,148 @@
+"""A plain PyTorch Llama forward over a Hugging Face checkpoint, with Attention-Gates: training and the offline
+reference for the served `attention_gate` policy. No vLLM, no transformers model code: every operation is here.
+
+Attention follows seed 000, Eq. 4/7: query s sees key t if t = s, or t < s and t's keep flag is 1 for that KV head.
+The mask is applied multiplicatively to exp(scores), so the keep flags can carry a straight-through gradient
+(forward: exact 0/1 masking; backward: d/d flag of the normalised weights), with no large additive constants.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from kvserve.gates.module import GatePast, rotate, straight_through
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_eps: float
+
+    @classmethod
+    def from_config(cls, config: dict) -> LlamaShape:
+        rope = config.get("rope_parameters") or {}
+        if (rope.get("rope_type") or "default") != "default" or config.get("rope_scaling"):
+            raise ValueError("kvserve's gate reference implements Llama's default RoPE only")
+        return cls(num_layers=config["num_hidden_layers"], hidden=config["hidden_size"],
+                   num_heads=config["num_attention_heads"], num_kv_heads=config["num_key_value_heads"],
+                   head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                   rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+                   rms_eps=float(config["rms_norm_eps"]))
+
+
+def masked_softmax(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """softmax over the kept keys only; `keep` (0/1, possibly with a straight-through gradient) multiplies exp."""
+    hard = keep.detach() > 0.5
+    peak = scores.detach().masked_fill(~hard, float("-inf")).amax(dim=-1, keepdim=True)
+    # Masked keys may score far above the kept maximum (attention sinks: measured up to +38). Capping them at the kept
+    # maximum changes nothing forward (kept scores are <= peak; masked weights are multiplied by exactly 0) but bounds
+    # the straight-through gradient of a masked key at that of the strongest kept key: with a cap of +30 a few sink
+    # tokens gave gradients of e^30 and dominated every training step (gate gradient norm 2.6e4 vs 40).
+    weights = torch.exp((scores - peak).clamp(max=0.0)) * keep
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def gate_keep_matrix(flags: torch.Tensor) -> torch.Tensor:
+    """flags [B, n, H] -> keep [B, H, n (query), n (key)] of Eq. 7: 1 on the diagonal, flag_t below, 0 above."""
+    n = flags.shape[1]
+    below = torch.tril(torch.ones(n, n, dtype=torch.bool), diagonal=-1)
+    keep = flags.transpose(1, 2)[:, :, None, :] * below  # [B, H, 1, n] x [n, n]
+    return keep + torch.eye(n, dtype=flags.dtype)
+
+
+@dataclass
+class GatedOutput:
+    logits: torch.Tensor  # [B, n, vocab]
+    keep_probability: list[torch.Tensor]  # per layer, [B, n, H_kv]
+    flags: list[torch.Tensor]  # per layer, [B, n, H_kv] (0/1 floats; straight-through when training)
+
+
+class PlainLlama(torch.nn.Module):
+    """Frozen Llama weights; `forward(ids, gates)` runs the model with the gates' masks."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        super().__init__()
+        model_dir = Path(model_dir)
+        self.shape = LlamaShape.from_config(json.loads((model_dir / "config.json").read_text()))
+        weights: dict[str, torch.Tensor] = {}
+        for path in sorted(model_dir.glob("*.safetensors")):
+            weights.update(load_file(path))
+        self.weights = {name.removeprefix("model."): w.float() for name, w in weights.items()}
+        self.weights.setdefault("lm_head.weight", self.weights["embed_tokens.weight"])  # tied embeddings
+        for tensor in self.weights.values():
+            tensor.requires_grad_(False)
+
+    def _w(self, layer: int, name: str) -> torch.Tensor:
+        return self.weights[f"layers.{layer}.{name}.weight"]
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.shape.rms_eps) * weight
+
+    def forward(self, input_ids: torch.Tensor, gates=None, train_gates: bool = False,
+                forced_keep: torch.Tensor | None = None) -> GatedOutput:
+        """input_ids [B, n]. Without gates: the plain causal model. `forced_keep` [n] (bool): positions always kept
+        regardless of the gate (decode-time tokens, which the gate does not judge)."""
+        s = self.shape
+        batch, n = input_ids.shape
+        positions = torch.arange(n)
+        hidden = F.embedding(input_ids, self.weights["embed_tokens.weight"])
+        probabilities, all_flags = [], []
+        for layer in range(s.num_layers):
+            x = self._rms(hidden, self.weights[f"layers.{layer}.input_layernorm.weight"])
+            q = (x @ self._w(layer, "self_attn.q_proj").T).view(batch, n, s.num_heads, s.head_dim)
+            k = (x @ self._w(layer, "self_attn.k_proj").T).view(batch, n, s.num_kv_heads, s.head_dim)
+            v = (x @ self._w(layer, "self_attn.v_proj").T).view(batch, n, s.num_kv_heads, s.head_dim)
+            if gates is None:
+                flags = torch.ones(batch, n, s.num_kv_heads)
+            else:
+                gate = gates[layer]
+                logits, _ = gate(q.reshape(batch, n, -1))
+                probability = gate.keep_probability(logits)
+                flags = (straight_through(probability, gate.hyper.tau) if train_gates
+                         else (probability > gate.hyper.tau).float())
+                if forced_keep is not None:
+                    flags = torch.where(forced_keep[None, :, None], torch.ones_like(flags), flags)
+                probabilities.append(probability)
+                all_flags.append(flags)
+            q = torch.stack([rotate(q[b], positions, s.rope_theta) for b in range(batch)])
+            k = torch.stack([rotate(k[b], positions, s.rope_theta) for b in range(batch)])
+            group = s.num_heads // s.num_kv_heads
+            keep = gate_keep_matrix(flags).repeat_interleave(group, dim=1)  # [B, Hq, n, n]
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, dim=2)) / s.head_dim**0.5
+            attention = masked_softmax(scores, keep)
+            mixed = torch.einsum("bhqk,bkhd->bqhd", attention, v.repeat_interleave(group, dim=2))
+            hidden = hidden + mixed.reshape(batch, n, -1) @ self._w(layer, "self_attn.o_proj").T
+            x = self._rms(hidden, self.weights[f"layers.{layer}.post_attention_layernorm.weight"])
+            gated = F.silu(x @ self._w(layer, "mlp.gate_proj").T) * (x @ self._w(layer, "mlp.up_proj").T)
+            hidden = hidden + gated @ self._w(layer, "mlp.down_proj").T
+        hidden = self._rms(hidden, self.weights["norm.weight"])
+        return GatedOutput(hidden @ self.weights["lm_head.weight"].T, probabilities, all_flags)
+
+    @torch.no_grad()
+    def greedy(self, prompt_ids: list[int], max_tokens: int, gates=None) -> tuple[list[int], list[torch.Tensor]]:
+        """Greedy decoding, the gate judging prompt tokens only (decode-time tokens are always kept, seed 000).
+        Returns the tokens and each layer's prompt keep flags [n_prompt, H_kv]. Recomputes the whole sequence per
+        token (the gate is causal, so prompt flags do not change): slow, but it shares no code with serving."""
+        tokens = list(prompt_ids)
+        flags: list[torch.Tensor] = []
+        for _ in range(max_tokens):
+            forced = torch.arange(len(tokens)) >= len(prompt_ids)
+            out = self.forward(torch.tensor([tokens]), gates, forced_keep=forced)
+            if not flags and gates is not None:
+                flags = [f[0, : len(prompt_ids)].bool() for f in out.flags]
+            tokens.append(int(out.logits[0, -1].argmax()))
+        return tokens[len(prompt_ids):], flags
+
+
+__all__ = ["GatePast", "GatedOutput", "LlamaShape", "PlainLlama", "gate_keep_matrix", "masked_softmax"]

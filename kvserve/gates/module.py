@@ -1,0 +1,110 @@
+"""The gate: AG(X) = G(MHA'(X) + gamma, tau), one small causal attention per layer (seed 000, Eq. 5-6).
+
+Input: the layer's queries BEFORE RoPE, flattened over heads ([n, num_q_heads * head_dim]). That is X W_q, a linear
+image of the normalised hidden states X the paper feeds the gate (for the default model W_q is square, 576 x 576), and
+it is what the serving attention backend can see: it un-rotates the queries it is handed (`unrotate`), so the gate
+runs inside vLLM's attention pass with no extra hook. MHA' has `heads` heads of `head_dim` and an output projection
+to one logit per KV head (the model uses GQA: the gate decides per KV head directly). MHA' is causal, so a token's
+flag depends only on its prefix and the gate runs chunk by chunk during chunked prefill (`past` carries its K'/V').
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GatePast:
+    """The gate's own keys and values of the tokens seen so far: [B, heads, m, head_dim] each."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class GateHyper:
+    """Hyperparameters fixed at training time and stored with the weights."""
+
+    heads: int = 2
+    head_dim: int = 16
+    tau: float = 0.5  # keep a token if sigmoid(logit + gamma) > tau
+    gamma: float = 2.0  # initial bias towards keeping (seed 000, CPT setting)
+
+
+class AttentionGate(nn.Module):
+    def __init__(self, in_dim: int, num_kv_heads: int, hyper: GateHyper) -> None:
+        super().__init__()
+        width = hyper.heads * hyper.head_dim
+        self.hyper = hyper
+        self.query = nn.Linear(in_dim, width, bias=False)
+        self.key = nn.Linear(in_dim, width, bias=False)
+        self.value = nn.Linear(in_dim, width, bias=False)
+        self.out = nn.Linear(width, num_kv_heads)
+        for linear in (self.query, self.key, self.value, self.out):
+            nn.init.xavier_uniform_(linear.weight)  # the paper's initialisation
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, x: torch.Tensor, past: GatePast | None = None) -> tuple[torch.Tensor, GatePast]:
+        """x [B, n, in_dim] -> keep logits [B, n, num_kv_heads] (before gamma), and the past for the next chunk."""
+        batch, n, _ = x.shape
+        heads, dim = self.hyper.heads, self.hyper.head_dim
+        x = F.layer_norm(x.float(), x.shape[-1:])  # query scales differ a lot between layers; the gate sees shapes
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, n, heads, dim).transpose(1, 2)
+
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        if past is not None:
+            k = torch.cat([past.keys, k], dim=2)
+            v = torch.cat([past.values, v], dim=2)
+        seen = k.shape[2] - n
+        visible = torch.arange(k.shape[2])[None, :] <= torch.arange(n)[:, None] + seen  # causal, after the past
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(dim)
+        mixed = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
+        logits = self.out(mixed.transpose(1, 2).reshape(batch, n, heads * dim))
+        return logits, GatePast(k, v)
+
+    def keep_probability(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(logits + self.hyper.gamma)
+
+    def flags(self, logits: torch.Tensor) -> torch.Tensor:
+        """Hard keep flags (bool), the serving decision: sigmoid(logit + gamma) > tau."""
+        return self.keep_probability(logits) > self.hyper.tau
+
+
+def straight_through(probability: torch.Tensor, tau: float) -> torch.Tensor:
+    """Hard 0/1 flags forward, the sigmoid's gradient backward (seed 000, section 3.4)."""
+    hard = (probability > tau).to(probability.dtype)
+    # (p - p.detach()) is exactly 0, so the forward value is exactly 0/1 ((hard + p) - p can round to 1 - ulp)
+    return hard + (probability - probability.detach())
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's default RoPE (rotate-half / NeoX layout): cos and sin, [n, head_dim] each, in float32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Apply RoPE to x [n, heads, head_dim] at positions [n]."""
+    cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+def unrotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Undo RoPE (rotate by the opposite angle): the serving backend's way back to the gate's input."""
+    cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
+    x = x.float()
+    return x * cos[:, None] - _rotate_half(x) * sin[:, None]

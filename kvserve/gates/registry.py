@@ -1,0 +1,70 @@
+"""Which trained gate file serves which model: `kvserve/gates/registry.yaml` (or the file `KVSERVE_GATES` names).
+
+A model is matched by its folder (or Hugging Face) name, the last component of vLLM's `--model`. Each entry names the
+gate file (relative to the registry file) and its sha256; loading checks the checksum and that the gates were
+trained for this model's shape.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import yaml
+
+REGISTRY_ENV = "KVSERVE_GATES"
+DEFAULT_REGISTRY = Path(__file__).parent / "registry.yaml"
+
+
+class NoGateError(LookupError):
+    pass
+
+
+@dataclass(frozen=True)
+class GateEntry:
+    model: str
+    path: Path
+    sha256: str
+
+
+def registry_path() -> Path:
+    return Path(os.environ.get(REGISTRY_ENV) or DEFAULT_REGISTRY)
+
+
+def _entries() -> dict[str, GateEntry]:
+    path = registry_path()
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise NoGateError(f"cannot read the gate registry {path}: {exc}") from exc
+    return {name: GateEntry(name, (path.parent / spec["file"]).resolve(), spec["sha256"])
+            for name, spec in raw.items()}
+
+
+def gate_entry(model: str) -> GateEntry:
+    """The registry entry for vLLM's `--model` value; NoGateError names the models that have gates."""
+    entries = _entries()
+    name = Path(str(model).rstrip("/")).name
+    if name not in entries:
+        raise NoGateError(f"no trained Attention-Gate for model {name!r} (gates exist for: "
+                          f"{', '.join(sorted(entries)) or 'none'}; registry {registry_path()}); train one with "
+                          "`python -m kvserve.gates.train` and add it there")
+    return entries[name]
+
+
+@cache
+def load_gates(model: str, num_layers: int, in_dim: int, num_kv_heads: int):
+    """The model's GateSet, checked against the registry's checksum and the model's shape (cached per process)."""
+    from kvserve.gates.gateset import GateSet, file_sha256
+
+    entry = gate_entry(model)
+    digest = file_sha256(entry.path)
+    if digest != entry.sha256:
+        raise NoGateError(f"gate file {entry.path} has sha256 {digest}, the registry expects {entry.sha256}")
+    gates = GateSet.load(entry.path)
+    if (len(gates), gates.in_dim, gates.num_kv_heads) != (num_layers, in_dim, num_kv_heads):
+        raise NoGateError(f"gate file {entry.path} is for {len(gates)} layers x {gates.in_dim} inputs x "
+                          f"{gates.num_kv_heads} KV heads, the model has {num_layers} x {in_dim} x {num_kv_heads}")
+    return gates
