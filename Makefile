@@ -26,7 +26,7 @@ serve: setup
 	$(VENV)/bin/kvserve serve $(ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check kvserve tests
+	$(VENV)/bin/ruff check kvserve tests kernels
 
 test: lint
 	$(PY) -m pytest -q tests $(ARGS)
