@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         print("usage: kvserve serve [MODEL] [--kv-policy P --kv-budget B ...] [vllm flags]\n"
               "       kvserve eval {tasks,ppl,passkey} ...  quality of eviction settings through a server\n"
               "       kvserve bench {capacity,overhead} ... kvserve against vanilla vLLM, one run\n"
+              "       kvserve bench load ...           mixed-policy load test of one server (loopback)\n"
               "       kvserve setup-model            convert the default model once and print its folder")
         return
     command, rest = argv[0], argv[1:]
