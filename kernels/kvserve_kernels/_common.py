@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 
 def interpreted(kernel: object) -> bool:
@@ -43,3 +44,21 @@ def check_buffer(name: str, buf: torch.Tensor | None, shape: tuple[int, ...], de
         raise ValueError(f"{name}: the last dimension must be contiguous")
     if buf.device != device:
         raise ValueError(f"{name}: on {buf.device}, expected {device}")
+
+
+@triton.jit
+def load_kv_tile(K, V, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head, stride_kb, stride_ks, stride_kh, stride_vb,
+                 stride_vs, stride_vh, PAGE: tl.constexpr, DOT_F32: tl.constexpr):
+    """One tile of a request's keys and values through its block table: entries `offs_n`, [BLOCK_N, BLOCK_D] each.
+    Entry i lives in block `bt_row[i // PAGE]`, slot `i % PAGE` (vLLM's slot mapping)."""
+    block = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    slot = offs_n % PAGE
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(K + block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(V + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_buffer, dot_settings, pow2
+from ._common import check_buffer, dot_settings, load_kv_tile, pow2
 from .layout import check_cache
 
 
@@ -64,16 +64,8 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        block = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        slot = offs_n % PAGE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_tile(K, V, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head, stride_kb, stride_ks, stride_kh,
+                            stride_vb, stride_vs, stride_vh, PAGE, DOT_F32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         if STORE_LOGITS:
