@@ -1,0 +1,281 @@
+"""Train a model's Attention-Gates by continual pre-training (seed 000, section 3.4): the base model is frozen and only
+the GateSet learns, with loss = LM loss + alpha * |mean(flags) - beta|.
+
+The flags are straight-through (hard 0/1 forward, the sigmoid's gradient backward), so the eviction term's forward
+value is the real keep ratio (mean over all layers, KV heads and tokens). Data: `kvserve.gates.data` (Python's own
+documentation, split by document). Writes the gate file (float16 safetensors with the recipe in its metadata), its
+sha256 into the registry, a JSON-lines log and a PNG of the curves.
+
+    python -m kvserve.gates.train --steps 200 --seq-len 256 --batch 1 --lr 1e-3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from kvserve.gates.data import Corpus, fixed_windows, load_corpus, sample_batch
+from kvserve.gates.gateset import GateSet
+from kvserve.gates.model import PlainLlama
+from kvserve.gates.module import GateHyper
+from kvserve.gates.registry import registry_path
+
+WEIGHTS = Path(__file__).parent / "weights"
+DEFAULT_OUT = WEIGHTS / "smollm2-135m-instruct.safetensors"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "gates"
+
+
+def default_model_dir() -> Path:
+    return Path(os.path.expanduser("~/.cache/kvserve/models/SmolLM2-135M-Instruct"))
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, mean over all predicted tokens."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+
+def keep_mean(flags: list[torch.Tensor]) -> torch.Tensor:
+    """Mean over all layers, KV heads and tokens (straight-through flags: the forward value is the keep ratio)."""
+    return torch.cat([f.reshape(-1) for f in flags]).mean()
+
+
+def step_losses(model: PlainLlama, gates: GateSet, ids: torch.Tensor, alpha: float, beta: float):
+    """(total loss, lm loss, eviction loss, keep ratio) of one batch, with straight-through gates."""
+    out = model(ids, gates, train_gates=True)
+    lm = lm_loss(out.logits, ids)
+    keep = keep_mean(out.flags)
+    evict = alpha * (keep - beta).abs()
+    return lm + evict, lm, evict, keep
+
+
+@torch.no_grad()
+def evaluate(model: PlainLlama, gates: GateSet | None, windows: torch.Tensor, batch: int = 2) -> dict:
+    """LM loss (token-weighted over the windows) and keep ratios (overall, per layer, per layer and KV head)."""
+    total, count, kept = 0.0, 0, []
+    for i in range(0, len(windows), batch):
+        ids = windows[i : i + batch]
+        out = model(ids, gates)
+        total += float(lm_loss(out.logits, ids)) * ids[:, 1:].numel()
+        count += ids[:, 1:].numel()
+        if gates is not None:
+            kept.append(torch.stack([f.mean(dim=1) for f in out.flags], dim=1))  # [b, layers, H_kv]
+    result = {"lm": total / count}
+    if kept:
+        per_head = torch.cat(kept).mean(dim=0)  # [layers, H_kv]
+        result.update(keep=float(per_head.mean()), keep_by_layer=[round(float(k), 4) for k in per_head.mean(1)],
+                      keep_by_layer_head=[[round(float(k), 4) for k in row] for row in per_head])
+    return result
+
+
+def schedule(step: int, steps: int, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak learning rate."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def update_registry(model_name: str, gate_file: Path, sha256: str, path: Path | None = None) -> Path:
+    """Set `model_name: {file, sha256}` in the registry yaml (file relative to the yaml), keeping other entries."""
+    path = Path(path or registry_path())
+    entries = (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
+    entries[model_name] = {"file": os.path.relpath(Path(gate_file).resolve(), path.resolve().parent),
+                           "sha256": sha256}
+    header = ("# Trained Attention-Gate files, by model folder name (the last component of vLLM's --model).\n"
+              "# `file` is relative to this file. Written by `python -m kvserve.gates.train`; each file's metadata\n"
+              "# holds its training recipe.\n")
+    path.write_text(header + yaml.safe_dump(entries, sort_keys=True))
+    return path
+
+
+def plot(records: list[dict], final: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r for r in records if r["kind"] == "step"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    x = [r["step"] for r in steps]
+
+    def smooth(values: list[float], width: int = 10) -> list[float]:
+        return [sum(values[max(0, i - width + 1) : i + 1]) / len(values[max(0, i - width + 1) : i + 1])
+                for i in range(len(values))]
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
+    ax = axes[0]
+    ax.plot(x, [r["lm"] for r in steps], color="tab:blue", alpha=0.25, lw=0.8)
+    ax.plot(x, smooth([r["lm"] for r in steps]), color="tab:blue", label="train LM loss (gated, 10-step mean)")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["held_out"]["lm"] for r in evals], "o-", color="tab:red",
+                label="held-out LM loss, gates on")
+        ax.axhline(evals[0]["held_out_no_gates"], color="tab:red", ls="--", label="held-out LM loss, no gates")
+    ax.plot(x, smooth([r["evict"] for r in steps]), color="tab:orange", label="evict loss alpha*|keep-beta|")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("losses")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    ax.plot(x, [r["keep"] for r in steps], color="tab:green", alpha=0.3, lw=0.8)
+    ax.plot(x, smooth([r["keep"] for r in steps]), color="tab:green", label="train keep ratio (10-step mean)")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["held_out"]["keep"] for r in evals], "o-", color="tab:purple",
+                label="held-out keep ratio")
+    ax.axhline(final["beta"], color="gray", ls=":", label="beta (target keep)")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("step")
+    ax.set_title("keep ratio (mean over layers, KV heads, tokens)")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    evicted = [1 - k for k in final["keep_by_layer"]]
+    ax.bar(range(len(evicted)), evicted, color="tab:gray")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("evicted share of tokens")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"final eviction ratio by layer (held-out, mean {1 - final['keep']:.2f})")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kvserve.gates.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=default_model_dir(), help="Hugging Face Llama checkpoint folder")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (0: off)")
+    p.add_argument("--alpha", type=float, default=5.0)
+    p.add_argument("--beta", type=float, default=0.4, help="target mean keep probability")
+    p.add_argument("--tau", type=float, default=0.5)
+    p.add_argument("--gamma", type=float, default=2.0)
+    p.add_argument("--gate-heads", type=int, default=GateHyper.heads)
+    p.add_argument("--gate-head-dim", type=int, default=GateHyper.head_dim)
+    p.add_argument("--chat-fraction", type=float, default=0.5, help="share of samples behind the chat header")
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--eval-windows", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--registry", type=Path, default=None, help="registry yaml (default: KVSERVE_GATES or the "
+                   "package's registry.yaml)")
+    p.add_argument("--no-registry", action="store_true", help="do not write the registry")
+    p.add_argument("--plot", type=Path, default=DOCS / "training.png")
+    p.add_argument("--log", type=Path, default=DOCS / "training.jsonl")
+    return p.parse_args(argv)
+
+
+def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
+    from tqdm import tqdm
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    started = time.time()
+    model = PlainLlama(args.model)
+    s = model.shape
+    corpus = corpus or load_corpus(args.model, seed=args.seed)
+    hyper = GateHyper(heads=args.gate_heads, head_dim=args.gate_head_dim, tau=args.tau, gamma=args.gamma)
+    gates = GateSet(s.num_layers, s.num_heads * s.head_dim, s.num_kv_heads, hyper)
+    optimizer = torch.optim.AdamW(gates.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: schedule(i, args.steps, args.warmup))
+
+    held_out = fixed_windows(corpus.held_out, corpus.header, args.seq_len, args.eval_windows)
+    train_windows = fixed_windows(corpus.train, corpus.header, args.seq_len, args.eval_windows)
+    held_out_plain = evaluate(model, None, held_out)["lm"]
+    args.log.parent.mkdir(parents=True, exist_ok=True)
+    log = args.log.open("w")
+    records: list[dict] = []
+
+    def emit(record: dict) -> None:
+        records.append(record)
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+
+    emit({"kind": "start", "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+          "data": corpus.description(), "held_out_no_gates": held_out_plain,
+          "gate_parameters": sum(p.numel() for p in gates.parameters())})
+    bar = tqdm(range(1, args.steps + 1), desc="gates", dynamic_ncols=True)
+    for step in bar:
+        tick = time.time()
+        ids = sample_batch(corpus, args.seq_len, args.batch, rng, args.chat_fraction)
+        loss, lm, evict, keep = step_losses(model, gates, ids, args.alpha, args.beta)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(gates.parameters(), args.clip if args.clip > 0 else float("inf"))
+        optimizer.step()
+        scheduler.step()
+        loss, lm, evict, keep = (t.item() for t in (loss, lm, evict, keep))
+        emit({"kind": "step", "step": step, "loss": loss, "lm": lm, "evict": evict, "keep": keep,
+              "grad_norm": norm.item(), "lr": optimizer.param_groups[0]["lr"], "sec": round(time.time() - tick, 2)})
+        bar.set_postfix(lm=f"{lm:.3f}", evict=f"{evict:.3f}", keep=f"{keep:.3f}")
+        if step % args.eval_every == 0 or step == args.steps:
+            result = evaluate(model, gates, held_out)
+            emit({"kind": "eval", "step": step, "held_out": result, "held_out_no_gates": held_out_plain})
+            bar.write(f"step {step}: held-out LM {result['lm']:.4f} (no gates {held_out_plain:.4f}), "
+                      f"keep {result['keep']:.3f}")
+    train_seconds = time.time() - started
+
+    # the final numbers are those of the shipped (float16) file, re-loaded
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp.safetensors")
+    gates.save(tmp, {})
+    shipped = GateSet.load(tmp)
+    tmp.unlink()
+    final_held_out = evaluate(model, shipped, held_out)
+    final_train = evaluate(model, shipped, train_windows)
+    train_plain = evaluate(model, None, train_windows)["lm"]
+    last = [r for r in records if r["kind"] == "step"][-20:]
+    final = {"held_out_lm_gates": round(final_held_out["lm"], 4), "held_out_lm_no_gates": round(held_out_plain, 4),
+             "train_lm_gates": round(final_train["lm"], 4), "train_lm_no_gates": round(train_plain, 4),
+             "train_lm_last20_steps": round(sum(r["lm"] for r in last) / len(last), 4),
+             "train_evict_last20_steps": round(sum(r["evict"] for r in last) / len(last), 4),
+             "keep": round(final_held_out["keep"], 4), "train_keep": round(final_train["keep"], 4),
+             "keep_by_layer": final_held_out["keep_by_layer"],
+             "keep_by_layer_head": final_held_out["keep_by_layer_head"]}
+    recipe = {"method": "Attention-Gate continual pre-training (seed 000): base model frozen, gates only; "
+                        "loss = LM + alpha*|mean(straight-through flags) - beta|",
+              "model": args.model.name, "data": corpus.description(),
+              "sample": f"{args.seq_len}-token windows at seeded random offsets of the train stream, "
+                        f"{args.chat_fraction:.0%} behind the chat-template header",
+              "steps": args.steps, "seq_len": args.seq_len, "batch": args.batch, "lr": args.lr,
+              "schedule": f"linear warm-up {args.warmup} steps, cosine to 10%", "optimizer": "AdamW",
+              "weight_decay": args.weight_decay, "clip": args.clip, "alpha": args.alpha, "beta": args.beta,
+              "tau": args.tau, "gamma": args.gamma, "gate_heads": args.gate_heads,
+              "gate_head_dim": args.gate_head_dim, "seed": args.seed, "threads": args.threads,
+              "train_seconds": round(train_seconds, 1), "eval": f"{args.eval_windows} fixed windows per split",
+              "final": final, "torch": torch.__version__}
+    sha256 = gates.save(args.out, recipe)
+    os.chmod(args.out, 0o644)  # a shipped artifact, readable by the serving user
+    registry = None
+    if not args.no_registry:
+        registry = update_registry(args.model.name, args.out, sha256, args.registry)
+    summary = {"kind": "final", "sha256": sha256, "out": str(args.out), "registry": str(registry),
+               "train_seconds": round(train_seconds, 1), "beta": args.beta, **final}
+    emit(summary)
+    log.close()
+    if args.plot:
+        plot(records, {**final, "beta": args.beta}, args.plot)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    summary = train(parse_args(argv))
+    print(json.dumps({k: v for k, v in summary.items() if k != "keep_by_layer_head"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
