@@ -135,11 +135,12 @@ def test_server_environment_guards_memory_and_long_steps(server):
 
 
 def test_every_dashboard_query_names_a_served_series(server, long_prompt):
-    """Each metric a Grafana panel queries exists on the real server's /metrics (after one evicting request)."""
+    """Each metric a Grafana panel queries exists on the real server's /metrics (after evicting requests)."""
     from pathlib import Path
 
-    response = complete(server, long_prompt, {"x-kv-policy": "snapkv", "x-kv-budget": "64"})
-    assert response.status_code == 200, response.text
+    for headers in ({"x-kv-policy": "snapkv", "x-kv-budget": "64"}, {"x-kv-policy": "attention_gate"}):
+        response = complete(server, long_prompt, headers)
+        assert response.status_code == 200, response.text
     served = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{| )", httpx.get(server + "/metrics").text, re.M))
     dashboards = sorted((Path(__file__).parent.parent / "deploy" / "grafana" / "dashboards").glob("*.json"))
     assert dashboards

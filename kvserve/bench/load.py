@@ -48,8 +48,8 @@ from kvserve.policies import POLICIES, POLICY_NAMES
 
 SERVED_NAME = "load"
 # every policy family once, plus CAOTE over three bases (exact and fast): the mix cycles through these
-POLICY_MIX = ("full", "streamingllm", "snapkv", "h2o", "tova", "ahakv", "mat", "ems", "h2o+caote", "tova+caote",
-              "snapkv+fastcaote")
+POLICY_MIX = ("full", "streamingllm", "snapkv", "h2o", "tova", "ahakv", "mat", "ems", "attention_gate", "h2o+caote",
+              "tova+caote", "snapkv+fastcaote")
 # valid alternative values per knob name (every policy that has the knob accepts them)
 KNOB_CHOICES: dict[str, tuple[Any, ...]] = {
     "window": (16, 32), "recent": (16, 32), "sink_tokens": (2, 4, 8), "kernel_size": (5, 7),
