@@ -14,8 +14,9 @@ def _policies(values: Values) -> list[str]:
 
 def grid_table(values: Values, fmt: str = ".2f") -> str:
     """Markdown: policy rows x budget columns; the `full` reference repeats its one value in every column."""
-    budgets = sorted({b for _, b in values if b is not None})
-    lines = ["| policy | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
+    budgets: list[int | None] = sorted({b for _, b in values if b is not None}) or [None]  # no budgets: one column
+    lines = ["| policy | " + " | ".join(f"B={b}" if b else "value" for b in budgets) + " |",
+             "|---" * (len(budgets) + 1) + "|"]
     for policy in _policies(values):
         if (policy, None) in values:  # full, or a policy that sets its own counts: one value for every column
             cells = [format(values[(policy, None)], fmt)] * len(budgets)
