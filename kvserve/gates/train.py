@@ -28,14 +28,11 @@ from kvserve.gates.gateset import GateSet
 from kvserve.gates.model import PlainLlama
 from kvserve.gates.module import GateHyper
 from kvserve.gates.registry import registry_path
+from kvserve.model import ensure_default_model
 
 WEIGHTS = Path(__file__).parent / "weights"
 DEFAULT_OUT = WEIGHTS / "smollm2-135m-instruct.safetensors"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "gates"
-
-
-def default_model_dir() -> Path:
-    return Path(os.path.expanduser("~/.cache/kvserve/models/SmolLM2-135M-Instruct"))
 
 
 def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -150,7 +147,8 @@ def plot(records: list[dict], final: dict, path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m kvserve.gates.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=default_model_dir(), help="Hugging Face Llama checkpoint folder")
+    p.add_argument("--model", type=Path, default=None,
+                   help="Hugging Face Llama checkpoint folder (default: the default model, converted if needed)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=1)
@@ -185,6 +183,8 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     started = time.time()
+    if args.model is None:
+        args.model = ensure_default_model()
     model = PlainLlama(args.model)
     s = model.shape
     corpus = corpus or load_corpus(args.model, seed=args.seed)
