@@ -51,13 +51,15 @@ def gated_layer_step(plan, layer, layer_idx: int, queries: torch.Tensor, query_p
     n = plan.cache_len
     num_heads = kv_cache.shape[1]
     valid = valid_mask(layer, num_heads, n)
-    if int(query_positions[0]) < runtime.prompt_len:  # a prompt chunk: the gate judges its tokens
+    in_prompt = query_positions < runtime.prompt_len
+    if bool(in_prompt[0]):  # a prompt chunk: the gate judges its tokens
         flags, layer.gate_past = state.policy.gate_flags(runtime.gates[layer_idx], queries, query_positions,
                                                           runtime.rope_theta, layer.gate_past)
-        valid[:, n - queries.shape[0] :] = flags
+        _count_gate_decisions(layer_idx, flags[:, in_prompt])
+        # after a preemption the recompute chunk also holds generated tokens: never gated, always kept
+        valid[:, n - queries.shape[0] :] = flags | ~in_prompt
         layer.valid = valid
-        _count_gate_decisions(layer_idx, flags)
-        if int(query_positions[-1]) + 1 >= runtime.prompt_len:
+        if not bool(in_prompt[-1]) or int(query_positions[-1]) + 1 == runtime.prompt_len:
             layer.gate_past = None  # the gate does not run in decode
     keys, values = read_entries(kv_cache, block_ids, n)
     positions = layer.positions(num_heads, n, state.offset)
