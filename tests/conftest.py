@@ -21,6 +21,31 @@ from engine_settings import engine_kwargs, in_process_env  # noqa: E402
 TESTS = Path(__file__).parent
 
 
+def _import_triton_for_its_interpreter() -> None:
+    """Triton decides at its FIRST import whether its own library functions (tl.cdiv, ...) are interpreted. The kernel
+    tests run Triton's interpreter on CPU, and vLLM imports Triton without it (a kernel then fails with "Cannot call
+    @triton.jit'd outside of the scope of a kernel"), so import it here first, under TRITON_INTERPRET=1. The variable
+    is restored at once: vLLM and the servers the tests start never see it."""
+    import torch
+
+    if torch.cuda.is_available() or "triton" in sys.modules:
+        return
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    except Exception:  # noqa: BLE001 - no usable Triton: tests/test_kernels.py skips with the reason
+        pass
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+_import_triton_for_its_interpreter()
+
+
 class Engine:
     """The kvserve engine plus handles on its scheduler and worker state."""
 

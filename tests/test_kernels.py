@@ -35,12 +35,17 @@ def _import_kernels():
         except Exception as exc:  # not installed, or it fails to initialise: skip, with the reason
             pytest.skip(f"Triton cannot be imported ({type(exc).__name__}: {exc}); the kernel tests need it "
                         "(interpreter mode on CPU)", allow_module_level=True)
+        # the jit helpers the kernels call live in _common: it must be interpreted too, and first
+        common = importlib.import_module("kvserve_kernels._common")
+        if not CUDA and type(common.load_kv_tile).__name__ != "InterpretedFunction":
+            common = importlib.reload(common)
         modules = []
         for name in ("compaction", "decode_attention", "prefill_window"):  # a packaging error fails, not skips
             module = importlib.import_module(f"kvserve_kernels.{name}")
             kernels = [obj for key, obj in vars(module).items() if key.endswith("_kernel")]
-            if not CUDA and type(kernels[0]).__name__ != "InterpretedFunction":  # imported before, uninterpreted
-                module = importlib.reload(module)
+            stale_helper = getattr(module, "load_kv_tile", common.load_kv_tile) is not common.load_kv_tile
+            if not CUDA and (type(kernels[0]).__name__ != "InterpretedFunction" or stale_helper):
+                module = importlib.reload(module)  # imported before, uninterpreted
             modules.append(module)
         return modules
     finally:
