@@ -74,17 +74,14 @@ class EvictionBook:
 
 
 def _gate_runtime(runner, req_state) -> GateRuntime:
+    from kvserve.gates.model import LlamaShape
     from kvserve.gates.registry import load_gates
 
-    config = runner.model_config.hf_config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    rope = getattr(config, "rope_parameters", None) or {}
-    theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    if (rope.get("rope_type") or "default") != "default":
-        raise ValueError(f"the gate undoes Llama's default RoPE only; this model uses {rope.get('rope_type')!r}")
-    gates = load_gates(runner.model_config.model, config.num_hidden_layers, config.num_attention_heads * head_dim,
-                       config.num_key_value_heads)
-    return GateRuntime(gates=gates, rope_theta=theta, prompt_len=req_state.num_prompt_tokens)
+    # the same reading of the config as the gates' training model (it refuses RoPE variants the gate cannot undo)
+    shape = LlamaShape.from_config(runner.model_config.hf_config.to_dict())
+    gates = load_gates(runner.model_config.model, shape.num_layers, shape.num_heads * shape.head_dim,
+                       shape.num_kv_heads)
+    return GateRuntime(gates=gates, rope_theta=shape.rope_theta, prompt_len=req_state.num_prompt_tokens)
 
 
 def book_of(runner) -> EvictionBook:
