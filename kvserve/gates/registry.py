@@ -36,9 +36,16 @@ def registry_path() -> Path:
 def _entries() -> dict[str, GateEntry]:
     path = registry_path()
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        modified = path.stat().st_mtime_ns
     except OSError as exc:
         raise NoGateError(f"cannot read the gate registry {path}: {exc}") from exc
+    return _parse_registry(path, modified)
+
+
+@cache
+def _parse_registry(path: Path, modified: int) -> dict[str, GateEntry]:
+    """Parsed once per file version: every attention_gate request is validated against it (twice over HTTP)."""
+    raw = yaml.safe_load(path.read_text()) or {}
     return {name: GateEntry(name, (path.parent / spec["file"]).resolve(), spec["sha256"])
             for name, spec in raw.items()}
 
