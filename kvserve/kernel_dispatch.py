@@ -43,14 +43,17 @@ def decode_attention_with_scores(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, *, scores: torch.Tensor | None = None,
     last_probs: torch.Tensor | None = None, first_logit: torch.Tensor | None = None,
-    max_seq_len: int | None = None, num_splits: int | None = None, backend: Backend = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    max_seq_len: int | None = None, num_splits: int | None = None, need_output: bool = True,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Decode attention (one query per request) with H2O / TOVA / MAT statistics from the same pass.
 
     q [R, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_table [R, max_blocks] int32; seq_lens [R] int32.
     `scores` [R, Hkv, S] float32 += probabilities summed over each KV head's query heads; `last_probs`
     [R, Hkv, S] float32 = their mean over the group; `first_logit` [R, Hq] float32 = q.k_0 * scale.
-    Returns (out [R, Hq, D], lse [R, Hq] float32). Full contract:
+    Returns (out [R, Hq, D], lse [R, Hq] float32). `need_output=False`: the caller has the output already (kvserve's
+    CPU path, after vLLM's kernel); the PyTorch path then computes only the statistics and returns (None, None), the
+    fused kernel computes everything anyway. Full contract:
     `kvserve_kernels.decode_attention.decode_attention_with_scores`.
     """
     if use_triton(q.device, backend):
@@ -61,7 +64,7 @@ def decode_attention_with_scores(
     from kvserve_kernels.reference import decode_attention_reference
 
     return decode_attention_reference(q, key_cache, value_cache, block_table, seq_lens, scale, scores=scores,
-                                      last_probs=last_probs, first_logit=first_logit)
+                                      last_probs=last_probs, first_logit=first_logit, need_output=need_output)
 
 
 def prefill_attention_with_window_sums(
@@ -69,14 +72,15 @@ def prefill_attention_with_window_sums(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, window: int, *,
     window_sums: torch.Tensor | None = None, accumulate: bool = False, score_logit_scale: torch.Tensor | None = None,
     max_slots: int | None = None, max_seq_len: int | None = None, max_query_len: int | None = None,
-    backend: Backend = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    need_output: bool = True, backend: Backend = "auto",
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Causal varlen (chunked-)prefill attention plus the column sums of the last `window` queries' probabilities.
 
     q [T, Hq, D]; query_start_loc [R + 1] int32; the chunk's entries already in the cache. `window_sums`
     [R, Hkv, S] float32 gets (or, with `accumulate`, adds) each entry's probability summed over the window queries
     and the group's query heads; `score_logit_scale` ([T], [Hkv, T] or [Hq, T]) sharpens the logits of the sums
-    only (AhaKV's step gain). Returns (out [T, Hq, D], window_sums, lse [T, Hq] float32). Full contract:
+    only (AhaKV's step gain). Returns (out [T, Hq, D], window_sums, lse [T, Hq] float32); `need_output=False` as in
+    `decode_attention_with_scores` (the PyTorch path then computes only the window queries). Full contract:
     `kvserve_kernels.prefill_window.prefill_attention_with_window_sums`.
     """
     if use_triton(q.device, backend):
@@ -89,7 +93,8 @@ def prefill_attention_with_window_sums(
 
     return prefill_attention_reference(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
                                        window, window_sums=window_sums, accumulate=accumulate,
-                                       score_logit_scale=score_logit_scale, max_slots=max_slots)
+                                       score_logit_scale=score_logit_scale, max_slots=max_slots,
+                                       need_output=need_output)
 
 
 def compact(

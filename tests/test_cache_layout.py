@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from vllm import _custom_ops as ops
 
-from kvserve.engine.cache_layout import compact_entries, read_entries
+from kvserve.engine.cache_layout import compact_entries, cpu_views, read_entries
 
 NUM_BLOCKS, HEADS, BLOCK, DIM = 6, 3, 32, 64
 
@@ -23,7 +23,7 @@ def test_read_entries_returns_what_vllm_wrote():
     n, block_ids = 75, [4, 1, 3]
     keys, values = torch.randn(n, HEADS, DIM), torch.randn(n, HEADS, DIM)
     kv_cache = vllm_cache_with(keys, values, block_ids)
-    got_k, got_v = read_entries(kv_cache, torch.tensor(block_ids), n)
+    got_k, got_v = read_entries(cpu_views(kv_cache), torch.tensor(block_ids), n)
     assert torch.equal(got_k, keys.transpose(0, 1)) and torch.equal(got_v, values.transpose(0, 1))
 
 
@@ -32,9 +32,8 @@ def test_compaction_moves_each_heads_kept_entries_to_the_front():
     keys, values = torch.randn(n, HEADS, DIM), torch.randn(n, HEADS, DIM)
     kv_cache = vllm_cache_with(keys, values, block_ids)
     keep = torch.stack([torch.sort(torch.randperm(n)[:40]).values for _ in range(HEADS)])
-    cache_k, cache_v = read_entries(kv_cache, torch.tensor(block_ids), n)
-    compact_entries(kv_cache, torch.tensor(block_ids), cache_k, cache_v, keep)
-    new_k, new_v = read_entries(kv_cache, torch.tensor(block_ids), 40)
+    compact_entries(cpu_views(kv_cache), torch.tensor(block_ids), keep)
+    new_k, new_v = read_entries(cpu_views(kv_cache), torch.tensor(block_ids), 40)
     for h in range(HEADS):
         assert torch.equal(new_k[h], keys[keep[h], h]) and torch.equal(new_v[h], values[keep[h], h])
     # what vLLM's writer produces for the compacted sequence is bit-identical in the kept blocks

@@ -382,3 +382,80 @@ def test_split_kv_cache_is_vllm_flash_attention_split():
 def test_interpreter_env_not_leaked():
     # The vLLM processes other tests start inherit os.environ: the interpreter setting stays local to this module.
     assert _INTERPRET_AFTER_IMPORT == _INTERPRET_BEFORE
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The attention backend's scoring path (kvserve/engine/worker_state.py) through the dispatch: the same request served
+# over vLLM's CPU cache with the PyTorch operations and over the GPU (FlashAttention) cache with the Triton kernels
+# keeps the same entries, with the same statistics and the same compacted cache; and both equal the policy computing
+# its statistics from the keys itself (no measurement from the attention pass).
+# --------------------------------------------------------------------------------------------------------------------
+
+PATH_HEADS, PATH_GROUP, PATH_BLOCK, PATH_BUDGET, PATH_LAYER = 2, 2, 16, 24, 3
+PATH_POLICIES = {
+    "h2o": {"kv_recent": 8}, "tova": {}, "snapkv": {"kv_window": 8}, "ahakv": {"kv_recent": 8}, "mat": {},
+    "ems": {"kv_window": 8}, "streamingllm": {}, "h2o+caote": {"kv_recent": 8},
+}
+
+
+def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch) -> dict:
+    """A 40-token prompt chunk compacted to the budget, then three decode steps, the last one compacting again."""
+    from kvserve.config import parse_kv_config
+    from kvserve.engine import worker_state
+    from kvserve.engine.cache_layout import cpu_views, flash_views, read_entries
+    from kvserve.engine.plan import Compaction
+    from kvserve.policies.base import PassStatistics
+
+    if not measure:
+        monkeypatch.setattr(worker_state, "measure_pass", lambda *args, **kwargs: PassStatistics())
+    generator = torch.Generator().manual_seed(7)
+    num_blocks, hq = 8, PATH_HEADS * PATH_GROUP
+    if layout == "cpu":
+        paged = cpu_views(torch.zeros(num_blocks, PATH_HEADS, PATH_BLOCK, 2 * HEAD_DIM))
+    else:
+        paged = flash_views(new_kv_cache(num_blocks, PATH_HEADS, PATH_BLOCK, HEAD_DIM, torch.float32, DEVICE).zero_(),
+                            HEAD_DIM)
+    block_ids = torch.tensor([5, 2, 7], dtype=torch.int32, device=DEVICE)
+    config = parse_kv_config({"kv_policy": policy, "kv_budget": PATH_BUDGET, **PATH_POLICIES[policy]}, defaults={})
+    state = worker_state.RequestState(config=config, policy=config.make_policy())
+    logical = 0
+    for tokens, compact in ((40, True), (1, False), (1, False), (1, True)):
+        keys, values, queries = (torch.randn(tokens, heads, HEAD_DIM, generator=generator)
+                                 for heads in (PATH_HEADS, PATH_HEADS, hq))
+        first_slot = logical - state.offset
+        slots = torch.arange(first_slot, first_slot + tokens, device=DEVICE)
+        blocks = block_ids.long()[slots // PATH_BLOCK]
+        paged.keys[blocks, slots % PATH_BLOCK] = keys.to(DEVICE)  # vLLM writes the step's entries before attention
+        paged.values[blocks, slots % PATH_BLOCK] = values.to(DEVICE)
+        cache_len = first_slot + tokens
+        compaction = Compaction(PATH_BUDGET, logical + tokens, cache_len) if compact else None
+        plan = worker_state.RowPlan(req_id="r", state=state, row=0, query_start=0, query_end=tokens,
+                                    cache_len=cache_len, compaction=compaction)
+        worker_state.StepContext([plan]).after_attention(PATH_LAYER, queries.to(DEVICE), paged, block_ids[None],
+                                                         HEAD_DIM**-0.5, torch.empty_like(queries))
+        assert plan.failure is None, plan.failure
+        logical += tokens
+        if compact:
+            state.offset = logical - PATH_BUDGET
+    layer = state.layer(PATH_LAYER)
+    keys, values = read_entries(paged, block_ids, PATH_BUDGET)
+    return {"positions": layer.kept_positions.cpu(), "keys": keys.cpu(), "values": values.cpu(),
+            "stats": {name: stat.cpu() for name, stat in layer.stats.items()}}
+
+
+@pytest.mark.parametrize("policy", list(PATH_POLICIES))
+def test_backend_scoring_path_same_on_both_layouts_and_backends(policy, monkeypatch):
+    monkeypatch.setenv(kernel_dispatch.BACKEND_ENV, "torch")
+    with monkeypatch.context() as patched:
+        from_keys = _serve_one_layer(policy, "cpu", measure=False, monkeypatch=patched)
+    cpu_torch = _serve_one_layer(policy, "cpu", measure=True, monkeypatch=monkeypatch)
+    monkeypatch.setenv(kernel_dispatch.BACKEND_ENV, "triton")
+    gpu_triton = _serve_one_layer(policy, "flash", measure=True, monkeypatch=monkeypatch)
+    for got in (cpu_torch, gpu_triton):
+        assert torch.equal(got["positions"], from_keys["positions"])
+        torch.testing.assert_close(got["keys"], from_keys["keys"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["values"], from_keys["values"], rtol=1e-5, atol=1e-6)
+        assert got["stats"].keys() == from_keys["stats"].keys()
+        for name, stat in from_keys["stats"].items():
+            torch.testing.assert_close(got["stats"][name], stat, **PROB_TOL)
+    assert from_keys["positions"].shape == (PATH_HEADS, PATH_BUDGET)

@@ -49,12 +49,16 @@ def new_kv_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_size:
     raise ValueError(f"unknown layout {physical!r}")
 
 
-def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int, int]:
-    """Validate the two views; return (block_size, num_kv_heads, head_size)."""
+def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor,
+                contiguous_head: bool = True) -> tuple[int, int, int]:
+    """Validate the two views; return (block_size, num_kv_heads, head_size).
+
+    The Triton kernels need a contiguous head dimension; the PyTorch references (`contiguous_head=False`) read any
+    strides, which is how kvserve's CPU path passes vLLM's CPU cache (keys stored transposed per block)."""
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
         raise ValueError(f"key/value caches must be [num_blocks, block_size, num_kv_heads, head_size] and equal, "
                          f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
-    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+    if contiguous_head and (key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1):
         raise ValueError("the head dimension of the key/value caches must be contiguous")
     if key_cache.dtype != value_cache.dtype:
         raise ValueError("key and value caches must have the same dtype")

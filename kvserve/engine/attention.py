@@ -17,6 +17,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from kvserve.engine.cache_layout import cpu_views
 from kvserve.engine.worker_state import current_step
 
 SUPPORTED_ISAS = ("vec",)  # the cache layouts kvserve reads and compacts (kvserve/engine/cache_layout.py)
@@ -53,7 +54,7 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         layer_idx = getattr(layer, "_kvserve_layer_idx", None)
         if layer_idx is None:
             layer_idx = layer._kvserve_layer_idx = extract_layer_index(layer.layer_name)
-        step.after_attention(layer_idx, query, kv_cache, attn_metadata.block_table, self.scale, result)
+        step.after_attention(layer_idx, query, cpu_views(kv_cache), attn_metadata.block_table, self.scale, result)
         return result
 
 

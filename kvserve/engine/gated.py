@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvserve.engine.cache_layout import compact_entries, read_entries
+from kvserve.engine.cache_layout import PagedKV, compact_entries, read_entries
 from kvserve.metrics import metrics
 
 QUERY_CHUNK = 256  # queries per masked-attention slice: bounds the [H, G, q, n] temporary in a long prefill
@@ -45,11 +45,11 @@ def valid_mask(layer, num_heads: int, num_entries: int) -> torch.Tensor:
 
 
 def gated_layer_step(plan, layer, layer_idx: int, queries: torch.Tensor, query_positions: torch.Tensor,
-                     output: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, scale: float) -> None:
+                     output: torch.Tensor, cache: PagedKV, block_ids: torch.Tensor, scale: float) -> None:
     state = plan.state
     runtime = state.gate
     n = plan.cache_len
-    num_heads = kv_cache.shape[1]
+    num_heads = cache.num_heads
     valid = valid_mask(layer, num_heads, n)
     in_prompt = query_positions < runtime.prompt_len
     if bool(in_prompt[0]):  # a prompt chunk: the gate judges its tokens
@@ -61,7 +61,7 @@ def gated_layer_step(plan, layer, layer_idx: int, queries: torch.Tensor, query_p
         layer.valid = valid
         if not bool(in_prompt[-1]) or int(query_positions[-1]) + 1 == runtime.prompt_len:
             layer.gate_past = None  # the gate does not run in decode
-    keys, values = read_entries(kv_cache, block_ids, n)
+    keys, values = read_entries(cache, block_ids, n)
     positions = layer.positions(num_heads, n, state.offset)
     if not bool(valid.all()):  # every entry visible: vLLM's output is already the masked attention
         attended = masked_attention(queries, query_positions, keys, values, positions, valid, scale)
@@ -69,8 +69,11 @@ def gated_layer_step(plan, layer, layer_idx: int, queries: torch.Tensor, query_p
     if plan.compaction is None:
         return
     keep, counts = state.policy.ragged_keep(valid, plan.compaction.keep_tokens)
-    compact_entries(kv_cache, block_ids, keys, values, keep)
-    kept_here = torch.arange(keep.shape[1])[None, :] < counts[:, None]
+    slots = torch.arange(keep.shape[1])[None, :]
+    kept_here = slots < counts[:, None]
+    # a shorter head's padding slots stay where they are (masked out): the compaction then moves only entries
+    # from later to earlier slots, which its in-place kernel requires
+    compact_entries(cache, block_ids, torch.where(kept_here, keep, slots))
     layer.kept_positions = positions.gather(1, keep).masked_fill(~kept_here, -1)  # padding matches no query
     layer.valid = kept_here
     plan.kept_tokens = max(plan.kept_tokens or 0, keep.shape[1])

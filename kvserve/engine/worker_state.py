@@ -15,13 +15,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvserve import kernel_dispatch
 from kvserve.config import KVConfig
-from kvserve.engine.cache_layout import compact_entries, read_entries, write_entries
+from kvserve.engine.cache_layout import PagedKV, compact_entries, read_entries, write_entries
 from kvserve.engine.gated import gated_layer_step
 from kvserve.engine.plan import Compaction
 from kvserve.gates.module import GatePast
 from kvserve.metrics import metrics
 from kvserve.policies import LayerObservation, Policy
+from kvserve.policies.base import PassStatistics
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +95,11 @@ class RowPlan:
 class StepContext:
     rows: list[RowPlan]
 
-    def after_attention(self, layer_idx: int, query: torch.Tensor, kv_cache: torch.Tensor,
-                        block_table: torch.Tensor, scale: float, output: torch.Tensor) -> None:
-        """Called by the attention backend after a layer's attention: record window queries, compact if planned;
-        for gated requests, recompute their output rows [q, Hq, D] with the per-head keep mask."""
+    def after_attention(self, layer_idx: int, query: torch.Tensor, cache: PagedKV, block_table: torch.Tensor,
+                        scale: float, output: torch.Tensor) -> None:
+        """Called by the attention backend after a layer's attention over `cache` (this step's entries written):
+        record window queries, measure the statistics the policy asks for, compact if planned; for gated requests,
+        recompute their output rows [q, Hq, D] with the per-head keep mask."""
         for plan in self.rows:
             if plan.failure is not None:
                 continue
@@ -105,16 +108,16 @@ class StepContext:
                 if plan.state.gate is not None:
                     gated_layer_step(plan, plan.state.layer(layer_idx), layer_idx,
                                      query[plan.query_start : plan.query_end], _query_positions(plan), output,
-                                     kv_cache, block_table[plan.row], scale)
+                                     cache, block_table[plan.row], scale)
                 else:
-                    self._evict(plan, layer_idx, query, kv_cache, block_table, scale)
+                    self._evict(plan, layer_idx, query, cache, block_table[plan.row], scale)
             except Exception as error:  # a policy's bug fails its request, never the engine (the scheduler ends it)
                 plan.failure = f"kv_policy {plan.state.config.policy!r} failed: {type(error).__name__}: {error}"
                 logger.exception("kvserve: request %s: %s", plan.req_id, plan.failure)
             plan.eviction_seconds += time.perf_counter() - start
 
-    def _evict(self, plan: RowPlan, layer_idx: int, query: torch.Tensor, kv_cache: torch.Tensor,
-               block_table: torch.Tensor, scale: float) -> None:
+    def _evict(self, plan: RowPlan, layer_idx: int, query: torch.Tensor, cache: PagedKV, block_ids: torch.Tensor,
+               scale: float) -> None:
         layer = plan.state.layer(layer_idx)
         policy = plan.state.policy
         queries = query[plan.query_start : plan.query_end]
@@ -123,11 +126,14 @@ class StepContext:
             _record_window(layer, queries, plan, window)
         if not policy.stat_names and plan.compaction is None:
             return
-        obs = _observe(plan, layer, layer_idx, kv_cache, block_table[plan.row], scale)
+        obs = _observe(plan, layer, layer_idx, cache, scale)
+        obs.measured = measure_pass(policy, obs, queries, cache, block_ids, compacting=plan.compaction is not None)
+        if plan.compaction is not None or _reads_entries(policy, obs.measured):
+            obs.keys, obs.values = read_entries(cache, block_ids, plan.cache_len)
         if policy.stat_names:
             layer.stats = obs.stats = policy.update_stats(obs, queries, _query_positions(plan))
         if plan.compaction is not None:
-            _compact(plan, layer, obs, kv_cache, block_table[plan.row])
+            _compact(plan, layer, obs, cache, block_ids)
 
     def failures(self) -> dict[str, str]:
         return {plan.req_id: plan.failure for plan in self.rows if plan.failure is not None}
@@ -153,31 +159,99 @@ def _record_window(layer: LayerState, queries: torch.Tensor, plan: RowPlan, wind
     layer.window_queries, layer.window_positions = queries, positions
 
 
-def _observe(plan: RowPlan, layer: LayerState, layer_idx: int, kv_cache: torch.Tensor, block_ids: torch.Tensor,
-             scale: float) -> LayerObservation:
+def _observe(plan: RowPlan, layer: LayerState, layer_idx: int, cache: PagedKV, scale: float) -> LayerObservation:
+    """The layer's observation without its entries: keys and values are shape-only (meta) tensors until the caller
+    reads them from the cache. A step that only accumulates measured statistics never copies the cache, and a policy
+    that touched them without asking would fail loudly instead of scoring garbage."""
     n = plan.cache_len
-    keys, values = read_entries(kv_cache, block_ids, n)
+    keys = values = torch.empty(cache.num_heads, n, cache.keys.shape[-1], device="meta")
     stats = {}
     for name in plan.state.policy.stat_names:  # entries appended since the last step start at zero
         old = layer.stats.get(name)
-        stats[name] = torch.zeros(keys.shape[0], n) if old is None else F.pad(old, (0, n - old.shape[1]))
+        stats[name] = (torch.zeros(cache.num_heads, n, device=cache.keys.device) if old is None
+                       else F.pad(old, (0, n - old.shape[1])))
     return LayerObservation(layer_idx=layer_idx, keys=keys, values=values,
                             positions=layer.positions(keys.shape[0], n, plan.state.offset), scale=scale,
                             window_queries=layer.window_queries, window_positions=layer.window_positions,
                             stats=stats, budget=plan.compaction.keep_tokens if plan.compaction else 0)
 
 
-def _compact(plan: RowPlan, layer: LayerState, obs: LayerObservation, kv_cache: torch.Tensor,
+def _compact(plan: RowPlan, layer: LayerState, obs: LayerObservation, cache: PagedKV,
              block_ids: torch.Tensor) -> None:
     selection = plan.state.policy.select(obs, plan.compaction.keep_tokens)
     keep = selection.keep_indices
-    if selection.keys is None:
-        compact_entries(kv_cache, block_ids, obs.keys, obs.values, keep)
-    else:  # a merging policy rewrote the kept entries
-        write_entries(kv_cache, block_ids, selection.keys, selection.values)
+    budget = keep.shape[1]
+    if selection.keys is None:  # the statistics move with their entries, in the same operation
+        stats = {name: stat.float().contiguous() for name, stat in obs.stats.items()}
+        compact_entries(cache, block_ids, keep, stats=list(stats.values()))
+        layer.stats = {name: stat[:, :budget].clone() for name, stat in stats.items()}
+    else:  # a merging policy rewrote the kept entries and their statistics
+        write_entries(cache, block_ids, selection.keys, selection.values)
+        layer.stats = selection.stats or {name: stat.gather(1, keep) for name, stat in obs.stats.items()}
     layer.kept_positions = obs.positions.gather(1, keep)
-    layer.stats = selection.stats or {name: stat.gather(1, keep) for name, stat in obs.stats.items()}
     layer.last_keep = keep
+
+
+def _reads_entries(policy: Policy, measured: PassStatistics) -> bool:
+    """Outside a compaction, the entries are needed only by a statistic the pass did not measure (or by a policy that
+    keeps statistics without declaring them as pass statistics)."""
+    if policy.stat_names and not policy.pass_statistics:
+        return True
+    return any(getattr(measured, name) is None for name in policy.pass_statistics if name != "window_sums")
+
+
+def measure_pass(policy: Policy, obs: LayerObservation, queries: torch.Tensor, cache: PagedKV,
+                 block_ids: torch.Tensor, compacting: bool) -> PassStatistics:
+    """The statistics of this step's queries [q, Hq, D] that `policy.pass_statistics` names, from the attention
+    operations of `kernel_dispatch` (Triton on CUDA: the fused kernels; PyTorch on CPU, after vLLM's own kernel).
+
+    Window sums are measured only at a compaction whose window lies inside this step (a prefill chunk of at least
+    `window` queries, or a one-query window in decode without a logit scale); an older window is not in this pass,
+    and the policy computes it from the stored window queries. Prefill first-logits are left to the policy (one
+    [q, Hq] product; the prefill kernel does not produce them).
+    """
+    wanted = policy.pass_statistics
+    measured = PassStatistics()
+    num_queries, n = queries.shape[0], obs.num_tokens
+    window = policy.window_size() if compacting and "window_sums" in wanted else 0
+    gain = policy.window_logit_scale(obs) if 0 < window <= num_queries else None
+    device = cache.keys.device
+    table = block_ids[None].to(device=device, dtype=torch.int32)
+    seq_lens = torch.tensor([n], dtype=torch.int32, device=device)
+    queries = queries.to(device)
+    if num_queries == 1:  # decode: one launch gives the column sums (= a one-query window's sums) and the logits
+        window_here = window == 1 and gain is None
+        sums = (torch.zeros(1, obs.num_heads, n, device=device)
+                if "column_sums" in wanted or window_here else None)
+        first = torch.empty(1, queries.shape[1], device=device) if "first_logits" in wanted else None
+        if sums is None and first is None:
+            return measured
+        kernel_dispatch.decode_attention_with_scores(queries, cache.keys, cache.values, table, seq_lens, obs.scale,
+                                                     scores=sums, first_logit=first, max_seq_len=n,
+                                                     need_output=False)
+        if "column_sums" in wanted:
+            measured.column_sums = sums[0]
+        if window_here:
+            measured.window_sums = sums[0]
+        measured.first_logits = first
+        return measured
+    starts = torch.tensor([0, num_queries], dtype=torch.int32, device=device)
+
+    def prefill_sums(rows: int, logit_scale: torch.Tensor | None) -> torch.Tensor:
+        _, sums, _ = kernel_dispatch.prefill_attention_with_window_sums(
+            queries, cache.keys, cache.values, table, seq_lens, starts, obs.scale, rows,
+            score_logit_scale=logit_scale, max_slots=n, max_seq_len=n, max_query_len=num_queries, need_output=False)
+        return sums[0]
+
+    if "column_sums" in wanted:
+        measured.column_sums = prefill_sums(num_queries, None)
+    if 0 < window <= num_queries:
+        row_scale = None
+        if gain is not None:  # the gain applies to the window rows; the others do not vote
+            row_scale = torch.ones(obs.num_heads, num_queries, device=device)
+            row_scale[:, -window:] = gain.to(device)
+        measured.window_sums = prefill_sums(window, row_scale)
+    return measured
 
 
 _current: StepContext | None = None

@@ -24,6 +24,8 @@ class AhaKV(ScoredPolicy):
         "kernel_size": Knob(int, 7, "mean filter over value norms (odd)", minimum=1, odd=True),
     }
 
+    pass_statistics = ("window_sums",)
+
     def protected_tokens(self) -> int:
         return self.recent
 
@@ -41,8 +43,11 @@ class AhaKV(ScoredPolicy):
         gain = torch.where(ratio > 1, torch.sqrt(2 * torch.log(ratio.clamp(min=1.0))), torch.ones_like(ratio))
         return gain[:, None, :, None]
 
+    def window_logit_scale(self, obs: LayerObservation) -> torch.Tensor:
+        return self.step_gain(obs)[:, 0, :, 0]
+
     def score(self, obs: LayerObservation) -> torch.Tensor:
-        accumulated = obs.attention(obs.window_queries, obs.window_positions, self.step_gain(obs)).sum(dim=(1, 2))
+        accumulated = obs.window_votes(self.step_gain(obs))
         norms = obs.values.float().pow(2).sum(-1)  # [H, n]
         smooth = pool_scores(norms, self.kernel_size)  # the spec's decision: SnapKV's pooling, zero "same" padding
         prior = smooth / smooth.amax(dim=-1, keepdim=True).clamp(min=math.ulp(1.0))

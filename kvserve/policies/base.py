@@ -30,6 +30,17 @@ class Knob:
 
 
 @dataclass
+class PassStatistics:
+    """What the layer's attention pass measured for this step's queries (the newest cache entries), from the
+    operations in `kvserve.kernel_dispatch` (Triton kernels on CUDA, their PyTorch references on CPU). A field left
+    None is computed by the observation itself from the keys: the same numbers, so tests need no engine."""
+
+    column_sums: torch.Tensor | None = None  # [H, n] the step's queries' probabilities, summed over queries and group
+    first_logits: torch.Tensor | None = None  # [q, H*G] the step's queries' logits to entry 0 (q.k_0 * scale)
+    window_sums: torch.Tensor | None = None  # [H, n] the window queries' probabilities, summed (window_logit_scale)
+
+
+@dataclass
 class LayerObservation:
     layer_idx: int
     keys: torch.Tensor  # [H, n, D] cached keys (post-RoPE), in cache order (= position order per head)
@@ -40,6 +51,7 @@ class LayerObservation:
     window_positions: torch.Tensor | None = None  # [w] their logical positions
     stats: dict[str, torch.Tensor] = field(default_factory=dict)  # running per-entry statistics, [H, n] each
     budget: int = 0  # entries each head keeps at this compaction (0 outside a compaction)
+    measured: PassStatistics = field(default_factory=PassStatistics)
 
     @property
     def num_heads(self) -> int:
@@ -80,6 +92,31 @@ class LayerObservation:
         assert self.window_queries is not None and self.window_positions is not None
         return self.attention(self.window_queries, self.window_positions)
 
+    def step_column_sums(self, queries: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+        """This step's queries' attention summed over them and the group's query heads: [H, n]."""
+        if self.measured.column_sums is not None:
+            return self.measured.column_sums
+        return self.attention_column_sums(queries, query_positions)
+
+    def step_first_logits(self, queries: torch.Tensor) -> torch.Tensor:
+        """This step's queries' logits to cache entry 0: [q, H*G]."""
+        if self.measured.first_logits is not None:
+            return self.measured.first_logits
+        group = queries.shape[1] // self.num_heads
+        first_key = self.keys[:, 0].float().repeat_interleave(group, dim=0)  # [H*G, D]
+        return torch.einsum("qhd,hd->qh", queries.float(), first_key) * self.scale
+
+    def window_votes(self, logit_scale: torch.Tensor | float = 1.0, rows: int | None = None) -> torch.Tensor:
+        """The window queries' attention (only the newest `rows` of them, if given) summed over them and the group's
+        query heads: [H, n]. The engine measures the policy's `window_size()` newest queries with its
+        `window_logit_scale`; a policy passes the same here."""
+        if self.measured.window_sums is not None:
+            return self.measured.window_sums
+        assert self.window_queries is not None and self.window_positions is not None
+        first = -rows if rows else 0
+        queries, positions = self.window_queries[first:], self.window_positions[first:]
+        return self.attention(queries, positions, logit_scale).sum(dim=(1, 2))
+
 
 @dataclass
 class Selection:
@@ -99,6 +136,8 @@ class Policy:
     knobs: ClassVar[dict[str, Knob]] = {}
     stat_names: ClassVar[tuple[str, ...]] = ()  # running statistics this policy keeps (see update_stats)
     budget_optional: ClassVar[bool] = False  # True: the policy decides counts itself; kv_budget only caps them
+    # what the engine should measure in the attention pass (fields of PassStatistics); window_sums only at compactions
+    pass_statistics: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **settings: Any) -> None:
         for key, knob in self.knobs.items():
@@ -111,6 +150,10 @@ class Policy:
     def window_size(self) -> int:
         """How many of the most recent queries the policy reads (0: none)."""
         return 0
+
+    def window_logit_scale(self, obs: LayerObservation) -> torch.Tensor | None:
+        """A multiplier of the window queries' logits for their votes, [H, w] (None: the model's own logits)."""
+        return None
 
     def update_stats(self, obs: LayerObservation, queries: torch.Tensor,
                      query_positions: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -28,6 +28,7 @@ class EMS(Policy):
         "gamma": Knob(float, 4.0, "(B + N_tbm) / B: how many tokens are considered for merging", minimum=1.0),
     }
     stat_names = ("attention_sum",)
+    pass_statistics = ("column_sums", "window_sums")
 
     def protected_tokens(self) -> int:
         return self.window
@@ -36,11 +37,11 @@ class EMS(Policy):
         return self.window
 
     def update_stats(self, obs: LayerObservation, queries: torch.Tensor, query_positions: torch.Tensor):
-        return {"attention_sum": obs.stats["attention_sum"] + obs.attention_column_sums(queries, query_positions)}
+        return {"attention_sum": obs.stats["attention_sum"] + obs.step_column_sums(queries, query_positions)}
 
     def global_local(self, obs: LayerObservation) -> tuple[torch.Tensor, torch.Tensor]:
         s_glo = obs.stats["attention_sum"].float()
-        s_loc = obs.window_attention().sum(dim=(1, 2))
+        s_loc = obs.window_votes()
         aligned = s_glo * s_loc.sum(-1, keepdim=True) / s_glo.sum(-1, keepdim=True).clamp(min=1e-30)
         return pool_scores(torch.maximum(aligned, s_loc), self.kernel_size), s_loc
 

@@ -23,15 +23,14 @@ class MAT(Policy):
                                 minimum=0.0, maximum=1.0),
     }
     stat_names = ("anchor_logit",)
+    pass_statistics = ("first_logits",)
 
     def protected_tokens(self) -> int:
         return self.sink_tokens
 
     def update_stats(self, obs: LayerObservation, queries: torch.Tensor, query_positions: torch.Tensor):
-        group = queries.shape[1] // obs.num_heads
-        grouped = queries.float().reshape(queries.shape[0], obs.num_heads, group, -1)
-        first_key = obs.keys[:, 0].float()  # [H, D]: entry 0 is token 0 (always kept)
-        logits = torch.einsum("qhgd,hd->hq", grouped, first_key) * obs.scale / group  # [H, q]
+        # entry 0 is token 0 (always kept); average each KV head's query heads: [H, q]
+        logits = obs.step_first_logits(queries).reshape(queries.shape[0], obs.num_heads, -1).mean(dim=-1).T
         stats = obs.stats["anchor_logit"].clone()
         stats[:, obs.num_tokens - queries.shape[0] :] = logits  # this step's tokens are the newest entries
         return {"anchor_logit": stats}

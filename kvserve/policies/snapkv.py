@@ -20,6 +20,8 @@ class SnapKV(ScoredPolicy):
         "pooling": Knob(str, "avg", "pooling of the votes", choices=("avg", "max")),
     }
 
+    pass_statistics = ("window_sums",)
+
     def protected_tokens(self) -> int:
         return self.window
 
@@ -30,7 +32,7 @@ class SnapKV(ScoredPolicy):
         return recent_mask(obs, self.window)
 
     def score(self, obs: LayerObservation) -> torch.Tensor:
-        votes = obs.window_attention().sum(dim=(1, 2))  # [H, n]
+        votes = obs.window_votes()  # [H, n]
         split = obs.num_tokens - self.window
         # Pool over the prefix only (as SnapKV does), so the window's own large self-attention does not leak into
         # the scores of the keys just before it.

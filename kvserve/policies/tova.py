@@ -13,9 +13,11 @@ from kvserve.policies.base import LayerObservation, ScoredPolicy
 
 class TOVA(ScoredPolicy):
     name = "tova"
+    pass_statistics = ("window_sums",)
 
     def window_size(self) -> int:
         return 1
 
     def score(self, obs: LayerObservation) -> torch.Tensor:
-        return obs.window_attention()[:, :, -1, :].mean(dim=1)
+        group = obs.window_queries.shape[1] // obs.num_heads
+        return obs.window_votes(rows=1) / group  # the newest query's probabilities, mean over the group
