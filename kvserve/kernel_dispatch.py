@@ -19,6 +19,18 @@ import torch
 
 Backend = Literal["auto", "triton", "torch"]
 BACKEND_ENV = "KVSERVE_KERNELS"
+ATTENTION_ENV = "KVSERVE_ATTENTION"
+ATTENTION_MODES = ("vllm", "kernels")
+
+
+def attention_mode() -> str:
+    """Who computes a layer's attention in the engine: `vllm` (the default: vLLM's CPU kernel, then kvserve's
+    statistics from the same cache, kvserve/engine/attention.py) or `kernels` (kvserve's own attention gives output
+    and statistics from one of the operations below, kvserve/engine/kernel_attention.py)."""
+    mode = os.environ.get(ATTENTION_ENV, "vllm")
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"{ATTENTION_ENV} must be one of {', '.join(ATTENTION_MODES)}, got {mode!r}")
+    return mode
 
 
 def use_triton(device: torch.device, backend: Backend = "auto") -> bool:

@@ -57,14 +57,19 @@ def _check_platform() -> None:
 
     if not current_platform.is_cpu():
         raise RuntimeError(
-            "kvserve evicts inside vLLM's CPU attention backend only; on "
-            f"{current_platform.device_name} the compaction kernels are not built yet. Uninstall kvserve or set "
-            "VLLM_PLUGINS to a list without 'kvserve' to run vanilla vLLM."
+            "kvserve runs on vLLM's CPU platform only. Its GPU path (the Triton kernels of kvserve_kernels, used by "
+            "the attention mode KVSERVE_ATTENTION=kernels) has not been run inside a CUDA build of vLLM, so it is "
+            f"not enabled on {current_platform.device_name}. Uninstall kvserve or set VLLM_PLUGINS to a list "
+            "without 'kvserve' to run vanilla vLLM."
         )
 
 
 def _register_attention_backend() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from kvserve.kernel_dispatch import attention_mode
+
+    attention_mode()  # a misspelt KVSERVE_ATTENTION fails at start-up, not in the first forward pass
 
     register_backend(AttentionBackendEnum.CPU_ATTN, "kvserve.engine.attention.KVServeAttentionBackend")
 

@@ -19,6 +19,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from kvserve.engine.cache_layout import cpu_views
 from kvserve.engine.worker_state import current_step
+from kvserve.kernel_dispatch import attention_mode
 
 SUPPORTED_ISAS = ("vec",)  # the cache layouts kvserve reads and compacts (kvserve/engine/cache_layout.py)
 
@@ -61,6 +62,10 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
 class KVServeAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[KVServeAttentionImpl]:
+        if attention_mode() == "kernels":
+            from kvserve.engine.kernel_attention import KVServeKernelAttentionImpl
+
+            return KVServeKernelAttentionImpl
         return KVServeAttentionImpl
 
     @staticmethod

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -95,11 +95,19 @@ class RowPlan:
 class StepContext:
     rows: list[RowPlan]
 
+    def column_sum_rows(self) -> dict[int, int]:
+        """Batch rows whose policy accumulates this step's attention (`column_sums`), with their cache lengths: a
+        backend that computes attention itself produces these sums in the same pass."""
+        return {plan.row: plan.cache_len for plan in self.rows
+                if plan.failure is None and plan.state.gate is None
+                and "column_sums" in plan.state.policy.pass_statistics}
+
     def after_attention(self, layer_idx: int, query: torch.Tensor, cache: PagedKV, block_table: torch.Tensor,
-                        scale: float, output: torch.Tensor) -> None:
+                        scale: float, output: torch.Tensor, measured: dict[int, PassStatistics] | None = None) -> None:
         """Called by the attention backend after a layer's attention over `cache` (this step's entries written):
-        record window queries, measure the statistics the policy asks for, compact if planned; for gated requests,
-        recompute their output rows [q, Hq, D] with the per-head keep mask."""
+        record window queries, measure the statistics the policy asks for (those in `measured`, by batch row, came
+        from the backend's own pass), compact if planned; for gated requests, recompute their output rows
+        [q, Hq, D] with the per-head keep mask."""
         for plan in self.rows:
             if plan.failure is not None:
                 continue
@@ -110,14 +118,15 @@ class StepContext:
                                      query[plan.query_start : plan.query_end], _query_positions(plan), output,
                                      cache, block_table[plan.row], scale)
                 else:
-                    self._evict(plan, layer_idx, query, cache, block_table[plan.row], scale)
+                    self._evict(plan, layer_idx, query, cache, block_table[plan.row], scale,
+                                (measured or {}).get(plan.row))
             except Exception as error:  # a policy's bug fails its request, never the engine (the scheduler ends it)
                 plan.failure = f"kv_policy {plan.state.config.policy!r} failed: {type(error).__name__}: {error}"
                 logger.exception("kvserve: request %s: %s", plan.req_id, plan.failure)
             plan.eviction_seconds += time.perf_counter() - start
 
     def _evict(self, plan: RowPlan, layer_idx: int, query: torch.Tensor, cache: PagedKV, block_ids: torch.Tensor,
-               scale: float) -> None:
+               scale: float, given: PassStatistics | None) -> None:
         layer = plan.state.layer(layer_idx)
         policy = plan.state.policy
         queries = query[plan.query_start : plan.query_end]
@@ -127,7 +136,8 @@ class StepContext:
         if not policy.stat_names and plan.compaction is None:
             return
         obs = _observe(plan, layer, layer_idx, cache, scale)
-        obs.measured = measure_pass(policy, obs, queries, cache, block_ids, compacting=plan.compaction is not None)
+        obs.measured = measure_pass(policy, obs, queries, cache, block_ids, compacting=plan.compaction is not None,
+                                    given=given)
         if plan.compaction is not None or _reads_entries(policy, obs.measured):
             obs.keys, obs.values = read_entries(cache, block_ids, plan.cache_len)
         if policy.stat_names:
@@ -201,17 +211,19 @@ def _reads_entries(policy: Policy, measured: PassStatistics) -> bool:
 
 
 def measure_pass(policy: Policy, obs: LayerObservation, queries: torch.Tensor, cache: PagedKV,
-                 block_ids: torch.Tensor, compacting: bool) -> PassStatistics:
+                 block_ids: torch.Tensor, compacting: bool, given: PassStatistics | None = None) -> PassStatistics:
     """The statistics of this step's queries [q, Hq, D] that `policy.pass_statistics` names, from the attention
     operations of `kernel_dispatch` (Triton on CUDA: the fused kernels; PyTorch on CPU, after vLLM's own kernel).
 
     Window sums are measured only at a compaction whose window lies inside this step (a prefill chunk of at least
     `window` queries, or a one-query window in decode without a logit scale); an older window is not in this pass,
     and the policy computes it from the stored window queries. Prefill first-logits are left to the policy (one
-    [q, Hq] product; the prefill kernel does not produce them).
+    [q, Hq] product; the prefill kernel does not produce them). What `given` holds (the backend's own pass measured
+    it) is not measured again.
     """
-    wanted = policy.pass_statistics
-    measured = PassStatistics()
+    given = given or PassStatistics()
+    wanted = [name for name in policy.pass_statistics if getattr(given, name) is None]
+    measured = replace(given)
     num_queries, n = queries.shape[0], obs.num_tokens
     window = policy.window_size() if compacting and "window_sums" in wanted else 0
     gain = policy.window_logit_scale(obs) if 0 < window <= num_queries else None
@@ -233,7 +245,8 @@ def measure_pass(policy: Policy, obs: LayerObservation, queries: torch.Tensor, c
             measured.column_sums = sums[0]
         if window_here:
             measured.window_sums = sums[0]
-        measured.first_logits = first
+        if first is not None:
+            measured.first_logits = first
         return measured
     starts = torch.tensor([0, num_queries], dtype=torch.int32, device=device)
 

@@ -1,0 +1,105 @@
+"""Run kvserve with its own attention (KVSERVE_ATTENTION=kernels) and write greedy token ids, kept positions and the
+pool's free blocks as JSON.
+
+Usage: KVSERVE_ATTENTION=kernels python tests/kernel_attention_run.py OUT.json [--triton]
+- default: the kernels' PyTorch references (what the dispatch picks on CPU): the equivalence prompts without
+  eviction, then one batch of every kind of policy.
+- `--triton`: the Triton kernels themselves, under Triton's interpreter (slow: a small batch only).
+It runs in its own process because vLLM picks the attention implementation once, at engine start.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+KERNEL_POLICIES = ["h2o", "tova", "snapkv", "ahakv", "mat", "ems", "streamingllm", "h2o+caote"]
+KERNEL_BUDGET, KERNEL_MAX_TOKENS = 96, 40  # a prefill compaction, then one in decode (cache 96 -> 128 -> 96)
+TRITON_POLICIES = ["h2o", "snapkv", "mat"]
+TRITON_PROMPT, TRITON_BUDGET, TRITON_MAX_TOKENS = 80, 48, 6
+
+
+def policy_batch(tokenizer, triton: bool = False):
+    """(prompts, per-request kv settings, max_tokens) of the batch both engines run."""
+    from kvserve.eval.haystack import haystack
+
+    names, length, budget = ((TRITON_POLICIES, TRITON_PROMPT, TRITON_BUDGET) if triton
+                             else (KERNEL_POLICIES, 300, KERNEL_BUDGET))
+    prompts = [haystack(tokenizer, length, seed=90 + i) for i in range(len(names))]
+    settings = [{"kv_policy": name, "kv_budget": budget} for name in names]
+    return prompts, settings, TRITON_MAX_TOKENS if triton else KERNEL_MAX_TOKENS
+
+
+def run_batch(llm, prompts, kv_settings, max_tokens):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args=kv)
+              for kv in kv_settings]
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+
+def kept_positions(runner, request_id: str) -> list:
+    """Every layer's kept positions [H, B] of a finished request, by layer index."""
+    book = runner.kvserve
+    for table in (book.requests, book.recent):
+        for internal_id, state in table.items():
+            if internal_id == request_id or internal_id.startswith(f"{request_id}-"):
+                return [state.layers[i].kept_positions.tolist() for i in sorted(state.layers)]
+    raise KeyError(request_id)
+
+
+def count_kernel_launches() -> dict[str, int]:
+    """Count calls of the Triton kernels' entry points (the dispatch looks them up at each call)."""
+    import importlib
+
+    counts: dict[str, int] = {}
+    for module_name, function in (("decode_attention", "decode_attention_with_scores"),
+                                  ("prefill_window", "prefill_attention_with_window_sums"), ("compaction", "compact")):
+        module = importlib.import_module(f"kvserve_kernels.{module_name}")
+        original = getattr(module, function)
+        counts[function] = 0
+
+        def counted(*args, _original=original, _name=function, **kwargs):
+            counts[_name] += 1
+            return _original(*args, **kwargs)
+
+        setattr(module, function, counted)
+    return counts
+
+
+if __name__ == "__main__":
+    assert os.environ.get("KVSERVE_ATTENTION") == "kernels", "run with KVSERVE_ATTENTION=kernels"
+    triton_kernels = "--triton" in sys.argv
+    if triton_kernels:
+        os.environ["KVSERVE_KERNELS"] = "triton"
+        os.environ["TRITON_INTERPRET"] = "1"  # vLLM on CPU: CPU tensors, so Triton's interpreter runs the kernels
+        import triton.language  # noqa: F401 - before vLLM's import fixes Triton's library functions as compiled
+    from engine_settings import EQUIVALENCE_MAX_TOKENS, engine_kwargs, equivalence_prompts, in_process_env
+
+    in_process_env()
+    from vllm import LLM
+
+    llm = LLM(**engine_kwargs())
+    core = llm.llm_engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
+    pool = core.scheduler.kv_cache_manager.block_pool
+    tokenizer = llm.get_tokenizer()
+    launches = count_kernel_launches() if triton_kernels else {}
+    free_before = pool.get_num_free_blocks()
+    plain = [] if triton_kernels else run_batch(llm, equivalence_prompts(tokenizer), [None] * 3,
+                                                EQUIVALENCE_MAX_TOKENS)
+    prompts, kv_settings, max_tokens = policy_batch(tokenizer, triton_kernels)
+    evicting = run_batch(llm, prompts, kv_settings, max_tokens)
+    result = {
+        "impls": sorted({type(module.impl).__name__ for module in runner.model.modules() if hasattr(module, "impl")}),
+        "plain": [list(o.outputs[0].token_ids) for o in plain],
+        "tokens": [list(o.outputs[0].token_ids) for o in evicting],
+        "kept": [kept_positions(runner, o.request_id) for o in evicting],
+    }
+    run_batch(llm, [[1, 2, 3]], [None], 1)  # one more step lets the worker drop the finished requests' state
+    result["free_blocks"] = [free_before, pool.get_num_free_blocks()]
+    result["triton_launches"] = launches
+    with open(sys.argv[1], "w") as f:
+        json.dump(result, f)

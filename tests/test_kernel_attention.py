@@ -1,0 +1,83 @@
+"""kvserve's own attention (KVSERVE_ATTENTION=kernels: output and statistics from kvserve_kernels' operations, the
+GPU path of the design, here on their PyTorch references) in the real engine, against vanilla vLLM and against the
+default mode (vLLM's CPU kernel, statistics measured after it) on the same batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from kernel_attention_run import kept_positions, policy_batch, run_batch
+
+TESTS = os.path.dirname(__file__)
+
+
+def _run_kernel_engine(tmp_path_factory, *flags: str) -> dict:
+    out = tmp_path_factory.mktemp("kernels") / "outputs.json"
+    env = dict(os.environ, KVSERVE_ATTENTION="kernels")
+    done = subprocess.run([sys.executable, os.path.join(TESTS, "kernel_attention_run.py"), str(out), *flags],
+                          env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError("the KVSERVE_ATTENTION=kernels engine failed:\n" + done.stdout[-3000:] + done.stderr[-3000:])
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def kernel_engine_run(tmp_path_factory, engine):
+    return _run_kernel_engine(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def triton_engine_run(tmp_path_factory, engine):
+    return _run_kernel_engine(tmp_path_factory, "--triton")
+
+
+def test_kernel_attention_is_what_served(kernel_engine_run):
+    assert kernel_engine_run["impls"] == ["KVServeKernelAttentionImpl"]
+
+
+def test_kernel_attention_without_eviction_matches_vanilla(kernel_engine_run, vanilla_outputs):
+    assert kernel_engine_run["plain"] == vanilla_outputs["outputs"]
+
+
+def test_kernel_attention_returns_every_block(kernel_engine_run):
+    before, after = kernel_engine_run["free_blocks"]
+    assert after == before
+
+
+def _assert_same_eviction(engine, run: dict, triton: bool) -> None:
+    """Same batch, same policies: the statistics from the attention operation keep the same entries as the
+    statistics measured after vLLM's kernel, and the greedy text is the same. Both are fp32; the two attentions
+    differ only in summation order (~1e-6), so a kept set may differ where two scores tie to that precision: at most
+    one entry per layer and head, in at most a few of the 30 layers x 3 heads x 8 policies (0 seen)."""
+    prompts, kv_settings, max_tokens = policy_batch(engine.tokenizer, triton)
+    outputs = run_batch(engine.llm, prompts, kv_settings, max_tokens)
+    names = [kv["kv_policy"] for kv in kv_settings]
+    differing_rows = 0
+    for name, out, tokens, kept in zip(names, outputs, run["tokens"], run["kept"], strict=True):
+        assert list(out.outputs[0].token_ids) == tokens, name
+        reference = kept_positions(engine.runner, out.request_id)
+        assert len(kept) == len(reference) == engine.runner.model_config.get_num_layers(
+            engine.runner.parallel_config), name
+        for layer, (got_layer, want_layer) in enumerate(zip(kept, reference, strict=True)):
+            for head, (got, want) in enumerate(zip(got_layer, want_layer, strict=True)):
+                assert len(got) == len(want) and len(set(got) ^ set(want)) <= 2, (name, layer, head)
+                differing_rows += got != want
+    assert differing_rows <= 3, differing_rows
+
+
+def test_kernel_attention_evicts_as_the_default_mode(kernel_engine_run, engine):
+    _assert_same_eviction(engine, kernel_engine_run, triton=False)
+
+
+def test_triton_kernels_in_the_engine_evict_as_the_default_mode(triton_engine_run, engine):
+    """The Triton kernels themselves (decode with scores, prefill with column and window sums, compaction), under
+    Triton's interpreter, serving the real model in vLLM: the GPU path minus the GPU."""
+    launches = triton_engine_run["triton_launches"]
+    assert all(count > 0 for count in launches.values()), launches
+    assert triton_engine_run["impls"] == ["KVServeKernelAttentionImpl"]
+    assert triton_engine_run["free_blocks"][0] == triton_engine_run["free_blocks"][1]
+    _assert_same_eviction(engine, triton_engine_run, triton=True)
