@@ -391,18 +391,20 @@ def test_interpreter_env_not_leaked():
 # its statistics from the keys itself (no measurement from the attention pass).
 # --------------------------------------------------------------------------------------------------------------------
 
-PATH_HEADS, PATH_GROUP, PATH_BLOCK, PATH_BUDGET, PATH_LAYER = 2, 2, 16, 24, 3
+PATH_HEADS, PATH_GROUP, PATH_BLOCK, PATH_BUDGET, PATH_LAYER = 2, 2, 32, 24, 3
 PATH_POLICIES = {
     "h2o": {"kv_recent": 8}, "tova": {}, "snapkv": {"kv_window": 8}, "ahakv": {"kv_recent": 8}, "mat": {},
     "ems": {"kv_window": 8}, "streamingllm": {}, "h2o+caote": {"kv_recent": 8},
 }
 
 
-def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch) -> dict:
-    """A 40-token prompt chunk compacted to the budget, then three decode steps, the last one compacting again."""
+def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch, dtype: torch.dtype = torch.float32) -> dict:
+    """A 40-token prompt chunk compacted to the budget, then three decode steps, the last one compacting again.
+    `layout`: "cpu" (vLLM's CPU "vec" cache, views), "flash" (the GPU cache, views) or "amx" (vLLM's AMX cache,
+    written by vLLM's op, staged blocks as the backend does)."""
     from kvserve.config import parse_kv_config
     from kvserve.engine import worker_state
-    from kvserve.engine.cache_layout import cpu_views, flash_views, read_entries
+    from kvserve.engine.cache_layout import cpu_views, flash_views, read_entries, stage_blocks
     from kvserve.engine.plan import Compaction
     from kvserve.policies.base import PassStatistics
 
@@ -410,8 +412,9 @@ def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch) -> di
         monkeypatch.setattr(worker_state, "measure_pass", lambda *args, **kwargs: PassStatistics())
     generator = torch.Generator().manual_seed(7)
     num_blocks, hq = 8, PATH_HEADS * PATH_GROUP
-    if layout == "cpu":
-        paged = cpu_views(torch.zeros(num_blocks, PATH_HEADS, PATH_BLOCK, 2 * HEAD_DIM))
+    raw = torch.zeros(num_blocks, PATH_HEADS, PATH_BLOCK, 2 * HEAD_DIM, dtype=dtype)
+    if layout in ("cpu", "amx"):
+        paged = cpu_views(raw)
     else:
         paged = flash_views(new_kv_cache(num_blocks, PATH_HEADS, PATH_BLOCK, HEAD_DIM, torch.float32, DEVICE).zero_(),
                             HEAD_DIM)
@@ -420,25 +423,42 @@ def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch) -> di
     state = worker_state.RequestState(config=config, policy=config.make_policy())
     logical = 0
     for tokens, compact in ((40, True), (1, False), (1, False), (1, True)):
-        keys, values, queries = (torch.randn(tokens, heads, HEAD_DIM, generator=generator)
+        keys, values, queries = (torch.randn(tokens, heads, HEAD_DIM, generator=generator).to(dtype)
                                  for heads in (PATH_HEADS, PATH_HEADS, hq))
         first_slot = logical - state.offset
         slots = torch.arange(first_slot, first_slot + tokens, device=DEVICE)
         blocks = block_ids.long()[slots // PATH_BLOCK]
-        paged.keys[blocks, slots % PATH_BLOCK] = keys.to(DEVICE)  # vLLM writes the step's entries before attention
-        paged.values[blocks, slots % PATH_BLOCK] = values.to(DEVICE)
         cache_len = first_slot + tokens
+        step_cache, step_table = paged, block_ids[None]
+        if layout == "amx":  # vLLM's own writer, then the blocks staged as the attention backend stages them
+            from vllm import _custom_ops as ops
+
+            key_cache, value_cache = raw.view(num_blocks, PATH_HEADS, 2 * PATH_BLOCK, HEAD_DIM).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache,
+                                           blocks * PATH_BLOCK + slots % PATH_BLOCK, "amx", k_scale=1.0, v_scale=1.0,
+                                           kv_cache_dtype="auto")
+            staged = stage_blocks(raw, block_ids[None], {0: cache_len})
+            step_cache, step_table = staged.cache, staged.block_table
+        else:  # vLLM writes the step's entries before attention
+            paged.keys[blocks, slots % PATH_BLOCK] = keys.to(DEVICE)
+            paged.values[blocks, slots % PATH_BLOCK] = values.to(DEVICE)
         compaction = Compaction(PATH_BUDGET, logical + tokens, cache_len) if compact else None
         plan = worker_state.RowPlan(req_id="r", state=state, row=0, query_start=0, query_end=tokens,
                                     cache_len=cache_len, compaction=compaction)
-        worker_state.StepContext([plan]).after_attention(PATH_LAYER, queries.to(DEVICE), paged, block_ids[None],
+        worker_state.StepContext([plan]).after_attention(PATH_LAYER, queries.to(DEVICE), step_cache, step_table,
                                                          HEAD_DIM**-0.5, torch.empty_like(queries))
         assert plan.failure is None, plan.failure
+        if layout == "amx" and compact:
+            staged.write_back(raw)
         logical += tokens
         if compact:
             state.offset = logical - PATH_BUDGET
     layer = state.layer(PATH_LAYER)
-    keys, values = read_entries(paged, block_ids, PATH_BUDGET)
+    if layout == "amx":
+        staged = stage_blocks(raw, block_ids[None], {0: PATH_BUDGET})
+        keys, values = read_entries(staged.cache, staged.block_table[0], PATH_BUDGET)
+    else:
+        keys, values = read_entries(paged, block_ids, PATH_BUDGET)
     return {"positions": layer.kept_positions.cpu(), "keys": keys.cpu(), "values": values.cpu(),
             "stats": {name: stat.cpu() for name, stat in layer.stats.items()}}
 
@@ -459,3 +479,17 @@ def test_backend_scoring_path_same_on_both_layouts_and_backends(policy, monkeypa
         for name, stat in from_keys["stats"].items():
             torch.testing.assert_close(got["stats"][name], stat, **PROB_TOL)
     assert from_keys["positions"].shape == (PATH_HEADS, PATH_BUDGET)
+
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="no AMX tiles: vLLM never uses the AMX layout here")
+@pytest.mark.parametrize("policy", list(PATH_POLICIES))
+def test_amx_staged_blocks_serve_as_the_vec_layout(policy, monkeypatch):
+    """bf16 on a CPU with AMX: vLLM stores blocks in its AMX format; the backend stages them. Same entries kept, same
+    statistics, same compacted entries as the "vec" layout's views, bit for bit."""
+    monkeypatch.setenv(kernel_dispatch.BACKEND_ENV, "torch")
+    vec = _serve_one_layer(policy, "cpu", True, monkeypatch, dtype=torch.bfloat16)
+    amx = _serve_one_layer(policy, "amx", True, monkeypatch, dtype=torch.bfloat16)
+    assert torch.equal(amx["positions"], vec["positions"])
+    assert torch.equal(amx["keys"], vec["keys"]) and torch.equal(amx["values"], vec["values"])
+    assert amx["stats"].keys() == vec["stats"].keys()
+    assert all(torch.equal(amx["stats"][name], stat) for name, stat in vec["stats"].items())

@@ -63,3 +63,19 @@ def test_readme_documents_every_policy_setting():
     assert settings_table() in readme
     for name in POLICY_NAMES:
         assert f"`{name.split('+')[0]}`" in readme
+
+
+@pytest.mark.parametrize("mode", ["vllm", "kernels"])
+def test_attention_mode_picks_the_backend_implementation(mode, monkeypatch):
+    from kvserve.engine.attention import KVServeAttentionBackend, KVServeAttentionImpl
+    from kvserve.engine.kernel_attention import KVServeKernelAttentionImpl
+
+    monkeypatch.setenv("KVSERVE_ATTENTION", mode)
+    expected = KVServeKernelAttentionImpl if mode == "kernels" else KVServeAttentionImpl
+    assert KVServeAttentionBackend.get_impl_cls() is expected
+
+
+def test_misspelt_attention_mode_stops_the_plugin_with_the_reason(monkeypatch):
+    monkeypatch.setenv("KVSERVE_ATTENTION", "triton")
+    with pytest.raises(ValueError, match="KVSERVE_ATTENTION must be one of vllm, kernels"):
+        vllm_patches._register_attention_backend()

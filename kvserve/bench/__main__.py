@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--kv-space-gib", default="4", help="VLLM_CPU_KVCACHE_SPACE for both servers")
     parser.add_argument("--server-args", default="", help="more engine flags for both servers, one string")
+    parser.add_argument("--attention", choices=("vllm", "kernels"), default="vllm",
+                        help="kvserve's attention mode (KVSERVE_ATTENTION): vLLM's CPU kernel then kvserve's "
+                             "statistics, or kvserve's own kernel operations for both")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
 
@@ -125,8 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     workload = {"model": args.model, "prompts": workload_prompts[1:], "warmup": workload_prompts[0][:64],
                 "max_tokens": args.max_tokens}
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as log_dir:
-        results = run({"vanilla": [Setting("full", None)], "kvserve": kvserve_settings}, engine_args,
-                      {"VLLM_CPU_KVCACHE_SPACE": args.kv_space_gib}, workload, Path(log_dir))
+        env = {"VLLM_CPU_KVCACHE_SPACE": args.kv_space_gib, "KVSERVE_ATTENTION": args.attention}  # vanilla: no plugin
+        results = run({"vanilla": [Setting("full", None)], "kvserve": kvserve_settings}, engine_args, env, workload,
+                      Path(log_dir))
     print()
     print(report(results, args.prompt_tokens))
     if args.out:

@@ -17,24 +17,20 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from kvserve.engine.cache_layout import cpu_views
+from kvserve.engine.cache_layout import cpu_views, stage_blocks
 from kvserve.engine.worker_state import current_step
 from kvserve.kernel_dispatch import attention_mode
 
-SUPPORTED_ISAS = ("vec",)  # the cache layouts kvserve reads and compacts (kvserve/engine/cache_layout.py)
+SUPPORTED_ISAS = ("vec", "amx")  # the cache layouts kvserve reads and compacts (kvserve/engine/cache_layout.py)
 
 
 class KVServeAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
-    """vLLM picks the kernel ISA, and with it the cache layout, once per KV-cache group at engine start. On a CPU with
-    AMX tiles it picks "amx" for bf16, whose block layout kvserve cannot read or compact; the "vec" kernel serves
-    bf16 as well, so kvserve asks for that. Any other layout is refused here, at start-up, with the reason, rather
-    than failing the first evicting request inside a forward pass."""
+    """vLLM picks the kernel ISA, and with it the cache layout, once per KV-cache group at engine start ("amx" for
+    bf16 on a CPU with AMX tiles, "vec" otherwise). Any layout kvserve cannot read is refused here, at start-up, with
+    the reason, rather than failing the first evicting request inside a forward pass."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        if self.isa == "amx":
-            self.isa = "vec"
-            self._set_isa_to_layers(layer_names)
         if self.isa not in SUPPORTED_ISAS or self.kv_cache_dtype != "auto":
             raise RuntimeError(
                 f"kvserve eviction supports the CPU cache layout of ISA {SUPPORTED_ISAS} with an unquantised cache; "
@@ -55,7 +51,19 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         layer_idx = getattr(layer, "_kvserve_layer_idx", None)
         if layer_idx is None:
             layer_idx = layer._kvserve_layer_idx = extract_layer_index(layer.layer_name)
-        step.after_attention(layer_idx, query, cpu_views(kv_cache), attn_metadata.block_table, self.scale, result)
+        if getattr(layer, "isa", "vec") != "amx":
+            step.after_attention(layer_idx, query, cpu_views(kv_cache), attn_metadata.block_table, self.scale, result)
+            return result
+        # AMX blocks: no view addresses an entry, so the blocks this step reads are decoded into views first, and
+        # written back if a compaction rewrote them. Steps that only record window queries copy nothing.
+        rows = step.cache_rows()
+        if not rows:
+            step.after_attention(layer_idx, query, None, attn_metadata.block_table, self.scale, result)
+            return result
+        staged = stage_blocks(kv_cache, attn_metadata.block_table, rows)
+        step.after_attention(layer_idx, query, staged.cache, staged.block_table, self.scale, result)
+        if step.compacts():
+            staged.write_back(kv_cache)
         return result
 
 

@@ -11,6 +11,12 @@ Every backend hands kvserve's scoring the same form, `PagedKV`: keys and values 
   (`[block_size, head_size]`). The key view is therefore strided in its head dimension, which the PyTorch path reads
   as it is. `tests/test_cache_layout.py` checks this against vLLM's own write op.
 - GPU (`flash_views`; vLLM's FlashAttention cache): `kvserve_kernels.layout.split_kv_cache`.
+- CPU with AMX tiles, bf16 (ISA "amx"): within a block and head, keys are stored as
+  `[block_size / 16, head_size / 2, 16, 2]` (16-token tiles, pairs of dimensions side by side per token) and values as
+  `[head_size / 16, block_size / 2, 16, 2]` (16-dimension tiles, pairs of tokens side by side). No strided view
+  addresses an entry there, so the blocks an evicting request needs are copied out into views (`stage_blocks`) and
+  written back after a compaction.
+  `tests/test_cache_layout.py` checks both directions against vLLM's own write op.
 """
 
 from __future__ import annotations
@@ -74,3 +80,50 @@ def compact_entries(cache: PagedKV, block_ids: torch.Tensor, keep_indices: torch
     and each [H, n] statistic's entries with them (its first B columns are then the kept entries')."""
     kernel_dispatch.compact(cache.keys, cache.values, block_ids[None], keep_indices[None],
                             stats=[stat[None] for stat in stats])
+
+
+def amx_decode(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks `[k, num_kv_heads, block_size, 2 * head_size]` in vLLM's AMX format -> keys, values
+    `[k, block_size, num_kv_heads, head_size]` (copies)."""
+    count, heads, block_size, two_dim = blocks.shape
+    dim = two_dim // 2
+    parts = blocks.reshape(count, heads, 2, block_size * dim)
+    keys = parts[:, :, 0].reshape(count, heads, block_size // 16, dim // 2, 16, 2).permute(0, 2, 4, 1, 3, 5)
+    values = parts[:, :, 1].reshape(count, heads, dim // 16, block_size // 2, 16, 2).permute(0, 3, 5, 1, 2, 4)
+    return keys.reshape(count, block_size, heads, dim), values.reshape(count, block_size, heads, dim)
+
+
+def amx_encode(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The inverse of `amx_decode`: keys, values `[k, block_size, H, D]` -> blocks `[k, H, block_size, 2 * D]`."""
+    count, block_size, heads, dim = keys.shape
+    key_part = keys.reshape(count, block_size // 16, 16, heads, dim // 2, 2).permute(0, 3, 1, 4, 2, 5)
+    value_part = values.reshape(count, block_size // 2, 2, heads, dim // 16, 16).permute(0, 3, 4, 1, 5, 2)
+    parts = torch.stack([key_part.reshape(count, heads, -1), value_part.reshape(count, heads, -1)], dim=2)
+    return parts.reshape(count, heads, block_size, 2 * dim)
+
+
+@dataclass(frozen=True)
+class StagedBlocks:
+    """Some requests' blocks of an AMX-format cache, decoded into `cache` (views the kernels' operations read), with
+    `block_table` rows pointing into it; `source` holds each staged block's id in the real cache."""
+
+    cache: PagedKV
+    block_table: torch.Tensor  # [rows, max staged blocks] int32
+    source: torch.Tensor  # [staged blocks] int64
+
+    def write_back(self, kv_cache: torch.Tensor) -> None:
+        kv_cache[self.source] = amx_encode(self.cache.keys, self.cache.values)
+
+
+def stage_blocks(kv_cache: torch.Tensor, block_table: torch.Tensor, entries_by_row: dict[int, int]) -> StagedBlocks:
+    """Copy out the blocks holding the first `entries` of each batch row (rows not named get no blocks)."""
+    block_size = kv_cache.shape[2]
+    blocks_by_row = {row: -(-entries // block_size) for row, entries in entries_by_row.items()}
+    table = torch.zeros(max(entries_by_row) + 1, max(blocks_by_row.values()), dtype=torch.int32)
+    sources, next_id = [], 0
+    for row, count in blocks_by_row.items():
+        sources.append(block_table[row, :count].long())
+        table[row, :count] = torch.arange(next_id, next_id + count, dtype=torch.int32)
+        next_id += count
+    source = torch.cat(sources)
+    return StagedBlocks(PagedKV(*amx_decode(kv_cache[source])), table, source)

@@ -95,6 +95,16 @@ class RowPlan:
 class StepContext:
     rows: list[RowPlan]
 
+    def cache_rows(self) -> dict[int, int]:
+        """Batch rows whose step reads or rewrites their cache entries (statistics, a compaction, a gate), with their
+        cache lengths; the other evicting rows only record window queries."""
+        return {plan.row: plan.cache_len for plan in self.rows
+                if plan.failure is None and (plan.compaction is not None or plan.state.policy.stat_names
+                                             or plan.state.gate is not None)}
+
+    def compacts(self) -> bool:
+        return any(plan.compaction is not None and plan.failure is None for plan in self.rows)
+
     def column_sum_rows(self) -> dict[int, int]:
         """Batch rows whose policy accumulates this step's attention (`column_sums`), with their cache lengths: a
         backend that computes attention itself produces these sums in the same pass."""
@@ -102,12 +112,12 @@ class StepContext:
                 if plan.failure is None and plan.state.gate is None
                 and "column_sums" in plan.state.policy.pass_statistics}
 
-    def after_attention(self, layer_idx: int, query: torch.Tensor, cache: PagedKV, block_table: torch.Tensor,
+    def after_attention(self, layer_idx: int, query: torch.Tensor, cache: PagedKV | None, block_table: torch.Tensor,
                         scale: float, output: torch.Tensor, measured: dict[int, PassStatistics] | None = None) -> None:
         """Called by the attention backend after a layer's attention over `cache` (this step's entries written):
         record window queries, measure the statistics the policy asks for (those in `measured`, by batch row, came
         from the backend's own pass), compact if planned; for gated requests, recompute their output rows
-        [q, Hq, D] with the per-head keep mask."""
+        [q, Hq, D] with the per-head keep mask. `cache` may be None when no row is in `cache_rows()`."""
         for plan in self.rows:
             if plan.failure is not None:
                 continue
