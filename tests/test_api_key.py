@@ -59,3 +59,33 @@ def test_health_and_metrics_stay_open_models_do_not(guarded_server):
     assert "vllm:num_requests_running" in httpx.get(guarded_server + "/metrics").text
     assert httpx.get(guarded_server + "/v1/models").status_code == 401
     assert httpx.get(guarded_server + "/v1/models", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+def test_every_policy_in_one_batch_on_the_bf16_layout(guarded_server, long_prompt):
+    """bf16 is served with vLLM's AMX kernel on a CPU with AMX tiles (whose blocks kvserve stages to read and
+    compact) and the vec kernel elsewhere. Every budgeted policy at once, so each step mixes requests that read their
+    cache with requests that only record window queries: all served, each prompt compacted to the budget, and the
+    pool full afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvserve.policies import POLICIES
+
+    budget = 64
+    names = [name for name, cls in POLICIES.items() if not cls.budget_optional]
+    headers = {"authorization": f"Bearer {KEY}"}
+
+    def complete(name: str) -> httpx.Response:
+        body = {"model": "smollm", "prompt": long_prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "kv_policy": name, "kv_budget": budget}
+        return httpx.post(guarded_server + "/v1/completions", json=body, headers=headers, timeout=300)
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        responses = list(pool.map(complete, names))
+    for name, response in zip(names, responses, strict=True):
+        assert response.status_code == 200, (name, response.text)
+        choice, usage = response.json()["choices"][0], response.json()["usage"]
+        assert choice["finish_reason"] == "length", name
+        assert usage["kv_tokens_evicted"] == usage["prompt_tokens"] - budget, name
+    metrics = httpx.get(guarded_server + "/metrics").text
+    usage_line = next(line for line in metrics.splitlines() if line.startswith("vllm:kv_cache_usage_perc"))
+    assert float(usage_line.split()[-1]) == 0.0

@@ -69,6 +69,17 @@ def test_vllm_xargs_select_the_policy(server, long_prompt):
     assert metric(server, "kvserve:evictions_total", labels) - before == 1
 
 
+def test_top_level_body_keys_select_the_policy(server, long_prompt):
+    """What an OpenAI client sends with extra_body={"kv_policy": ...}; vLLM itself would drop unknown keys."""
+    labels = '{policy="tova"}'
+    before = metric(server, "kvserve:evictions_total", labels, missing=0.0)
+    response = complete(server, long_prompt, kv_policy="tova", kv_budget=80)
+    assert response.status_code == 200, response.text
+    assert (response.headers["x-kv-policy-applied"], response.headers["x-kv-budget-applied"]) == ("tova", "80")
+    assert response.json()["usage"]["kv_tokens_evicted"] == response.json()["usage"]["prompt_tokens"] - 80
+    assert metric(server, "kvserve:evictions_total", labels) - before == 1
+
+
 def test_server_default_applies_without_headers(server):
     response = complete(server, "Hello")
     assert response.status_code == 200
@@ -99,6 +110,8 @@ def test_streaming_chat_with_eviction(server, long_prompt):
     ({"x-kv-budget": "x" * 300}, {}, "x-kv-budget"),
     ({}, {"vllm_xargs": {"kv_policy": "snapkv", "kv_budget": "ten"}}, "kv_budget"),
     ({"x-kv-budget": "300"}, {"vllm_xargs": {"kv_policy": "snapkv", "kv_budget": 200}}, "kv_budget"),
+    ({}, {"kv_budget": 300, "vllm_xargs": {"kv_policy": "snapkv", "kv_budget": 200}}, "kv_budget"),
+    ({}, {"kv_policy": "snapkv", "kv_budjet": 300}, "kv_budjet"),  # a misspelt top-level key is not dropped
 ])
 def test_invalid_settings_get_400_naming_the_field(server, headers, body, field):
     response = complete(server, "Hello", headers, **body)

@@ -116,10 +116,10 @@ class StagedBlocks:
 
 
 def stage_blocks(kv_cache: torch.Tensor, block_table: torch.Tensor, entries_by_row: dict[int, int]) -> StagedBlocks:
-    """Copy out the blocks holding the first `entries` of each batch row (rows not named get no blocks)."""
+    """Copy out the blocks holding the first `entries` of each batch row (the other rows' table rows stay zero)."""
     block_size = kv_cache.shape[2]
     blocks_by_row = {row: -(-entries // block_size) for row, entries in entries_by_row.items()}
-    table = torch.zeros(max(entries_by_row) + 1, max(blocks_by_row.values()), dtype=torch.int32)
+    table = torch.zeros(block_table.shape[0], max(blocks_by_row.values()), dtype=torch.int32)
     sources, next_id = [], 0
     for row, count in blocks_by_row.items():
         sources.append(block_table[row, :count].long())

@@ -1,7 +1,9 @@
 """ASGI middleware: `x-kv-*` headers -> `vllm_xargs`, validated before vLLM sees the request.
 
-`x-kv-budget: 256` becomes `vllm_xargs["kv_budget"] = "256"` (dashes to underscores). A setting given both as a
-header and in the body with different values is a conflict (400), never a silent choice. Every invalid setting gets
+`x-kv-budget: 256` becomes `vllm_xargs["kv_budget"] = "256"` (dashes to underscores), and so does a top-level body key
+`"kv_budget": 256` (what OpenAI clients send as `extra_body`; vLLM would otherwise drop it with a log line). A
+setting given twice (header, top level, `vllm_xargs`) with different values is a conflict (400), never a silent
+choice. Every invalid setting gets
 HTTP 400 in OpenAI's error format, naming the field. Responses say what was applied in `x-kv-policy-applied` and
 `x-kv-budget-applied`, and how many tokens eviction removed in `usage.kv_tokens_evicted`.
 
@@ -47,17 +49,24 @@ def headers_to_xargs(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
     return xargs
 
 
+VLLM_KV_FIELDS = ("kv_transfer_params",)  # vLLM's own top-level request fields that start with kv_
+
+
 def merge_into_body(body: dict[str, Any], header_xargs: dict[str, str]) -> dict[str, Any]:
     xargs = body.get("vllm_xargs")
     if xargs is None:
         xargs = {}
     if not isinstance(xargs, dict):
         raise BadRequest("vllm_xargs", "must be a JSON object")
-    for key, value in header_xargs.items():
-        if key in xargs and str(xargs[key]).lower() != value.lower():
-            raise BadRequest(key, f"given as header x-kv-{key[3:].replace('_', '-')}={value!r} and in vllm_xargs="
-                                  f"{xargs[key]!r}; give it once")
-        xargs.setdefault(key, value)
+    top_level = {key: body.pop(key) for key in list(body)
+                 if isinstance(key, str) and key.startswith(KEY_PREFIX) and key not in VLLM_KV_FIELDS}
+    for source, settings in (("header x-kv-", header_xargs), ("body key kv_", top_level)):
+        for key, value in settings.items():
+            if key in xargs and str(xargs[key]).lower() != str(value).lower():
+                name = source + (key[3:].replace("_", "-") if source.startswith("header") else key[3:])
+                raise BadRequest(key, f"given as {name}={value!r} and as {xargs[key]!r} elsewhere in the request "
+                                      "(vllm_xargs, a header or a top-level body key); give it once")
+            xargs.setdefault(key, value)
     if xargs:
         body["vllm_xargs"] = xargs
     return body
