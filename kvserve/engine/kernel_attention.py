@@ -68,17 +68,22 @@ class KVServeKernelAttentionImpl(KVServeAttentionImpl):
         num_reqs = attn_metadata.query_start_loc.shape[0] - 1
         cache = flash_views(kv_cache, self.head_size)
         step = current_step()
-        column_rows = step.column_sum_rows() if step is not None else {}  # batch row -> its cache length
+        column_rows = step.pass_rows("column_sums") if step is not None else {}  # batch row -> its cache length
         width = max(column_rows.values(), default=0)
         queries = query[:tokens]
         block_table = attn_metadata.block_table[:num_reqs]
         seq_lens = attn_metadata.seq_lens[:num_reqs]
+        first_rows: dict[int, int] = {}
+        first = None
         if attn_metadata.max_query_len == 1:  # a decode batch: one query per request
+            first_rows = step.pass_rows("first_logits") if step is not None else {}
             sums = torch.zeros(num_reqs, self.num_kv_heads, width, device=query.device) if column_rows else None
+            if first_rows:
+                first = torch.empty(num_reqs, self.num_heads, device=query.device)
             out, _ = kernel_dispatch.decode_attention_with_scores(
-                queries, cache.keys, cache.values, block_table, seq_lens, self.scale, scores=sums,
+                queries, cache.keys, cache.values, block_table, seq_lens, self.scale, scores=sums, first_logit=first,
                 max_seq_len=attn_metadata.max_seq_len)
-        else:  # prefill, chunked prefill or a mixed batch: causal varlen attention
+        else:  # prefill, chunked prefill or a mixed batch: causal varlen attention (first logits: the policy's)
             out, sums, _ = kernel_dispatch.prefill_attention_with_window_sums(
                 queries, cache.keys, cache.values, block_table, seq_lens, attn_metadata.query_start_loc,
                 self.scale, attn_metadata.max_query_len if column_rows else 0, max_slots=width,
@@ -89,7 +94,9 @@ class KVServeKernelAttentionImpl(KVServeAttentionImpl):
         layer_idx = getattr(layer, "_kvserve_layer_idx", None)
         if layer_idx is None:
             layer_idx = layer._kvserve_layer_idx = extract_layer_index(layer.layer_name)
-        measured = {row: PassStatistics(column_sums=sums[row, :, :length]) for row, length in column_rows.items()}
+        measured = {row: PassStatistics(column_sums=sums[row, :, :column_rows[row]] if row in column_rows else None,
+                                        first_logits=first[row : row + 1] if row in first_rows else None)
+                    for row in column_rows.keys() | first_rows.keys()}
         step.after_attention(layer_idx, query, cache, attn_metadata.block_table, self.scale, output,
                              measured=measured)
         return output

@@ -105,12 +105,11 @@ class StepContext:
     def compacts(self) -> bool:
         return any(plan.compaction is not None and plan.failure is None for plan in self.rows)
 
-    def column_sum_rows(self) -> dict[int, int]:
-        """Batch rows whose policy accumulates this step's attention (`column_sums`), with their cache lengths: a
-        backend that computes attention itself produces these sums in the same pass."""
+    def pass_rows(self, statistic: str) -> dict[int, int]:
+        """Batch rows whose policy wants `statistic` (a `PassStatistics` field) from this step's attention, with
+        their cache lengths: a backend that computes attention itself produces it in the same pass."""
         return {plan.row: plan.cache_len for plan in self.rows
-                if plan.failure is None and plan.state.gate is None
-                and "column_sums" in plan.state.policy.pass_statistics}
+                if plan.failure is None and plan.state.gate is None and statistic in plan.state.policy.pass_statistics}
 
     def after_attention(self, layer_idx: int, query: torch.Tensor, cache: PagedKV | None, block_table: torch.Tensor,
                         scale: float, output: torch.Tensor, measured: dict[int, PassStatistics] | None = None) -> None:
