@@ -24,6 +24,14 @@ from kvserve.kernel_dispatch import attention_mode
 SUPPORTED_ISAS = ("vec", "amx")  # the cache layouts kvserve reads and compacts (kvserve/engine/cache_layout.py)
 
 
+def layer_index(layer) -> int:
+    """The model layer an attention layer belongs to, parsed from its name once and kept on it."""
+    index = getattr(layer, "_kvserve_layer_idx", None)
+    if index is None:
+        index = layer._kvserve_layer_idx = extract_layer_index(layer.layer_name)
+    return index
+
+
 class KVServeAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     """vLLM picks the kernel ISA, and with it the cache layout, once per KV-cache group at engine start ("amx" for
     bf16 on a CPU with AMX tiles, "vec" otherwise). Any layout kvserve cannot read is refused here, at start-up, with
@@ -48,9 +56,7 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         step = current_step()
         if step is None or not step.rows or attn_metadata is None or self.attn_type != AttentionType.DECODER:
             return result
-        layer_idx = getattr(layer, "_kvserve_layer_idx", None)
-        if layer_idx is None:
-            layer_idx = layer._kvserve_layer_idx = extract_layer_index(layer.layer_name)
+        layer_idx = layer_index(layer)
         if getattr(layer, "isa", "vec") != "amx":
             step.after_attention(layer_idx, query, cpu_views(kv_cache), attn_metadata.block_table, self.scale, result)
             return result

@@ -65,13 +65,20 @@ def read_entries(cache: PagedKV, block_ids: torch.Tensor, num_entries: int) -> t
     return gather_entries(cache.keys, cache.values, block_ids, num_entries)
 
 
+def write_slots(cache: PagedKV, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Write [m, H, D] keys/values at global cache slots [m] (block * block_size + offset, vLLM's slot mapping)."""
+    slots = slots.to(cache.keys.device).long()
+    blocks, offsets = slots // cache.block_size, slots % cache.block_size
+    cache.keys[blocks, offsets] = keys.to(cache.keys.dtype)
+    cache.values[blocks, offsets] = values.to(cache.values.dtype)
+
+
 def write_entries(cache: PagedKV, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Write [H, m, D] keys/values as the request's first m entries (its blocks' slots 0..m-1)."""
-    slots = torch.arange(keys.shape[1], device=cache.keys.device)
-    blocks = block_ids.to(cache.keys.device).long()[slots // cache.block_size]
-    offsets = slots % cache.block_size
-    cache.keys[blocks, offsets] = keys.transpose(0, 1).to(cache.keys.dtype)
-    cache.values[blocks, offsets] = values.transpose(0, 1).to(cache.values.dtype)
+    entries = torch.arange(keys.shape[1], device=cache.keys.device)
+    blocks = block_ids.to(cache.keys.device).long()[entries // cache.block_size]
+    write_slots(cache, blocks * cache.block_size + entries % cache.block_size, keys.transpose(0, 1),
+                values.transpose(0, 1))
 
 
 def compact_entries(cache: PagedKV, block_ids: torch.Tensor, keep_indices: torch.Tensor,

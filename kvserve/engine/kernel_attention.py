@@ -16,12 +16,11 @@ kernels never touch it, so the two modes only differ in the interior of a block,
 from __future__ import annotations
 
 import torch
-from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
 
 from kvserve import kernel_dispatch
-from kvserve.engine.attention import KVServeAttentionImpl
-from kvserve.engine.cache_layout import flash_views
+from kvserve.engine.attention import KVServeAttentionImpl, layer_index
+from kvserve.engine.cache_layout import flash_views, write_slots
 from kvserve.engine.worker_state import current_step
 from kvserve.kernel_dispatch import ATTENTION_ENV
 from kvserve.policies.base import PassStatistics
@@ -49,14 +48,11 @@ class KVServeKernelAttentionImpl(KVServeAttentionImpl):
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
-        cache = flash_views(kv_cache, self.head_size)
         tokens = min(key.shape[0], slot_mapping.shape[0])
-        slots = slot_mapping[:tokens].long()
+        slots = slot_mapping[:tokens]
         written = slots >= 0  # padded tokens carry slot -1
-        slots = slots[written]
-        blocks, offsets = slots // cache.block_size, slots % cache.block_size
-        cache.keys[blocks, offsets] = key[:tokens][written].to(cache.keys.dtype)
-        cache.values[blocks, offsets] = value[:tokens][written].to(cache.values.dtype)
+        write_slots(flash_views(kv_cache, self.head_size), slots[written], key[:tokens][written],
+                    value[:tokens][written])
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None) -> torch.Tensor:
@@ -91,9 +87,7 @@ class KVServeKernelAttentionImpl(KVServeAttentionImpl):
         output[:tokens] = out.view_as(output[:tokens])
         if step is None or not step.rows or self.attn_type != AttentionType.DECODER:
             return output
-        layer_idx = getattr(layer, "_kvserve_layer_idx", None)
-        if layer_idx is None:
-            layer_idx = layer._kvserve_layer_idx = extract_layer_index(layer.layer_name)
+        layer_idx = layer_index(layer)
         measured = {row: PassStatistics(column_sums=sums[row, :, :column_rows[row]] if row in column_rows else None,
                                         first_logits=first[row : row + 1] if row in first_rows else None)
                     for row in column_rows.keys() | first_rows.keys()}
