@@ -16,13 +16,24 @@ Named integration points (vLLM 0.32.0):
    request's tally, which the middleware writes into the response's usage block (`kvserve/server/evicted.py`).
 8. `launchers.app.init_entrypoints_middleware` (API server): add kvserve's header middleware INSIDE vLLM's own, so
    `--api-key` authentication (and CORS) run before any `x-kv-*` header or body is read.
+9. `GPUModelRunner._sample` / `_bookkeeping_sync`: seeded sampling on CPU. A request whose prompt is still being
+   prefilled in chunks samples a token that is thrown away; vLLM then rewinds its generator with
+   `gen.set_offset(gen.get_offset() - 4)`, which only CUDA's Philox generators have: a CPU generator raises
+   "CPU Generator does not use offset" and the engine dies (upstream vLLM 0.32 on CPU, any request with `seed`, a
+   long prompt and chunked prefill). kvserve saves those rows' CPU generator states before sampling and restores
+   them afterwards, which is what the rewind means: the discarded draw leaves no trace, so a seed gives the same
+   text however the prompt was chunked. Applies to every request, evicting or not.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 from kvserve import REQUIRED_VLLM_VERSION
+
+if TYPE_CHECKING:
+    import torch
 
 _applied = False
 
@@ -47,6 +58,7 @@ def apply() -> None:
     _register_attention_backend()
     _patch_scheduler_choice()
     _patch_model_runner()
+    _patch_seeded_sampling()
     _patch_input_validation()
     _patch_api_server()
     _applied = True
@@ -129,6 +141,47 @@ def _patch_model_runner() -> None:
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.execute_model = _execute_model
     GPUModelRunner.sample_tokens = _sample_tokens
+
+
+def _discarded_cpu_generators(runner) -> dict[int, torch.Generator]:
+    """The CPU generators of this step's rows whose sampled token vLLM discards (prompts mid-prefill)."""
+    import numpy as np
+
+    rows = np.nonzero(runner.discard_request_mask.np[: runner.input_batch.num_reqs])[0]
+    generators = runner.input_batch.generators
+    return {int(row): generators[int(row)] for row in rows
+            if int(row) in generators and generators[int(row)].device.type == "cpu"}
+
+
+def _patch_seeded_sampling() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    sample = GPUModelRunner._sample
+    bookkeeping_sync = GPUModelRunner._bookkeeping_sync
+
+    @functools.wraps(sample)
+    def _sample(self, *args, **kwargs):
+        self.kvserve_generator_states = {row: generator.get_state()
+                                         for row, generator in _discarded_cpu_generators(self).items()}
+        return sample(self, *args, **kwargs)
+
+    @functools.wraps(bookkeeping_sync)
+    def _bookkeeping_sync(self, *args, **kwargs):
+        saved = getattr(self, "kvserve_generator_states", {})
+        self.kvserve_generator_states = {}
+        generators = self.input_batch.generators
+        # hidden from vLLM's offset rewind (CUDA-only) while it runs; rewound here by restoring the saved state
+        hidden = {row: generators.pop(row) for row in _discarded_cpu_generators(self)}
+        try:
+            return bookkeeping_sync(self, *args, **kwargs)
+        finally:
+            for row, generator in hidden.items():
+                if row in saved:
+                    generator.set_state(saved[row])
+                generators[row] = generator
+
+    GPUModelRunner._sample = _sample
+    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
 
 
 def _patch_input_validation() -> None:

@@ -43,3 +43,14 @@ def equivalence_prompts(tokenizer) -> list[list[int]]:
 
 
 EQUIVALENCE_MAX_TOKENS = 48
+
+
+# Seeded sampling (vLLM's `seed`): a prompt longer than CHUNK_WHEN_SHARED and shorter than max_num_batched_tokens, so
+# it is prefilled in one chunk alone and in several beside another request.
+SEEDED_SAMPLING = dict(seed=1, temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True)
+
+
+def seeded_prompt(tokenizer) -> list[int]:
+    from kvserve.eval.haystack import haystack
+
+    return haystack(tokenizer, 600, seed=11)
