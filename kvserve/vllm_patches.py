@@ -12,8 +12,9 @@ Named integration points (vLLM 0.32.0):
    stale one; put requests whose policy raised on the step's output, for the scheduler to fail them.
 6. `InputProcessor._validate_params`: reject invalid `kv_*` settings with vLLM's validation error (HTTP 400),
    before a request reaches the engine.
-7. `AsyncLLM.generate` (API server): move each finished request's evicted-token count off its output into the HTTP
-   request's tally, which the middleware writes into the response's usage block (`kvserve/server/evicted.py`).
+7. `AsyncLLM.generate` and `OutputProcessor.process_outputs` (API server): record each engine request's running
+   evicted-token count (it rides on the engine's outputs) in the HTTP request's tally, which the middleware writes
+   into the response's usage block, and take it off the outputs served (`kvserve/server/evicted.py`).
 8. `launchers.app.init_entrypoints_middleware` (API server): add kvserve's header middleware INSIDE vLLM's own, so
    `--api-key` authentication (and CORS) run before any `x-kv-*` header or body is read.
 9. `GPUModelRunner._sample` / `_bookkeeping_sync`: seeded sampling on CPU. A request whose prompt is still being
@@ -215,21 +216,29 @@ def _patch_api_server() -> None:
     if app_module is None:
         return
     from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.output_processor import OutputProcessor
 
-    from kvserve.server.evicted import take_evicted_count
+    from kvserve.server.evicted import record_engine_outputs, strip_kvserve_keys, tally_for
     from kvserve.server.middleware import KVHeadersMiddleware
 
     generate = AsyncLLM.generate
+    process_outputs = OutputProcessor.process_outputs
 
     @functools.wraps(generate)
-    async def _generate(self, *args, **kwargs):
-        outputs = generate(self, *args, **kwargs)
-        try:
-            async for output in outputs:
-                take_evicted_count(output)
-                yield output
-        finally:
-            await outputs.aclose()  # a client that went away aborts the request now, not when this is collected
+    async def _generate(self, prompt, sampling_params, request_id, *args, **kwargs):
+        outputs = generate(self, prompt, sampling_params, request_id, *args, **kwargs)
+        with tally_for(request_id):
+            try:
+                async for output in outputs:
+                    strip_kvserve_keys(output)
+                    yield output
+            finally:
+                await outputs.aclose()  # a client that went away aborts the request now, not when this is collected
+
+    @functools.wraps(process_outputs)
+    def _process_outputs(self, engine_core_outputs, *args, **kwargs):
+        record_engine_outputs(self.request_states, engine_core_outputs)
+        return process_outputs(self, engine_core_outputs, *args, **kwargs)
 
     init_middleware = app_module.init_entrypoints_middleware
 
@@ -239,4 +248,5 @@ def _patch_api_server() -> None:
         return init_middleware(args, app, *rest, **kwargs)
 
     AsyncLLM.generate = _generate
+    OutputProcessor.process_outputs = _process_outputs
     app_module.init_entrypoints_middleware = init_entrypoints_middleware

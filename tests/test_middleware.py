@@ -4,19 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
+from kvserve.server.evicted import record_engine_outputs, tally_for
 from kvserve.server.middleware import KVHeadersMiddleware
 
 ENGINE_FAILURE = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
                             "code": 500}}
 
 
-def run(headers: dict[str, str], status: int, reply: dict, chunks: int = 1):
-    """One POST /v1/completions through the middleware to an app that answers `status` with `reply`."""
+def run(headers: dict[str, str], status: int, reply: dict, chunks: int = 1, policy_failure: str | None = None):
+    """One POST /v1/completions through the middleware to an app that answers `status` with `reply`; with
+    `policy_failure`, the engine's finished output first says that the request's policy raised."""
     seen = {}
 
     async def app(scope, receive, send):
         seen["body"] = json.loads((await receive())["body"])
+        if policy_failure is not None:  # what the patched AsyncLLM.generate and OutputProcessor do
+            output = SimpleNamespace(request_id="cmpl-1-0-a", kv_transfer_params={
+                "kv_tokens_evicted": 0, "kv_request_id": "cmpl-1-0-a", "kv_policy_failure": policy_failure})
+            with tally_for("cmpl-1-0"):
+                record_engine_outputs({"cmpl-1-0-a": SimpleNamespace(external_req_id="cmpl-1-0")}, [output])
         body = json.dumps(reply).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
@@ -42,14 +50,69 @@ def run(headers: dict[str, str], status: int, reply: dict, chunks: int = 1):
 
 
 def test_an_engine_failure_of_an_evicting_request_names_its_policy():
-    start, body, seen = run({"x-kv-policy": "tova", "x-kv-budget": "64"}, 500, ENGINE_FAILURE, chunks=3)
+    start, body, seen = run({"x-kv-policy": "tova", "x-kv-budget": "64"}, 500, ENGINE_FAILURE, chunks=3,
+                            policy_failure="ValueError: boom")
     assert seen["body"]["vllm_xargs"] == {"kv_policy": "tova", "kv_budget": "64"}
     assert start["status"] == 500
     headers = dict(start["headers"])
     assert int(headers[b"content-length"]) == len(body)
     error = json.loads(body)["error"]
-    assert error["message"].startswith("Internal server error") and "kv_policy 'tova'" in error["message"]
+    assert error["message"].startswith("Internal server error") and "kv_policy 'tova' failed" in error["message"]
+    assert "ValueError: boom" in error["message"]
     assert error["code"] == 500
+
+
+def test_an_engine_failure_that_is_not_the_policys_is_not_blamed_on_it():
+    """E.g. a grammar vLLM's front end accepted and its engine could not compile: vLLM's 500, unchanged."""
+    start, body, _ = run({"x-kv-policy": "tova", "x-kv-budget": "64"}, 500, ENGINE_FAILURE)
+    assert start["status"] == 500 and json.loads(body) == ENGINE_FAILURE
+
+
+def run_stream(events: list[bytes]):
+    """One streamed POST through the middleware to an app that answers 200 with these server-sent events."""
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        for number, event in enumerate(events):
+            await send({"type": "http.response.body", "body": event, "more_body": number < len(events) - 1})
+
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b'{"prompt": "hi", "stream": true}', "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"x-kv-policy", b"full")]}
+    asyncio.run(KVHeadersMiddleware(app)(scope, receive, send))
+    return sent
+
+
+def _event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def test_a_stream_that_opens_with_a_bad_request_event_is_that_4xx():
+    error = {"message": "Requested sample logprobs of 50, which is greater than max allowed: 20", "type":
+             "BadRequestError", "param": "logprobs", "code": 400}
+    sent = run_stream([_event({"error": error}), b"data: [DONE]\n\n"])
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[0]["status"] == 400
+    headers = dict(sent[0]["headers"])
+    assert headers[b"content-type"] == b"application/json" and headers[b"x-kv-policy-applied"] == b"full"
+    assert int(headers[b"content-length"]) == len(sent[1]["body"])
+    assert json.loads(sent[1]["body"]) == {"error": error}
+
+
+def test_other_streams_pass_unchanged():
+    token = _event({"choices": [{"text": "x"}]})
+    failure = _event({"error": {"message": "Internal server error", "code": 500}})  # mid-generation: stays an event
+    for events in ([token, token, b"data: [DONE]\n\n"], [failure, b"data: [DONE]\n\n"]):
+        sent = run_stream(events)
+        assert sent[0]["status"] == 200
+        assert [m["body"] for m in sent[1:]] == events
 
 
 def test_other_responses_pass_unchanged():
@@ -65,7 +128,7 @@ def test_the_usage_block_gets_the_evicted_count_once_the_engine_reported_it():
     from kvserve.server.evicted import EvictedTally
     from kvserve.server.middleware import _add_evicted_to_stream_event, _add_evicted_to_usage
 
-    done = EvictedTally(tokens=236, finished_requests=1)
+    done = EvictedTally(by_request={"cmpl-1-0": 200, "cmpl-1-1": 36})
     body = json.dumps({"id": "cmpl-1", "usage": {"prompt_tokens": 300}}).encode()
     assert json.loads(_add_evicted_to_usage(body, done))["usage"] == {"prompt_tokens": 300, "kv_tokens_evicted": 236}
     assert _add_evicted_to_usage(body, EvictedTally()) == body  # nothing reported (yet): no made-up zero

@@ -112,6 +112,7 @@ def test_streaming_chat_with_eviction(server, long_prompt):
     ({"x-kv-budget": "300"}, {"vllm_xargs": {"kv_policy": "snapkv", "kv_budget": 200}}, "kv_budget"),
     ({}, {"kv_budget": 300, "vllm_xargs": {"kv_policy": "snapkv", "kv_budget": 200}}, "kv_budget"),
     ({}, {"kv_policy": "snapkv", "kv_budjet": 300}, "kv_budjet"),  # a misspelt top-level key is not dropped
+    ({}, {"guided_regex": "[0-9]+"}, "guided_regex"),  # removed in vLLM 0.32: would silently not constrain
 ])
 def test_invalid_settings_get_400_naming_the_field(server, headers, body, field):
     response = complete(server, "Hello", headers, **body)
@@ -190,6 +191,17 @@ def test_usage_reports_the_tokens_eviction_removed(server, long_prompt):
 
     kept_all = complete(server, long_prompt, {"x-kv-policy": "full"}).json()
     assert kept_all["usage"]["kv_tokens_evicted"] == 0 and kept_all.get("kv_transfer_params") is None
+
+    # n choices are n engine requests, each evicting; vLLM merges their outputs, kvserve still counts each
+    before = metric(server, "kvserve:tokens_evicted_total", labels)
+    usage = complete(server, long_prompt, evict, n=3, temperature=1.0, seed=4).json()["usage"]
+    counted = metric(server, "kvserve:tokens_evicted_total", labels) - before
+    assert usage["kv_tokens_evicted"] == counted == 3 * (usage["prompt_tokens"] - 64)
+
+    # a stop string ends the request in the front end (the engine is told to abort): the count is still there
+    stopped = complete(server, long_prompt, evict, stop=[" ", "\n", "."], max_tokens=32).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] < 32
+    assert stopped["usage"]["kv_tokens_evicted"] == stopped["usage"]["prompt_tokens"] - 64
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -43,6 +43,8 @@ class EvictingScheduler(Scheduler):
         managers[0].init_eviction_state()
         self.evicting_manager: EvictingFullAttentionManager = managers[0]
         self.kv_configs: dict[str, KVConfig] = {}
+        self.policy_failures: dict[str, str] = {}  # req id -> why its policy raised, until the request is freed
+        self.reported_evicted: dict[str, int] = {}  # req id -> the evicted count its outputs last carried
         group = self.kv_cache_config.kv_cache_groups[0]  # one full-attention group, checked above
         self.bytes_per_block = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
         # Capacity statistics: most requests in the running queue, and most requests decoding in one step (a
@@ -111,6 +113,7 @@ class EvictingScheduler(Scheduler):
             config = self.kv_configs.get(req_id)
             logger.error("kvserve: request %s fails: %s", req_id, message)
             metrics().policy_errors.labels(policy=config.policy if config else "unknown").inc()
+            self.policy_failures[req_id] = message  # rides on the finished output (see _free_request)
         # vLLM finishes the requests in this set with FINISHED_ERROR (HTTP 500) at the end of this update; the set
         # is named for grammar failures but is its generic "fail these requests" hook.
         self.grammar_compile_error_reqs.update(req_id for req_id in failures if req_id in self.requests)
@@ -124,8 +127,20 @@ class EvictingScheduler(Scheduler):
             metrics().record_compaction(self.kv_configs[req_id].policy, compaction.cached_tokens - keep, freed,
                                         self.bytes_per_block)
         result = super().update_from_output(scheduler_output, model_runner_output)
+        self._report_evicted_counts(result)
         metrics().evicted_requests.set(sum(1 for v in self.evicting_manager.evicted.values() if v > 0))
         return result
+
+    def _report_evicted_counts(self, outputs_by_client) -> None:
+        """Each step's output of a request whose evicted count changed carries the new count to the front end: a
+        request a stop string ends there is aborted in the engine and gets no finished output from here."""
+        for engine_outputs in outputs_by_client.values():
+            for output in engine_outputs.outputs:
+                evicted = self.evicting_manager.evicted.get(output.request_id, 0)
+                if output.kv_transfer_params is not None or evicted == self.reported_evicted.get(output.request_id, 0):
+                    continue  # finished (_free_request attached the final count), or nothing new
+                output.kv_transfer_params = with_evicted_count(None, output.request_id, evicted)
+                self.reported_evicted[output.request_id] = evicted
 
     def _preempt_request(self, request: Request, *args, **kwargs) -> None:
         self.num_preemptions += 1
@@ -140,4 +155,6 @@ class EvictingScheduler(Scheduler):
         self.evicting_manager.forget(request.request_id)
         kv_transfer_params, ec_transfer_params = super()._free_request(request, *args, **kwargs)
         # The finished request's output carries the count to the front end (the response's usage block).
-        return with_evicted_count(kv_transfer_params, evicted), ec_transfer_params
+        failure = self.policy_failures.pop(request.request_id, None)
+        self.reported_evicted.pop(request.request_id, None)
+        return with_evicted_count(kv_transfer_params, request.request_id, evicted, failure), ec_transfer_params

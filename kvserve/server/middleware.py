@@ -72,6 +72,18 @@ def merge_into_body(body: dict[str, Any], header_xargs: dict[str, str]) -> dict[
     return body
 
 
+# vLLM 0.32 removed these request fields and ignores them with a log line: the output would silently be unconstrained.
+REMOVED_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                         "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern"}
+
+
+def reject_removed_fields(body: dict[str, Any]) -> None:
+    for field, replacement in REMOVED_GUIDED_FIELDS.items():
+        if field in body:
+            raise BadRequest(field, f"{field} was removed in vLLM 0.32 and would be ignored (the output would not be "
+                                    f'constrained); send "structured_outputs": {{"{replacement}": ...}} instead')
+
+
 def error_body(field: str, message: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": "BadRequestError", "param": field, "code": 400}}).encode()
 
@@ -93,6 +105,7 @@ class KVHeadersMiddleware:
             except json.JSONDecodeError:
                 body = None  # not ours to judge: vLLM answers malformed JSON itself
             if isinstance(body, dict):
+                reject_removed_fields(body)
                 body = merge_into_body(body, header_xargs)
                 config = parse_kv_config(body.get("vllm_xargs"))
                 model_config = _model_config(scope)
@@ -144,13 +157,20 @@ def _replay(body: bytes, receive):
 
 
 def _with_applied_headers(send, config, tally: EvictedTally):
-    """Say what was applied (headers) and what was evicted (usage block); on a 500 for an evicting request, say which
-    policy was in play. A JSON body is buffered to rewrite it (it is small); a stream is rewritten event by event."""
+    """Say what was applied (headers) and what was evicted (usage block); on a 500 for a request whose policy failed,
+    say which policy. A JSON body is buffered to rewrite it (it is small); a stream is rewritten event by event, and
+    its start is held until its first event: vLLM validates some fields (logprobs, logit_bias, structured output)
+    only once the stream has begun, and reports them as an error event after a 200; such a stream becomes the 4xx it
+    means."""
     held_start: dict | None = None
     held_body: list[bytes] = []
+    held_stream_start: dict | None = None
+    rejected_stream = False
 
     async def wrapped(message):
-        nonlocal held_start
+        nonlocal held_start, held_stream_start, rejected_stream
+        if rejected_stream:
+            return  # the rest of a stream already answered with its error ([DONE])
         if message["type"] == "http.response.start":
             headers = list(message.get("headers", []))
             if config is not None:
@@ -162,24 +182,54 @@ def _with_applied_headers(send, config, tally: EvictedTally):
             if content_type.startswith(b"application/json") and message["status"] in (200, 500):
                 held_start = message
                 return
+            if content_type.startswith(b"text/event-stream") and message["status"] == 200:
+                held_stream_start = message
+                return
         elif message["type"] == "http.response.body" and held_start is not None:
             held_body.append(message.get("body", b""))
             if message.get("more_body"):
                 return
             body = b"".join(held_body)
-            if held_start["status"] == 500 and config is not None and config.evicts:
-                body = name_the_policy(body, config.policy)
+            if held_start["status"] == 500 and config is not None and tally.policy_failure is not None:
+                body = name_the_policy(body, config.policy, tally.policy_failure)
             elif held_start["status"] == 200:
                 body = _add_evicted_to_usage(body, tally)
             headers = [(k, v) for k, v in held_start["headers"] if k.lower() != b"content-length"]
             await send(dict(held_start, headers=headers + [(b"content-length", str(len(body)).encode())]))
             await send({"type": "http.response.body", "body": body})
             return
-        elif message["type"] == "http.response.body" and b'"usage":{' in message.get("body", b""):
+        elif message["type"] == "http.response.body" and held_stream_start is not None:
+            start, held_stream_start = held_stream_start, None
+            status, error = _client_error_event(message.get("body", b""))
+            if error is not None:
+                rejected_stream = message.get("more_body", False)
+                body = json.dumps({"error": error}).encode()
+                headers = [(k, v) for k, v in start["headers"]
+                           if k.lower() not in (b"content-type", b"content-length")]
+                await send(dict(start, status=status, headers=headers + [
+                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]))
+                await send({"type": "http.response.body", "body": body})
+                return
+            await send(start)
+        if message["type"] == "http.response.body" and b'"usage":{' in message.get("body", b""):
             message = dict(message, body=_add_evicted_to_stream_event(message["body"], tally))
         await send(message)
 
     return wrapped
+
+
+def _client_error_event(body: bytes) -> tuple[int, dict | None]:
+    """(status, error) when a stream's first event is vLLM's error event for a bad request (code 4xx)."""
+    if not body.startswith(b"data: {"):
+        return 0, None
+    try:
+        error = json.loads(body[len(b"data: "):].split(b"\n\n", 1)[0]).get("error")
+    except (ValueError, AttributeError):
+        return 0, None
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, int) and 400 <= code < 500:
+        return code, error
+    return 0, None
 
 
 def _add_evicted_to_usage(body: bytes, tally: EvictedTally) -> bytes:
@@ -187,7 +237,7 @@ def _add_evicted_to_usage(body: bytes, tally: EvictedTally) -> bytes:
         response = json.loads(body)
     except ValueError:
         return body
-    if not isinstance(response, dict) or not isinstance(response.get("usage"), dict) or not tally.finished_requests:
+    if not isinstance(response, dict) or not isinstance(response.get("usage"), dict) or not tally.by_request:
         return body
     response["usage"][EVICTED_KEY] = tally.tokens
     return json.dumps(response).encode()
@@ -204,17 +254,17 @@ def _add_evicted_to_stream_event(body: bytes, tally: EvictedTally) -> bytes:
     return b"data: " + rewritten + rest[len(payload):]
 
 
-def name_the_policy(body: bytes, policy: str) -> bytes:
-    """vLLM answers a request the engine failed with a bare "Internal server error"; kvserve's engine fails a
-    request when its eviction policy raises (and logs why), so the message names the policy."""
+def name_the_policy(body: bytes, policy: str, failure: str) -> bytes:
+    """vLLM answers a request the engine failed with a bare "Internal server error"; when kvserve's engine failed it
+    because its eviction policy raised, the message says so (the scheduler tags such requests' outputs)."""
     try:
         error = json.loads(body)["error"]
     except (ValueError, KeyError, TypeError):
         return body
     if not isinstance(error, dict) or not isinstance(error.get("message"), str):
         return body
-    error["message"] += (f" (kv_policy {policy!r}: kvserve fails a request whose eviction policy raises; the server"
-                         " log has the error, kvserve:policy_errors_total counts them)")
+    error["message"] += (f" (kv_policy {policy!r} failed: {failure}. kvserve fails a request whose eviction policy"
+                         " raises; the server log has the traceback, kvserve:policy_errors_total counts them)")
     return json.dumps({"error": error}).encode()
 
 
