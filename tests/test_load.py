@@ -7,16 +7,19 @@ from collections import Counter
 import httpx
 import pytest
 
-from kvserve.bench.load import POLICY_MIX, Mix, plan, render, run_load
+from kvserve.bench import sampling_fuzz
+from kvserve.bench.load import POLICY_MIX, Mix, plan, render, request_body, run_load
 from kvserve.config import KVConfigError, parse_kv_config
 from kvserve.eval.client import metric_sum
 from kvserve.model import ensure_default_model
 
 MAX_MODEL_LEN = 2048  # the `server` fixture's
-# reduced: short prompts (many still above the smaller budgets, so eviction runs), a larger invalid share so every
-# way of being invalid is sent at least once; 16 at a time as in the full run
-REDUCED = Mix(requests=48, invalid_share=0.25, abort_share=0.125, prompt_lengths=(24, 64, 160),
-              budgets=(40, 48, 64, 96), max_tokens=(4, 12), abort_max_tokens=24, seed=7)
+# reduced: short prompts (many still above the smaller budgets, so eviction runs; 160 tokens is more than one of the
+# server's 128-token prefill chunks), a larger invalid share so every way of being invalid is sent at least once
+# (an invalid request costs the server almost nothing); every valid one fuzzes sampling; 16 at a time as in the
+# full run
+REDUCED = Mix(requests=64, invalid_share=0.45, abort_share=0.125, prompt_lengths=(24, 64, 160),
+              budgets=(40, 48, 64, 96), max_tokens=(4, 12), abort_max_tokens=24, sampling_share=1.0, seed=7)
 
 
 def _settings(case) -> dict:
@@ -43,12 +46,36 @@ def test_plan_is_seeded_covers_every_policy_and_valid_means_valid():
     assert any(c.prompt_tokens > int(_settings(c)["kv_budget"]) for c in evicting)  # eviction will run
 
 
+def test_the_fuzz_covers_every_sampling_parameter_and_vllm_accepts_the_valid_draws():
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    cases = plan(Mix(requests=300, seed=3), MAX_MODEL_LEN)
+    carried = {name for c in cases if c.kind != "invalid" for name in c.sampling}
+    broken = {c.policy for c in cases if c.kind == "invalid"}
+    assert carried == set(sampling_fuzz.VALID) and set(sampling_fuzz.INVALID) <= broken
+    reduced = plan(REDUCED, MAX_MODEL_LEN)
+    assert {name for c in reduced if c.kind == "valid" for name in c.sampling} == set(sampling_fuzz.VALID)
+    for case in cases:
+        if case.kind == "invalid" or not case.sampling:
+            continue
+        body = request_body(case, "m", "Hello there.")
+        request = (ChatCompletionRequest if case.chat else CompletionRequest)(**body)  # vLLM's own request model
+        params = request.to_sampling_params(body["max_tokens"], {})
+        assert params.max_tokens == case.max_tokens and params.n == body.get("n", 1)
+        if case.kind == "abort":
+            assert not set(case.sampling) & sampling_fuzz.SHORTENING
+
+
 def test_invalid_cases_are_invalid_for_the_servers_parser():
     cases = [c for c in plan(REDUCED, MAX_MODEL_LEN) if c.kind == "invalid"]
     assert len({c.policy for c in cases}) >= 10
     for case in cases:
         settings = _settings(case)
-        if case.expect_param.startswith("x-kv-"):  # duplicate and oversized headers: the middleware's own checks
+        if case.expect_fields:  # a broken sampling parameter beside no eviction settings (the server default)
+            assert not settings and list(case.sampling) == [case.policy]
+            assert case.expect_param in case.expect_fields
+        elif case.expect_param.startswith("x-kv-"):  # duplicate and oversized headers: the middleware's own checks
             names = [n for n, _ in case.headers]
             assert names.count(case.expect_param) > 1 or any(len(v) > 256 for _, v in case.headers)
         elif case.policy == "budget_above_max_model_len":  # vLLM's input validation knows max_model_len
@@ -75,6 +102,9 @@ def test_reduced_load_leaves_the_server_healthy_with_its_pool_full(server):
     assert report["rejected_as_expected"] == planned["invalid"] == len(report["invalid"])
     assert all(i["rejected_as_expected"] and i["detail"] == i["expected_param"] for i in report["invalid"])
     assert report["latency_s"]["all"]["n"] == planned["valid"] and report["ttft_s"]["all"]["n"] > 0
+    by_parameter = report["by_parameter"]
+    assert all(by_parameter[name].get("ok", 0) > 0 for name in sampling_fuzz.VALID)
+    assert all(set(by_parameter[name]) == {"rejected"} for name in sampling_fuzz.INVALID)
     end = report["end_state"]
     assert all(end["checks"].values()), end
     assert end["evictions"] > 0 and end["tokens_evicted"] > 0

@@ -36,12 +36,13 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from kvserve.bench import sampling_fuzz
 from kvserve.config import parse_kv_config
 from kvserve.eval.client import metric_sum
 from kvserve.policies import POLICIES, POLICY_NAMES
@@ -73,6 +74,8 @@ class Mix:
     budgets: tuple[int, ...] = (48, 64, 96, 128, 256, 512)
     max_tokens: tuple[int, int] = (8, 32)
     abort_max_tokens: int = 32  # aborted requests must still be running when the client closes
+    sampling_share: float = 0.8  # valid requests that also carry fuzzed sampling parameters
+    sampling_extra: tuple[int, int] = (0, 3)  # how many parameters beside the one dealt round-robin
     seed: int = 0
 
 
@@ -91,6 +94,8 @@ class Case:
     max_tokens: int
     abort_after: int = 0
     expect_param: str | None = None  # invalid cases: the field the 400 must name
+    sampling: dict[str, dict[str, Any]] = field(default_factory=dict)  # fuzzed parameter name -> its body keys
+    expect_fields: tuple[str, ...] = ()  # invalid sampling cases: the names a 400 may use for the field
 
 
 @dataclass
@@ -106,6 +111,7 @@ class Outcome:
     output_tokens: int = 0
     chat: bool = False
     stream: bool = False
+    params: list[str] = field(default_factory=list)  # the sampling parameters it carried (or broke)
 
 
 # ---------------------------------------------------------------------------------------------------- planning
@@ -162,7 +168,8 @@ def _invalid_cases(max_model_len: int) -> dict[str, Callable[[random.Random], tu
 
 
 def plan(mix: Mix, max_model_len: int) -> list[Case]:
-    """The seeded list of requests: kinds shuffled, policies and invalid kinds dealt round-robin (all covered)."""
+    """The seeded list of requests: kinds shuffled; policies, invalid kinds and the first sampling parameter of each
+    fuzzed request dealt round-robin (all covered)."""
     rng = random.Random(mix.seed)
     missing = [p for p in POLICY_MIX if p not in POLICY_NAMES]
     if missing:
@@ -173,28 +180,44 @@ def plan(mix: Mix, max_model_len: int) -> list[Case]:
     kinds = ["invalid"] * n_invalid + ["abort"] * n_abort + ["valid"] * (mix.requests - n_invalid - n_abort)
     rng.shuffle(kinds)
     policies = itertools.cycle(rng.sample(POLICY_MIX, len(POLICY_MIX)))
-    invalid_names = itertools.cycle(rng.sample(list(invalid_kinds), len(invalid_kinds)))
+    invalid_names = list(invalid_kinds) + list(sampling_fuzz.INVALID)
+    invalid_names = itertools.cycle(rng.sample(invalid_names, len(invalid_names)))
+    dealer = sampling_fuzz.Dealer(rng)
     cases = []
     for index, kind in enumerate(kinds):
         chat = rng.random() < mix.chat_share
         prompt_tokens = rng.choice(mix.prompt_lengths)
         if kind == "invalid":
-            name = next(invalid_names)
-            headers, xargs, param = invalid_kinds[name](rng)
-            cases.append(Case(index, kind, chat, rng.random() < mix.stream_share, name, headers, xargs,
-                              prompt_tokens, mix.max_tokens[0], expect_param=param))
+            cases.append(_invalid_case(rng, index, chat, next(invalid_names), invalid_kinds, prompt_tokens, mix))
             continue
         policy = next(policies)
         settings = valid_settings(rng, policy, mix, max_model_len)
         in_body = rng.random() < mix.xargs_share
         headers, xargs = ([], settings) if in_body else (_as_headers(settings), {})
         if kind == "abort":
-            cases.append(Case(index, kind, chat, True, policy, headers, xargs, prompt_tokens,
-                              mix.abort_max_tokens, abort_after=rng.randint(0, 3)))
+            case = Case(index, kind, chat, True, policy, headers, xargs, prompt_tokens, mix.abort_max_tokens,
+                        abort_after=rng.randint(0, 3))
         else:
-            cases.append(Case(index, kind, chat, rng.random() < mix.stream_share, policy, headers, xargs,
-                              prompt_tokens, rng.randint(*mix.max_tokens)))
+            case = Case(index, kind, chat, rng.random() < mix.stream_share, policy, headers, xargs, prompt_tokens,
+                        rng.randint(*mix.max_tokens))
+        if rng.random() < mix.sampling_share:
+            draw = sampling_fuzz.Draw(chat, case.max_tokens, case.stream, aborted=kind == "abort")
+            case.sampling = sampling_fuzz.draw_valid(rng, draw, dealer.deal(draw), rng.randint(*mix.sampling_extra))
+            case.max_tokens = case.sampling.get("max_tokens_1", {}).get("max_tokens", case.max_tokens)
+        cases.append(case)
     return cases
+
+
+def _invalid_case(rng: random.Random, index: int, chat: bool, name: str, invalid_kinds: dict, prompt_tokens: int,
+                  mix: Mix) -> Case:
+    stream = rng.random() < mix.stream_share
+    if name in sampling_fuzz.INVALID:  # valid eviction settings, one broken sampling parameter
+        body, fields = sampling_fuzz.invalid_body(name, chat)
+        return Case(index, "invalid", chat, stream, name, [], {}, prompt_tokens, mix.max_tokens[0],
+                    expect_param=fields[0], sampling={name: body}, expect_fields=fields)
+    headers, xargs, param = invalid_kinds[name](rng)
+    return Case(index, "invalid", chat, stream, name, headers, xargs, prompt_tokens, mix.max_tokens[0],
+                expect_param=param)
 
 
 def prompt_texts(tokenizer, cases: list[Case], seed: int) -> dict[int, str]:
@@ -210,6 +233,8 @@ def prompt_texts(tokenizer, cases: list[Case], seed: int) -> dict[int, str]:
 
 def request_body(case: Case, model: str, text: str) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "max_tokens": case.max_tokens, "temperature": 0, "ignore_eos": True}
+    for keys in case.sampling.values():
+        body.update(keys)
     if case.chat:
         body["messages"] = [{"role": "user", "content": text}]
     else:
@@ -237,8 +262,10 @@ def _short(message: str) -> str:
 
 def judge_error(case: Case, status: int, payload: bytes, outcome: Outcome) -> Outcome:
     param, message = _error_of(payload)
-    if case.kind == "invalid" and status == 400 and param == case.expect_param:
-        outcome.result, outcome.detail = "rejected", param
+    named = (sampling_fuzz.names_the_field(case.expect_fields, param, message) if case.expect_fields
+             else param == case.expect_param)
+    if case.kind == "invalid" and status == 400 and named:
+        outcome.result, outcome.detail = "rejected", case.expect_param
     elif case.kind == "invalid":
         outcome.result = "unexpected"
         outcome.detail = f"invalid {case.policy}: {status} param={param} (want 400 param={case.expect_param})"
@@ -296,10 +323,11 @@ async def read_stream(response: httpx.Response, case: Case, outcome: Outcome, st
 async def send(client: httpx.AsyncClient, base: str, model: str, case: Case, text: str) -> Outcome:
     """One request, judged against what its case must get."""
     path = "/v1/chat/completions" if case.chat else "/v1/completions"
-    outcome = Outcome(case.index, case.kind, case.policy, "unexpected", None, chat=case.chat, stream=case.stream)
+    outcome = Outcome(case.index, case.kind, case.policy, "unexpected", None, chat=case.chat, stream=case.stream,
+                      params=list(case.sampling))
+    body = request_body(case, model, text)
     start = time.perf_counter()
-    async with client.stream("POST", base + path, json=request_body(case, model, text),
-                             headers=case.headers) as response:
+    async with client.stream("POST", base + path, json=body, headers=case.headers) as response:
         outcome.status = response.status_code
         if response.status_code != 200:
             judge_error(case, response.status_code, await response.aread(), outcome)
@@ -311,10 +339,13 @@ async def send(client: httpx.AsyncClient, base: str, model: str, case: Case, tex
         elif case.stream:
             await read_stream(response, case, outcome, start)
         else:
-            usage = json.loads(await response.aread()).get("usage") or {}
-            outcome.result, outcome.output_tokens = "ok", usage.get("completion_tokens", 0)
+            payload = json.loads(await response.aread())
+            outcome.output_tokens = (payload.get("usage") or {}).get("completion_tokens", 0)
+            problem = sampling_fuzz.check_response(body, payload, text)
+            outcome.result, outcome.detail = ("unexpected", problem) if problem else ("ok", "")
     outcome.latency = time.perf_counter() - start
-    if outcome.result == "ok" and outcome.output_tokens != case.max_tokens:  # ignore_eos: exactly max_tokens
+    least, most = sampling_fuzz.output_token_bounds(body)
+    if outcome.result == "ok" and not least <= outcome.output_tokens <= most:
         outcome.result, outcome.detail = "unexpected", "wrong output length"
     return outcome
 
@@ -327,7 +358,8 @@ async def send_bounded(client: httpx.AsyncClient, base: str, model: str, case: C
         return await asyncio.wait_for(send(client, base, model, case, text), timeout)
     except (httpx.HTTPError, TimeoutError, json.JSONDecodeError) as exc:
         return Outcome(case.index, case.kind, case.policy, "unexpected", None, f"client {type(exc).__name__}",
-                       latency=time.perf_counter() - start, chat=case.chat, stream=case.stream)
+                       latency=time.perf_counter() - start, chat=case.chat, stream=case.stream,
+                       params=list(case.sampling))
 
 
 async def drive(base: str, model: str, cases: list[Case], texts: dict[int, str], concurrency: int,
@@ -424,6 +456,10 @@ def summarize(cases: list[Case], outcomes: list[Outcome], wall: float, hit: bool
     ttft = {"all": percentiles([o.ttft for o in ok if o.stream and o.ttft is not None]),
             **{p: percentiles([o.ttft for o in ok if o.policy == p and o.stream and o.ttft is not None])
                for p in policies}}
+    by_param: dict[str, Counter] = {}
+    for o in outcomes:
+        for name in o.params:
+            by_param.setdefault(name, Counter())[o.result] += 1
     report = {
         "planned": len(cases), "sent": len(outcomes), "ok": len(ok),
         "aborted": sum(o.result == "aborted" for o in outcomes),
@@ -433,6 +469,7 @@ def summarize(cases: list[Case], outcomes: list[Outcome], wall: float, hit: bool
         "output_tokens": sum(o.output_tokens for o in ok),
         "output_tokens_per_s": sum(o.output_tokens for o in ok) / wall if wall else 0.0,
         "latency_s": latency, "ttft_s": ttft, "invalid": invalid, "end_state": end,
+        "by_parameter": {name: dict(by_param[name]) for name in sorted(by_param)},
         "outcomes": [asdict(o) for o in outcomes],
     }
     report["passed"] = not unexpected and all(end["checks"].values())
@@ -457,6 +494,12 @@ def render(report: dict[str, Any]) -> str:
     lines += ["", "invalid requests (kind: rejected with 400 naming the field / sent):"]
     for kind in sorted({k for k, _ in kinds}):
         lines.append(f"  {kind}: {kinds[(kind, True)]}/{kinds[(kind, True)] + kinds[(kind, False)]}")
+    lines += ["", "sampling parameters (requests that carried or broke each; outcomes):",
+              "| parameter | requests | ok | aborted | rejected (400 naming it) | unexpected |",
+              "|---|---|---|---|---|---|"]
+    for name, counts in report["by_parameter"].items():
+        lines.append(f"| {name} | {sum(counts.values())} | {counts.get('ok', 0)} | {counts.get('aborted', 0)} | "
+                     f"{counts.get('rejected', 0)} | {counts.get('unexpected', 0)} |")
     lines += ["", "| policy | n | latency p50 | p90 | p99 (s) | streamed n | TTFT p50 | p90 | p99 (s) |",
               "|---|---|---|---|---|---|---|---|---|"]
     for name, stats in report["latency_s"].items():
@@ -508,7 +551,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--request-timeout", type=float, default=600, help="total seconds one request may take")
     parser.add_argument("--settle-seconds", type=float, default=30, help="how long to wait for the idle end state")
     # fp32: on a CPU with AMX, vLLM serves bf16 with its "amx" cache layout, which kvserve's eviction does not support
-    parser.add_argument("--server-args", default="--max-model-len 2048 --block-size 32 --enforce-eager --dtype float32",
+    parser.add_argument("--server-args", default="--max-model-len 2048 --block-size 32 --enforce-eager --dtype float32 "
+                        "--max-num-batched-tokens 256",
                         help="engine flags of the server this command starts")
     parser.add_argument("--kv-space-gib", default="1", help="VLLM_CPU_KVCACHE_SPACE of the server it starts")
     parser.add_argument("--out", help="JSON file for the report")
