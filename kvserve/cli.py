@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
               "       kvserve eval {tasks,ppl,passkey} ...  quality of eviction settings through a server\n"
               "       kvserve bench {capacity,overhead} ... kvserve against vanilla vLLM, one run\n"
               "       kvserve bench load ...           mixed-policy load test of one server (loopback)\n"
+              "       kvserve bench crash ...          kill a server's engine: time to failing /health and exit\n"
               "       kvserve setup-model            convert the default model once and print its folder")
         return
     command, rest = argv[0], argv[1:]

@@ -18,7 +18,7 @@ MAX_MODEL_LEN = 2048  # the `server` fixture's
 # server's 128-token prefill chunks), a larger invalid share so every way of being invalid is sent at least once
 # (an invalid request costs the server almost nothing); every valid one fuzzes sampling; 16 at a time as in the
 # full run
-REDUCED = Mix(requests=64, invalid_share=0.45, abort_share=0.125, prompt_lengths=(24, 64, 160),
+REDUCED = Mix(requests=64, invalid_share=0.5, abort_share=0.125, prompt_lengths=(24, 64, 160),
               budgets=(40, 48, 64, 96), max_tokens=(4, 12), abort_max_tokens=24, sampling_share=1.0, seed=7)
 
 

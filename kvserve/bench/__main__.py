@@ -93,6 +93,10 @@ def main(argv: list[str] | None = None) -> None:
         from kvserve.bench.load import main as load_main
 
         return load_main(argv[1:])
+    if argv[:1] == ["crash"]:  # kvserve/bench/crash.py
+        from kvserve.bench.crash import main as crash_main
+
+        return crash_main(argv[1:])
 
     parser = argparse.ArgumentParser(prog="kvserve bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

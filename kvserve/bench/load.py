@@ -212,6 +212,7 @@ def _invalid_case(rng: random.Random, index: int, chat: bool, name: str, invalid
                   mix: Mix) -> Case:
     stream = rng.random() < mix.stream_share
     if name in sampling_fuzz.INVALID:  # valid eviction settings, one broken sampling parameter
+        chat = chat and name not in sampling_fuzz.COMPLETIONS_ONLY
         body, fields = sampling_fuzz.invalid_body(name, chat)
         return Case(index, "invalid", chat, stream, name, [], {}, prompt_tokens, mix.max_tokens[0],
                     expect_param=fields[0], sampling={name: body}, expect_fields=fields)

@@ -34,6 +34,14 @@ def server_command(kind: str, model: str, port: int, args: list[str]) -> list[st
 def running_server(kind: str, model: str, args: list[str], log_path: Path, env: dict | None = None,
                    startup_timeout: float = 600) -> Iterator[str]:
     """Yields the base URL; stops the server on exit. Vanilla runs with vLLM's plugins off (`VLLM_PLUGINS=none`)."""
+    with running_server_process(kind, model, args, log_path, env, startup_timeout) as (_, base):
+        yield base
+
+
+@contextmanager
+def running_server_process(kind: str, model: str, args: list[str], log_path: Path, env: dict | None = None,
+                           startup_timeout: float = 600) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`running_server`, also yielding the API server's process (tests that kill its engine need it)."""
     port = free_port()
     server_env = dict(os.environ, **(env or {}))
     server_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
@@ -57,7 +65,7 @@ def running_server(kind: str, model: str, args: list[str], log_path: Path, env: 
             if time.time() > deadline:
                 raise RuntimeError(f"{kind} server did not come up:\n" + log_path.read_text()[-4000:])
             time.sleep(2)
-        yield base
+        yield proc, base
     finally:
         proc.terminate()
         try:

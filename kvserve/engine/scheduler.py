@@ -132,13 +132,13 @@ class EvictingScheduler(Scheduler):
         return result
 
     def _report_evicted_counts(self, outputs_by_client) -> None:
-        """Each step's output of a request whose evicted count changed carries the new count to the front end: a
-        request a stop string ends there is aborted in the engine and gets no finished output from here."""
+        """A request's first output, and each later one whose evicted count changed, carries the count to the front
+        end: a request a stop string ends there is aborted in the engine and gets no finished output from here."""
         for engine_outputs in outputs_by_client.values():
             for output in engine_outputs.outputs:
                 evicted = self.evicting_manager.evicted.get(output.request_id, 0)
-                if output.kv_transfer_params is not None or evicted == self.reported_evicted.get(output.request_id, 0):
-                    continue  # finished (_free_request attached the final count), or nothing new
+                if output.kv_transfer_params is not None or evicted == self.reported_evicted.get(output.request_id):
+                    continue  # finished (_free_request attached the final count), or nothing new since the first
                 output.kv_transfer_params = with_evicted_count(None, output.request_id, evicted)
                 self.reported_evicted[output.request_id] = evicted
 
