@@ -147,37 +147,6 @@ def _patch_model_runner() -> None:
     GPUModelRunner.sample_tokens = _sample_tokens
 
 
-ENGINE_DEATH_EXIT_STATUS = 1
-
-
-def _patch_exit_status_on_engine_death(async_llm_cls, entry_module) -> None:
-    if entry_module is None:  # another launcher than the OpenAI API server: nothing to do
-        return
-    shutdown = async_llm_cls.shutdown
-    serve_http = entry_module.serve_http
-
-    @functools.wraps(shutdown)
-    def _shutdown(self, *args, **kwargs):
-        self.kvserve_shutdown_requested = True  # a shutdown someone asked for (SIGTERM, SIGINT): exit 0 as before
-        return shutdown(self, *args, **kwargs)
-
-    @functools.wraps(serve_http)
-    async def _serve_http(app, *args, **kwargs):
-        server_shutdown = await serve_http(app, *args, **kwargs)  # returns once the HTTP server has stopped
-        engine = getattr(app.state, "engine_client", None)
-        died = engine is not None and engine.errored and not getattr(engine, "kvserve_shutdown_requested", False)
-
-        async def shutdown_then_exit():
-            await server_shutdown
-            if died:
-                raise SystemExit(ENGINE_DEATH_EXIT_STATUS)  # after vLLM's own clean-up has run
-
-        return shutdown_then_exit()
-
-    async_llm_cls.shutdown = _shutdown
-    entry_module.serve_http = _serve_http
-
-
 def _discarded_cpu_generators(runner) -> dict[int, torch.Generator]:
     """The CPU generators of this step's rows whose sampled token vLLM discards (prompts mid-prefill)."""
     import numpy as np
@@ -285,3 +254,34 @@ def _patch_api_server() -> None:
     OutputProcessor.process_outputs = _process_outputs
     _patch_exit_status_on_engine_death(AsyncLLM, sys.modules.get("vllm.entrypoints.launchers.api_server.entry"))
     app_module.init_entrypoints_middleware = init_entrypoints_middleware
+
+
+ENGINE_DEATH_EXIT_STATUS = 1
+
+
+def _patch_exit_status_on_engine_death(async_llm_cls, entry_module) -> None:
+    if entry_module is None:  # another launcher than the OpenAI API server: nothing to do
+        return
+    shutdown = async_llm_cls.shutdown
+    serve_http = entry_module.serve_http
+
+    @functools.wraps(shutdown)
+    def _shutdown(self, *args, **kwargs):
+        self.kvserve_shutdown_requested = True  # a shutdown someone asked for (SIGTERM, SIGINT): exit 0 as before
+        return shutdown(self, *args, **kwargs)
+
+    @functools.wraps(serve_http)
+    async def _serve_http(app, *args, **kwargs):
+        server_shutdown = await serve_http(app, *args, **kwargs)  # returns once the HTTP server has stopped
+        engine = getattr(app.state, "engine_client", None)
+        died = engine is not None and engine.errored and not getattr(engine, "kvserve_shutdown_requested", False)
+
+        async def shutdown_then_exit():
+            await server_shutdown
+            if died:
+                raise SystemExit(ENGINE_DEATH_EXIT_STATUS)  # after vLLM's own clean-up has run
+
+        return shutdown_then_exit()
+
+    async_llm_cls.shutdown = _shutdown
+    entry_module.serve_http = _serve_http

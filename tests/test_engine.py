@@ -309,6 +309,9 @@ def test_a_raising_policy_fails_only_its_request(engine, monkeypatch):
     failed, neighbour = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                             use_tqdm=False)
     assert failed.outputs[0].finish_reason == "error"
+    # the output says why (the HTTP front end names the policy in its 500 only then)
+    assert "injected policy failure" in failed.kv_transfer_params["kv_policy_failure"]
+    assert "kv_policy_failure" not in (neighbour.kv_transfer_params or {})
     assert neighbour.outputs[0].finish_reason == "length"
     assert neighbour.outputs[0].token_ids == alone.token_ids  # same as without the failing neighbour
     assert engine.free_blocks() == free_before

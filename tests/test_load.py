@@ -97,11 +97,14 @@ def test_reduced_load_leaves_the_server_healthy_with_its_pool_full(server):
     planned = Counter(c.kind for c in cases)
     assert not report["max_seconds_hit"] and report["sent"] == REDUCED.requests
     assert report["unexpected"] == {}
-    assert report["ok"] == planned["valid"]
-    assert report["aborted"] == planned["abort"] > 0
+    # a client that reads slowly gets vLLM's deltas merged, so a stream may end before the client closes it: that
+    # request was served in full (length checked), not aborted
+    finished_first = sum(o["kind"] == "abort" and o["result"] == "ok" for o in report["outcomes"])
+    assert report["ok"] == planned["valid"] + finished_first
+    assert report["aborted"] == planned["abort"] - finished_first > 0
     assert report["rejected_as_expected"] == planned["invalid"] == len(report["invalid"])
     assert all(i["rejected_as_expected"] and i["detail"] == i["expected_param"] for i in report["invalid"])
-    assert report["latency_s"]["all"]["n"] == planned["valid"] and report["ttft_s"]["all"]["n"] > 0
+    assert report["latency_s"]["all"]["n"] == report["ok"] and report["ttft_s"]["all"]["n"] > 0
     by_parameter = report["by_parameter"]
     assert all(by_parameter[name].get("ok", 0) > 0 for name in sampling_fuzz.VALID)
     assert all(set(by_parameter[name]) == {"rejected"} for name in sampling_fuzz.INVALID)

@@ -43,7 +43,6 @@ class EvictingScheduler(Scheduler):
         managers[0].init_eviction_state()
         self.evicting_manager: EvictingFullAttentionManager = managers[0]
         self.kv_configs: dict[str, KVConfig] = {}
-        self.policy_failures: dict[str, str] = {}  # req id -> why its policy raised, until the request is freed
         self.reported_evicted: dict[str, int] = {}  # req id -> the evicted count its outputs last carried
         group = self.kv_cache_config.kv_cache_groups[0]  # one full-attention group, checked above
         self.bytes_per_block = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
@@ -113,7 +112,6 @@ class EvictingScheduler(Scheduler):
             config = self.kv_configs.get(req_id)
             logger.error("kvserve: request %s fails: %s", req_id, message)
             metrics().policy_errors.labels(policy=config.policy if config else "unknown").inc()
-            self.policy_failures[req_id] = message  # rides on the finished output (see _free_request)
         # vLLM finishes the requests in this set with FINISHED_ERROR (HTTP 500) at the end of this update; the set
         # is named for grammar failures but is its generic "fail these requests" hook.
         self.grammar_compile_error_reqs.update(req_id for req_id in failures if req_id in self.requests)
@@ -127,20 +125,25 @@ class EvictingScheduler(Scheduler):
             metrics().record_compaction(self.kv_configs[req_id].policy, compaction.cached_tokens - keep, freed,
                                         self.bytes_per_block)
         result = super().update_from_output(scheduler_output, model_runner_output)
-        self._report_evicted_counts(result)
+        self._report_evicted_counts(result, failures)
         metrics().evicted_requests.set(sum(1 for v in self.evicting_manager.evicted.values() if v > 0))
         return result
 
-    def _report_evicted_counts(self, outputs_by_client) -> None:
+    def _report_evicted_counts(self, outputs_by_client, failures: dict[str, str]) -> None:
         """A request's first output, and each later one whose evicted count changed, carries the count to the front
-        end: a request a stop string ends there is aborted in the engine and gets no finished output from here."""
+        end: a request a stop string ends there is aborted in the engine and gets no finished output from here. The
+        error output of a request whose policy raised this step says why (vLLM builds it without transfer params)."""
         for engine_outputs in outputs_by_client.values():
             for output in engine_outputs.outputs:
                 evicted = self.evicting_manager.evicted.get(output.request_id, 0)
-                if output.kv_transfer_params is not None or evicted == self.reported_evicted.get(output.request_id):
+                failure = failures.get(output.request_id)
+                if output.kv_transfer_params is not None or (
+                        failure is None and evicted == self.reported_evicted.get(output.request_id)):
                     continue  # finished (_free_request attached the final count), or nothing new since the first
-                output.kv_transfer_params = with_evicted_count(None, output.request_id, evicted)
+                output.kv_transfer_params = with_evicted_count(None, output.request_id, evicted, failure)
                 self.reported_evicted[output.request_id] = evicted
+        for req_id in failures:  # finished with FINISHED_ERROR in this update: _free_request ran before the loop
+            self.reported_evicted.pop(req_id, None)
 
     def _preempt_request(self, request: Request, *args, **kwargs) -> None:
         self.num_preemptions += 1
@@ -155,6 +158,5 @@ class EvictingScheduler(Scheduler):
         self.evicting_manager.forget(request.request_id)
         kv_transfer_params, ec_transfer_params = super()._free_request(request, *args, **kwargs)
         # The finished request's output carries the count to the front end (the response's usage block).
-        failure = self.policy_failures.pop(request.request_id, None)
         self.reported_evicted.pop(request.request_id, None)
-        return with_evicted_count(kv_transfer_params, request.request_id, evicted, failure), ec_transfer_params
+        return with_evicted_count(kv_transfer_params, request.request_id, evicted), ec_transfer_params
