@@ -13,6 +13,22 @@ ENGINE_FAILURE = {"error": {"message": "Internal server error", "type": "Interna
                             "code": 500}}
 
 
+def through_middleware(app, request_body: bytes, headers: dict[str, str]) -> list[dict]:
+    """POST /v1/completions with this body and these headers through the middleware to `app`; what it sent back."""
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": request_body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
+    asyncio.run(KVHeadersMiddleware(app)(scope, receive, send))
+    return sent
+
+
 def run(headers: dict[str, str], status: int, reply: dict, chunks: int = 1, policy_failure: str | None = None):
     """One POST /v1/completions through the middleware to an app that answers `status` with `reply`; with
     `policy_failure`, the engine's finished output first says that the request's policy raised."""
@@ -33,17 +49,7 @@ def run(headers: dict[str, str], status: int, reply: dict, chunks: int = 1, poli
         for number, part in enumerate(parts):
             await send({"type": "http.response.body", "body": part, "more_body": number < len(parts) - 1})
 
-    sent = []
-
-    async def receive():
-        return {"type": "http.request", "body": b'{"prompt": "hi", "max_tokens": 2}', "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
-             "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
-    asyncio.run(KVHeadersMiddleware(app)(scope, receive, send))
+    sent = through_middleware(app, b'{"prompt": "hi", "max_tokens": 2}', headers)
     start = sent[0]
     body = b"".join(m.get("body", b"") for m in sent[1:])
     return start, body, seen
@@ -77,17 +83,7 @@ def run_stream(events: list[bytes]):
         for number, event in enumerate(events):
             await send({"type": "http.response.body", "body": event, "more_body": number < len(events) - 1})
 
-    sent = []
-
-    async def receive():
-        return {"type": "http.request", "body": b'{"prompt": "hi", "stream": true}', "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"x-kv-policy", b"full")]}
-    asyncio.run(KVHeadersMiddleware(app)(scope, receive, send))
-    return sent
+    return through_middleware(app, b'{"prompt": "hi", "stream": true}', {"x-kv-policy": "full"})
 
 
 def _event(payload: dict) -> bytes:
