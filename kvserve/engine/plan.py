@@ -36,3 +36,17 @@ KEPT_ATTR = "kvserve_kept"
 
 def kept_of(model_runner_output) -> dict[str, int]:
     return getattr(model_runner_output, KEPT_ATTR, None) or {}
+
+
+# Keys kvserve adds to a request output's `kv_transfer_params` (vLLM's free-form dict that travels with a request's
+# output from the scheduler to the front end, beside any KV connector's keys); kvserve/server/evicted.py reads them.
+EVICTED_KEY = "kv_tokens_evicted"  # tokens of the sequence no longer in the cache (a running count)
+REQUEST_KEY = "kv_request_id"  # the engine request the count belongs to (one HTTP request may have several)
+POLICY_FAILURE_KEY = "kv_policy_failure"  # why the engine failed the request, when its eviction policy raised
+
+
+def with_evicted_count(params: dict | None, request_id: str, tokens: int, policy_failure: str | None = None) -> dict:
+    """A request output's `kv_transfer_params` with kvserve's count added (the connector's dict is not mutated),
+    and why its policy failed, if it did."""
+    failure = {} if policy_failure is None else {POLICY_FAILURE_KEY: policy_failure}
+    return {**(params or {}), EVICTED_KEY: tokens, REQUEST_KEY: request_id, **failure}

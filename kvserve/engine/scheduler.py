@@ -20,9 +20,8 @@ from vllm.v1.request import Request
 
 from kvserve.config import KVConfig, KVConfigError, parse_kv_config
 from kvserve.engine.block_manager import EvictingFullAttentionManager
-from kvserve.engine.plan import PLAN_ATTR, Compaction, compactions_of, failures_of, kept_of
+from kvserve.engine.plan import PLAN_ATTR, Compaction, compactions_of, failures_of, kept_of, with_evicted_count
 from kvserve.metrics import metrics
-from kvserve.server.evicted import with_evicted_count
 
 logger = init_logger(__name__)
 

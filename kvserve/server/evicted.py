@@ -24,9 +24,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-EVICTED_KEY = "kv_tokens_evicted"
-REQUEST_KEY = "kv_request_id"  # the engine request the count belongs to (one HTTP request may have several)
-POLICY_FAILURE_KEY = "kv_policy_failure"  # why the engine failed the request, when its eviction policy raised
+from kvserve.engine.plan import EVICTED_KEY, POLICY_FAILURE_KEY, REQUEST_KEY
 
 
 @dataclass
@@ -49,14 +47,6 @@ def open_tally() -> EvictedTally:
     tally = EvictedTally()
     _current.set(tally)
     return tally
-
-
-def with_evicted_count(params: dict[str, Any] | None, request_id: str, tokens: int,
-                       policy_failure: str | None = None) -> dict[str, Any]:
-    """A request output's `kv_transfer_params` with kvserve's count added (the connector's dict is not mutated),
-    and why its policy failed, if it did."""
-    failure = {} if policy_failure is None else {POLICY_FAILURE_KEY: policy_failure}
-    return {**(params or {}), EVICTED_KEY: tokens, REQUEST_KEY: request_id, **failure}
 
 
 _by_request_id: dict[str, EvictedTally] = {}  # the tally of each engine request a served HTTP request generates

@@ -17,7 +17,8 @@ import json
 from typing import Any
 
 from kvserve.config import KEY_PREFIX, KVConfigError, check_against_model, parse_kv_config
-from kvserve.server.evicted import EVICTED_KEY, EvictedTally, open_tally
+from kvserve.engine.plan import EVICTED_KEY
+from kvserve.server.evicted import EvictedTally, open_tally
 
 HEADER_PREFIX = b"x-kv-"
 MAX_HEADER_VALUE = 256
