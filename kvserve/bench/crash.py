@@ -16,6 +16,7 @@ import argparse
 import json
 import shlex
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -79,18 +80,20 @@ def kill_engine_and_measure(proc, base: str, model: str, in_flight: int = 2, lim
     killed = time.monotonic()
     engine.send_signal(signal.SIGKILL)
     report["health_failed_s"] = None
+
+    def health_failed() -> None:
+        report["health_failed_s"] = time.monotonic() - killed
+        if healthcheck:
+            report["healthcheck_exit_after"] = _run_healthcheck(healthcheck)
+
     while time.monotonic() - killed < limit_s and proc.poll() is None:
         if report["health_failed_s"] is None and _health(base) != 200:
-            report["health_failed_s"] = time.monotonic() - killed
-            if healthcheck:
-                report["healthcheck_exit_after"] = _run_healthcheck(healthcheck)
+            health_failed()
         time.sleep(0.1)
     if proc.poll() is not None:
         report["exit_s"] = time.monotonic() - killed
         if report["health_failed_s"] is None:  # it exited between two polls: /health is gone with it
-            report["health_failed_s"] = report["exit_s"]
-            if healthcheck:
-                report["healthcheck_exit_after"] = _run_healthcheck(healthcheck)
+            health_failed()
     report["exit_code"] = proc.poll()
     for thread in threads:
         thread.join(timeout=max(1.0, limit_s - (time.monotonic() - killed)))
@@ -113,8 +116,6 @@ def image_healthcheck(port: int, dockerfile: Path) -> list[str]:
 
 
 def _run_healthcheck(command: list[str]) -> int:
-    import subprocess
-
     return subprocess.run(command, capture_output=True, timeout=30).returncode
 
 

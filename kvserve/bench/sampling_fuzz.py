@@ -176,10 +176,7 @@ def check_response(body: dict[str, Any], response: dict[str, Any], prompt_text: 
     n = body.get("n", 1)
     if sorted(c.get("index") for c in choices) != list(range(n)):
         return f"n={n}: choices {[c.get('index') for c in choices]}"
-    usage = response.get("usage") or {}
-    least, most = output_token_bounds(body)
-    if not least <= usage.get("completion_tokens", -1) <= most:
-        return f"completion_tokens {usage.get('completion_tokens')} outside [{least}, {most}]"
+    usage = response.get("usage") or {}  # (its completion_tokens: the caller checks output_token_bounds)
     if "kv_tokens_evicted" not in usage:
         return "usage has no kv_tokens_evicted"
     if "prompt_logprobs" in body:

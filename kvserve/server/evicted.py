@@ -2,10 +2,11 @@
 
 The path, end to end:
 1. engine core: the scheduler puts a request's running count under `kv_tokens_evicted` (with the engine request's
-   id under `kv_request_id`) in the `kv_transfer_params` of its output, on every step where the count changed and
-   when it finishes (vLLM's one free-form dict that travels with a request's output from the scheduler to the front
-   end; kvserve adds its keys beside any KV connector's). A running count, not only the final one: a request that a
-   stop string ends is finished by the front end and aborted in the engine, which sends nothing more;
+   id under `kv_request_id`) in the `kv_transfer_params` of its first output, of every later one where the count
+   changed, and of its finished one (vLLM's one free-form dict that travels with a request's output from the
+   scheduler to the front end; kvserve adds its keys beside any KV connector's). A running count, not only the final
+   one: a request that a stop string ends is finished by the front end and aborted in the engine, which sends
+   nothing more;
 2. API server: the patched `OutputProcessor.process_outputs` records the latest count per engine request in the
    tally of the HTTP request being served (several engine requests with `n` or a prompt list; the header middleware
    opened the tally, and the patched `AsyncLLM.generate` maps vLLM's request id to it), and `AsyncLLM.generate`
