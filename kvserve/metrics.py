@@ -37,6 +37,13 @@ class Metrics:
         self.evicted_requests = Gauge("kvserve:requests_with_evicted_cache",
                                       "Requests currently holding a compacted (evicted) KV cache",
                                       multiprocess_mode="livesum")
+        # vLLM's vllm:kv_cache_usage_perc counts whole blocks; a block of an evicting request may be partly free
+        self.pages_in_use = Gauge("kvserve:kv_pages_in_use",
+                                  "Head pages (block_size tokens of one layer and KV head) holding live KV entries",
+                                  multiprocess_mode="livesum")
+        self.pages_total = Gauge("kvserve:kv_pages_total",
+                                 "Head pages in vLLM's KV-cache pool (blocks x layers x KV heads)",
+                                 multiprocess_mode="livesum")
         # Attention-Gate: eviction ratio per layer and KV head = 1 - kept / judged (every head judges every token)
         self.gate_tokens_judged = Counter("kvserve:gate_tokens_judged",
                                           "Prompt tokens judged by Attention-Gate (each layer and KV head judges each)")

@@ -87,7 +87,7 @@ def _register_attention_backend() -> None:
 
     attention_mode()  # a misspelt KVSERVE_ATTENTION fails at start-up, not in the first forward pass
 
-    register_backend(AttentionBackendEnum.CPU_ATTN, "kvserve.engine.attention.KVServeAttentionBackend")
+    register_backend(AttentionBackendEnum.CPU_ATTN, "kvserve.engine.backend.KVServeAttentionBackend")
 
 
 def _patch_scheduler_choice() -> None:

@@ -30,7 +30,8 @@ def reference():
 
 
 def _served_kept(layer) -> list[set[int]]:
-    return [set(layer.kept_positions[h][layer.valid[h]].tolist()) for h in range(layer.kept_positions.shape[0])]
+    """Each head's kept positions (-1 pads a head that kept fewer than the layer's longest)."""
+    return [{p for p in layer.kept_positions[h].tolist() if p >= 0} for h in range(layer.kept_positions.shape[0])]
 
 
 def _assert_same_kept(served: list[set[int]], reference_flags: torch.Tensor, probability: torch.Tensor,
@@ -57,10 +58,14 @@ def test_served_gate_equals_the_plain_pytorch_reference(engine, reference):
         _assert_same_kept(_served_kept(layer), ref_flags[layer_idx], ref_probability[layer_idx][0],
                           gates.hyper.tau)
     assert list(out.outputs[0].token_ids) == ref_tokens
-    # every head is padded to the largest count over all layers and heads; that is what the cache holds
-    counts = [len(kept) for layer in state.layers.values() for kept in _served_kept(layer)]
-    assert all(layer.kept_positions.shape[1] == max(counts) for layer in state.layers.values())
-    assert state.offset == len(ids) - max(counts)
+    # each (layer, head) list holds exactly what its gate kept, then the generated tokens: no padding
+    decoded = max_tokens - 1  # the last sampled token is never written to the cache
+    for layer_idx, layer in state.layers.items():
+        for head, kept in enumerate(_served_kept(layer)):
+            assert state.pages.lens[layer_idx, head] == len(kept) + decoded, (layer_idx, head)
+    assert state.pages.pages_in_use == int(sum(cdiv(int(n), BLOCK_SIZE) for n in state.pages.lens.reshape(-1)))
+    mean_kept = state.pages.lens.sum() / state.pages.lens.size - decoded
+    assert out.kv_transfer_params["kv_tokens_evicted"] == len(ids) - round(mean_kept)
     assert metrics().gate_tokens_judged._value.get() - judged_before == len(ids)
     assert metrics().gate_tokens_kept.labels(layer="29", kv_head="0")._value.get() - kept_before == \
         len(_served_kept(state.layers[29])[0])
@@ -82,6 +87,22 @@ def test_chunked_prefill_gates_chunk_by_chunk_to_the_same_result(engine, referen
     for layer_idx, layer in single_state.layers.items():
         assert _served_kept(layer) == _served_kept(chunked_state.layers[layer_idx])
     assert list(chunked.outputs[0].token_ids) == list(single.outputs[0].token_ids)
+
+
+def test_a_long_prompt_frees_what_its_gates_evict(engine):
+    """Each list keeps only its gate's tokens, so blocks go back to the pool even though some heads keep most of
+    the prompt (before head pages, every head was padded to the longest list and this prompt freed nothing)."""
+    ids = haystack(engine.tokenizer, 1500, seed=94)
+    free_before = engine.free_blocks()
+    freed_before = metrics().blocks_freed.labels(policy="attention_gate")._value.get()
+    out = engine.generate([ids], 2, GATE)[0]
+    state = engine.eviction_state(out.request_id)
+    freed = metrics().blocks_freed.labels(policy="attention_gate")._value.get() - freed_before
+    pages = int(sum(cdiv(int(n) - 1, BLOCK_SIZE) for n in state.pages.lens.reshape(-1)))  # at the compaction
+    assert freed == cdiv(len(ids), BLOCK_SIZE) - cdiv(pages, state.pages.layout.pages_per_block) > 0
+    assert out.kv_transfer_params["kv_tokens_evicted"] > 0
+    engine.generate([[1, 2, 3]], 1)
+    assert engine.free_blocks() == free_before
 
 
 def test_blocks_past_the_largest_count_are_returned_and_a_budget_caps_decoding(engine):
@@ -113,7 +134,7 @@ def test_blocks_past_the_largest_count_are_returned_and_a_budget_caps_decoding(e
     state = engine.eviction_state("gate-blocks")
     assert state.compactions >= 2  # the prompt, then at least once while decoding
     for layer in state.layers.values():
-        assert int(layer.valid.sum(dim=1).max()) <= budget
+        assert int(layer.counts(layer.kept_positions.shape[0]).max()) <= budget
     engine.generate([[1, 2, 3]], 1)  # one more step lets the worker drop the finished request's state
     assert engine.free_blocks() == free_before
 

@@ -1,4 +1,5 @@
-"""kvserve's reads and writes of vLLM's CPU cache layout, checked against vLLM's own cache-write op."""
+"""kvserve's reads and writes of head-page lists in vLLM's CPU cache layout, checked against vLLM's own cache-write
+op. A list's pages are drawn from anywhere in a one-head page view, as an evicting request's lists are."""
 
 from __future__ import annotations
 
@@ -6,40 +7,57 @@ import pytest
 import torch
 from vllm import _custom_ops as ops
 
-from kvserve.engine.cache_layout import amx_decode, amx_encode, compact_entries, cpu_views, read_entries
+from kvserve.engine.cache_layout import amx_decode, amx_encode, compact_lists, cpu_views, read_lists
 
-NUM_BLOCKS, HEADS, BLOCK, DIM = 6, 3, 32, 64
+NUM_PAGES, HEADS, BLOCK, DIM = 18, 3, 32, 64
 
 
-def vllm_cache_with(keys: torch.Tensor, values: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-    kv_cache = torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM)
-    key_cache, value_cache = kv_cache.view(NUM_BLOCKS, HEADS, 2 * BLOCK, DIM).chunk(2, dim=2)
-    slots = torch.tensor([block_ids[t // BLOCK] * BLOCK + t % BLOCK for t in range(keys.shape[0])])
-    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, "vec", k_scale=1.0, v_scale=1.0,
+def vllm_pages_with(keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, isa: str = "vec",
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A page view [P, 1, bs, 2D] where vLLM's writer put keys/values [n, H, D] as each head's list (tables [H, W])."""
+    pages = torch.zeros(NUM_PAGES, 1, BLOCK, 2 * DIM, dtype=dtype)
+    key_cache, value_cache = pages.view(NUM_PAGES, 1, 2 * BLOCK, DIM).chunk(2, dim=2)
+    entries = torch.arange(keys.shape[0])
+    slots = (tables[:, entries // BLOCK] * BLOCK + entries % BLOCK).T.reshape(-1)  # (token, head) order
+    ops.cpu_attn_reshape_and_cache(keys.to(dtype).reshape(-1, 1, DIM), values.to(dtype).reshape(-1, 1, DIM),
+                                   key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
                                    kv_cache_dtype="auto")
-    return kv_cache
+    return pages
 
 
-def test_read_entries_returns_what_vllm_wrote():
-    n, block_ids = 75, [4, 1, 3]
+TABLES = torch.tensor([[4, 13, 9], [1, 16, 2], [7, 0, 11]])  # each head's pages, anywhere in the view
+
+
+def test_read_lists_returns_what_vllm_wrote_and_pads_shorter_heads():
+    n = 75
     keys, values = torch.randn(n, HEADS, DIM), torch.randn(n, HEADS, DIM)
-    kv_cache = vllm_cache_with(keys, values, block_ids)
-    got_k, got_v = read_entries(cpu_views(kv_cache), torch.tensor(block_ids), n)
+    pages = vllm_pages_with(keys, values, TABLES)
+    got_k, got_v = read_lists(cpu_views(pages), TABLES, torch.tensor([n] * HEADS))
     assert torch.equal(got_k, keys.transpose(0, 1)) and torch.equal(got_v, values.transpose(0, 1))
+    lengths = torch.tensor([75, 40, 3])
+    got_k, _ = read_lists(cpu_views(pages), TABLES, lengths)
+    for h, length in enumerate(lengths.tolist()):
+        assert torch.equal(got_k[h, :length], keys[:length, h]) and not got_k[h, length:].any()
 
 
-def test_compaction_moves_each_heads_kept_entries_to_the_front():
-    n, block_ids = 90, [2, 5, 0]
+def test_compaction_moves_each_heads_kept_entries_to_the_front_of_its_list():
+    n = 90
     keys, values = torch.randn(n, HEADS, DIM), torch.randn(n, HEADS, DIM)
-    kv_cache = vllm_cache_with(keys, values, block_ids)
-    keep = torch.stack([torch.sort(torch.randperm(n)[:40]).values for _ in range(HEADS)])
-    compact_entries(cpu_views(kv_cache), torch.tensor(block_ids), keep)
-    new_k, new_v = read_entries(cpu_views(kv_cache), torch.tensor(block_ids), 40)
-    for h in range(HEADS):
-        assert torch.equal(new_k[h], keys[keep[h], h]) and torch.equal(new_v[h], values[keep[h], h])
-    # what vLLM's writer produces for the compacted sequence is bit-identical in the kept blocks
-    expected = torch.stack([vllm_cache_with(keys[keep[h]], values[keep[h]], block_ids)[:, h] for h in range(HEADS)], 1)
-    assert torch.equal(kv_cache[block_ids[0]], expected[block_ids[0]])
+    pages = vllm_pages_with(keys, values, TABLES)
+    counts = torch.tensor([40, 25, 61])  # ragged: each head keeps its own count
+    keep = torch.stack([torch.sort(torch.randperm(n)[:61]).values for _ in range(HEADS)])
+    for h, count in enumerate(counts.tolist()):
+        keep[h, :count] = torch.sort(keep[h, :count]).values
+    compact_lists(cpu_views(pages), TABLES, keep, counts)
+    new_k, new_v = read_lists(cpu_views(pages), TABLES, counts)
+    for h, count in enumerate(counts.tolist()):
+        assert torch.equal(new_k[h, :count], keys[keep[h, :count], h])
+        assert torch.equal(new_v[h, :count], values[keep[h, :count], h])
+    # what vLLM's writer produces for head 0's compacted list is bit-identical in its first, full page
+    kept_k = torch.stack([keys[keep[h, :40], h] for h in range(HEADS)], 1)
+    kept_v = torch.stack([values[keep[h, :40], h] for h in range(HEADS)], 1)
+    fresh = vllm_pages_with(kept_k, kept_v, TABLES)
+    assert torch.equal(pages[TABLES[0, 0]], fresh[TABLES[0, 0]])
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -78,41 +96,20 @@ def test_amx_decode_and_encode_match_vllms_writer(block_size, dim):
 
 @needs_amx
 def test_amx_staged_compaction_is_what_vllm_writes_and_reads():
-    from kvserve.engine.cache_layout import compact_entries, stage_blocks
+    from kvserve.engine.cache_layout import stage_pages
 
-    n, block_ids = 90, [2, 5, 0]
+    n = 90
     keys, values = torch.randn(n, HEADS, DIM).bfloat16(), torch.randn(n, HEADS, DIM).bfloat16()
-    kv_cache = amx_cache_with(keys, values, block_ids, NUM_BLOCKS, BLOCK)
-    other = torch.randn_like(kv_cache[4])
-    kv_cache[4] = other  # a block of another request: staging one request must not touch it
+    pages = vllm_pages_with(keys, values, TABLES, "amx", torch.bfloat16)
+    other = torch.randn_like(pages[5])
+    pages[5] = other  # a page of another list: staging this one must not touch it
+    counts = torch.tensor([40, 40, 40])
     keep = torch.stack([torch.sort(torch.randperm(n)[:40]).values for _ in range(HEADS)])
-    table = torch.tensor([[9, 9, 9], block_ids], dtype=torch.int32)  # the request is batch row 1
-    staged = stage_blocks(kv_cache, table, {1: n})
-    compact_entries(staged.cache, staged.block_table[1], keep)
-    staged.write_back(kv_cache)
-    assert torch.equal(kv_cache[4], other)
+    staged = stage_pages(pages, {"r": TABLES}, {"r": torch.tensor([n] * HEADS)})
+    compact_lists(staged.cache, staged.tables["r"], keep, counts)
+    staged.write_back(pages)
+    assert torch.equal(pages[5], other)
     kept_k = torch.stack([keys[keep[h], h] for h in range(HEADS)], 1)
     kept_v = torch.stack([values[keep[h], h] for h in range(HEADS)], 1)
-    fresh = amx_cache_with(kept_k, kept_v, block_ids, NUM_BLOCKS, BLOCK)
-    assert torch.equal(kv_cache[block_ids[0]], fresh[block_ids[0]])  # the full kept block, bit for bit
-    # and vLLM's AMX attention reads the compacted cache as the freshly written one (tile registers need the
-    # kernel's permission first, which vLLM's CPU worker asks for at start)
-    assert torch._C._cpu._init_amx()
-    query = torch.randn(1, 2 * HEADS, DIM).bfloat16()
-    outputs = []
-    for cache in (kv_cache, fresh):
-        key_cache, value_cache = cache.view(NUM_BLOCKS, HEADS, 2 * BLOCK, DIM).chunk(2, dim=2)
-        seq_lens, starts = torch.tensor([40], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
-        meta = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=1, num_heads=2 * HEADS, num_kv_heads=HEADS, head_dim=DIM, seq_lens=seq_lens, dtype=torch.bfloat16,
-            query_start_loc=starts, causal=True, sliding_window_size=-1, isa="amx", enable_kv_split=False,
-            dynamic_causal=None, kv_cache_dtype="auto")
-        out = torch.empty_like(query)
-        ops.cpu_attention_with_kv_cache(
-            query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
-            seq_lens=seq_lens,
-            scale=DIM**-0.5, causal=True, alibi_slopes=None, sliding_window=-1,
-            block_table=torch.tensor([block_ids], dtype=torch.int32), softcap=0.0, scheduler_metadata=meta,
-            s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
-        outputs.append(out)
-    assert torch.equal(outputs[0], outputs[1])
+    fresh = vllm_pages_with(kept_k, kept_v, TABLES, "amx", torch.bfloat16)
+    assert torch.equal(pages[TABLES[:, 0]], fresh[TABLES[:, 0]])  # each head's full first page, bit for bit

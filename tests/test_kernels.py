@@ -385,7 +385,7 @@ def test_interpreter_env_not_leaked():
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# The attention backend's scoring path (kvserve/engine/worker_state.py) through the dispatch: the same request served
+# The attention backend's scoring path (kvserve/engine/eviction.py) through the dispatch: the same request served
 # over vLLM's CPU cache with the PyTorch operations and over the GPU (FlashAttention) cache with the Triton kernels
 # keeps the same entries, with the same statistics and the same compacted cache; and both equal the policy computing
 # its statistics from the keys itself (no measurement from the attention pass).
@@ -400,65 +400,73 @@ PATH_POLICIES = {
 
 def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch, dtype: torch.dtype = torch.float32) -> dict:
     """A 40-token prompt chunk compacted to the budget, then three decode steps, the last one compacting again.
-    `layout`: "cpu" (vLLM's CPU "vec" cache, views), "flash" (the GPU cache, views) or "amx" (vLLM's AMX cache,
-    written by vLLM's op, staged blocks as the backend does)."""
+    `layout`: "cpu" (vLLM's CPU "vec" pages, views), "flash" (the GPU layout, views) or "amx" (vLLM's AMX pages,
+    written by vLLM's op, staged pages as the backend does). The request's lists live in head pages of 3 blocks."""
     from kvserve.config import parse_kv_config
-    from kvserve.engine import worker_state
-    from kvserve.engine.cache_layout import cpu_views, flash_views, read_entries, stage_blocks
+    from kvserve.engine import eviction
+    from kvserve.engine.cache_layout import cpu_views, flash_views, read_lists, stage_pages
+    from kvserve.engine.pages import HeadPages, PageLayout
     from kvserve.engine.plan import Compaction
+    from kvserve.engine.request_state import RequestState
+    from kvserve.engine.step import RowPlan, StepContext
     from kvserve.policies.base import PassStatistics
 
     if not measure:
-        monkeypatch.setattr(worker_state, "measure_pass", lambda *args, **kwargs: PassStatistics())
+        monkeypatch.setattr(eviction, "measure_pass", lambda *args, **kwargs: PassStatistics())
     generator = torch.Generator().manual_seed(7)
-    num_blocks, hq = 8, PATH_HEADS * PATH_GROUP
-    raw = torch.zeros(num_blocks, PATH_HEADS, PATH_BLOCK, 2 * HEAD_DIM, dtype=dtype)
+    page_layout = PageLayout(num_layers=PATH_LAYER + 1, num_blocks=8, num_heads=PATH_HEADS, block_size=PATH_BLOCK)
+    num_pages, hq = page_layout.num_layers * page_layout.num_blocks * PATH_HEADS, PATH_HEADS * PATH_GROUP
+    raw = torch.zeros(num_pages, 1, PATH_BLOCK, 2 * HEAD_DIM, dtype=dtype)
     if layout in ("cpu", "amx"):
         paged = cpu_views(raw)
     else:
-        paged = flash_views(new_kv_cache(num_blocks, PATH_HEADS, PATH_BLOCK, HEAD_DIM, torch.float32, DEVICE).zero_(),
-                            HEAD_DIM)
-    block_ids = torch.tensor([5, 2, 7], dtype=torch.int32, device=DEVICE)
+        paged = flash_views(new_kv_cache(num_pages, 1, PATH_BLOCK, HEAD_DIM, torch.float32, DEVICE).zero_(), HEAD_DIM)
     config = parse_kv_config({"kv_policy": policy, "kv_budget": PATH_BUDGET, **PATH_POLICIES[policy]}, defaults={})
-    state = worker_state.RequestState(config=config, policy=config.make_policy())
+    state = RequestState(config=config, policy=config.make_policy(), pages=HeadPages(page_layout))
+    state.pages.add_blocks([5, 2, 7])
     logical = 0
+
+    def table() -> torch.Tensor:
+        return torch.from_numpy(state.pages.table[PATH_LAYER]).to(device=DEVICE, dtype=torch.int32)
+
+    def lengths() -> torch.Tensor:
+        return torch.from_numpy(state.pages.lens[PATH_LAYER])
+
     for tokens, compact in ((40, True), (1, False), (1, False), (1, True)):
         keys, values, queries = (torch.randn(tokens, heads, HEAD_DIM, generator=generator).to(dtype)
                                  for heads in (PATH_HEADS, PATH_HEADS, hq))
-        first_slot = logical - state.offset
-        slots = torch.arange(first_slot, first_slot + tokens, device=DEVICE)
-        blocks = block_ids.long()[slots // PATH_BLOCK]
-        cache_len = first_slot + tokens
-        step_cache, step_table = paged, block_ids[None]
-        if layout == "amx":  # vLLM's own writer, then the blocks staged as the attention backend stages them
+        slots = torch.from_numpy(state.pages.append(tokens)[PATH_LAYER]).T  # [q, H]
+        logical += tokens
+        step_cache, step_tables = paged, {"r": table()}
+        if layout == "amx":  # vLLM's own writer, then the pages staged as the attention backend stages them
             from vllm import _custom_ops as ops
 
-            key_cache, value_cache = raw.view(num_blocks, PATH_HEADS, 2 * PATH_BLOCK, HEAD_DIM).chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache,
-                                           blocks * PATH_BLOCK + slots % PATH_BLOCK, "amx", k_scale=1.0, v_scale=1.0,
+            key_cache, value_cache = raw.view(num_pages, 1, 2 * PATH_BLOCK, HEAD_DIM).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(keys.reshape(-1, 1, HEAD_DIM), values.reshape(-1, 1, HEAD_DIM), key_cache,
+                                           value_cache, slots.reshape(-1), "amx", k_scale=1.0, v_scale=1.0,
                                            kv_cache_dtype="auto")
-            staged = stage_blocks(raw, block_ids[None], {0: cache_len})
-            step_cache, step_table = staged.cache, staged.block_table
+            staged = stage_pages(raw, {"r": table()}, {"r": lengths()})
+            step_cache, step_tables = staged.cache, staged.tables
         else:  # vLLM writes the step's entries before attention
-            paged.keys[blocks, slots % PATH_BLOCK] = keys.to(DEVICE)
-            paged.values[blocks, slots % PATH_BLOCK] = values.to(DEVICE)
-        compaction = Compaction(PATH_BUDGET, logical + tokens, cache_len) if compact else None
-        plan = worker_state.RowPlan(req_id="r", state=state, row=0, query_start=0, query_end=tokens,
-                                    cache_len=cache_len, compaction=compaction)
-        worker_state.StepContext([plan]).after_attention(PATH_LAYER, queries.to(DEVICE), step_cache, step_table,
-                                                         HEAD_DIM**-0.5, torch.empty_like(queries))
+            device_slots = slots.to(DEVICE)
+            paged.keys[device_slots // PATH_BLOCK, device_slots % PATH_BLOCK, 0] = keys.to(DEVICE)
+            paged.values[device_slots // PATH_BLOCK, device_slots % PATH_BLOCK, 0] = values.to(DEVICE)
+        compaction = Compaction(PATH_BUDGET, logical, int(lengths().max())) if compact else None
+        plan = RowPlan(req_id="r", state=state, row=0, query_start=0, query_end=tokens, logical_len=logical,
+                       compaction=compaction)
+        eviction.after_attention(StepContext(pages=None, rows=[plan]), PATH_LAYER, queries.to(DEVICE), step_cache,
+                                 step_tables, HEAD_DIM**-0.5, torch.empty_like(queries))
         assert plan.failure is None, plan.failure
         if layout == "amx" and compact:
             staged.write_back(raw)
-        logical += tokens
         if compact:
-            state.offset = logical - PATH_BUDGET
+            state.since = logical
     layer = state.layer(PATH_LAYER)
     if layout == "amx":
-        staged = stage_blocks(raw, block_ids[None], {0: PATH_BUDGET})
-        keys, values = read_entries(staged.cache, staged.block_table[0], PATH_BUDGET)
+        staged = stage_pages(raw, {"r": table()}, {"r": lengths()})
+        keys, values = read_lists(staged.cache, staged.tables["r"], lengths())
     else:
-        keys, values = read_entries(paged, block_ids, PATH_BUDGET)
+        keys, values = read_lists(paged, table(), lengths())
     return {"positions": layer.kept_positions.cpu(), "keys": keys.cpu(), "values": values.cpu(),
             "stats": {name: stat.cpu() for name, stat in layer.stats.items()}}
 

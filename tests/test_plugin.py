@@ -67,7 +67,8 @@ def test_readme_documents_every_policy_setting():
 
 @pytest.mark.parametrize("mode", ["vllm", "kernels"])
 def test_attention_mode_picks_the_backend_implementation(mode, monkeypatch):
-    from kvserve.engine.attention import KVServeAttentionBackend, KVServeAttentionImpl
+    from kvserve.engine.attention import KVServeAttentionImpl
+    from kvserve.engine.backend import KVServeAttentionBackend
     from kvserve.engine.kernel_attention import KVServeKernelAttentionImpl
 
     monkeypatch.setenv("KVSERVE_ATTENTION", mode)

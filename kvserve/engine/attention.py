@@ -1,87 +1,115 @@
-"""The attention backend: vLLM's CPU attention, then kvserve's scoring and compaction in the same layer pass.
+"""The default attention implementation (`KVSERVE_ATTENTION=vllm`): vLLM's own CPU ops over head-granular pages, then
+kvserve's eviction step in the same layer pass.
+
+Every request is written and read through the page view (`kvserve/engine/pages.py`) with vLLM's
+`cpu_attn_reshape_and_cache` and `cpu_attention_with_kv_cache`, called on pseudo-sequences: one row per (KV head,
+request), one KV head, the G query heads of that KV head (`kvserve/engine/step.py`). On vLLM 0.32 this call is
+bit-identical to the normal one for requests that do not evict (`tests/test_head_pages.py`), and lets each
+(layer, head) of an evicting request keep its own count in its own pages.
 
 The stock kernel returns no probabilities, so the statistics a policy needs are computed right after it from the
-cache the kernel just read (only for evicting requests, only the rows a policy needs). Compaction happens here too,
+pages the kernel just read (only for evicting requests, only the rows a policy needs). Compaction happens here too,
 after this layer's attention for the step is done, so the step's output is unaffected and the next step reads the
-compacted cache.
+compacted lists.
 """
 
 from __future__ import annotations
 
 import torch
-from vllm.model_executor.models.utils import extract_layer_index
+from vllm import _custom_ops as ops
+from vllm import envs
 from vllm.v1.attention.backend import AttentionType
-from vllm.v1.attention.backends.cpu_attn import (
-    CPUAttentionBackend,
-    CPUAttentionBackendImpl,
-    CPUAttentionMetadataBuilder,
-)
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
-from kvserve.engine.cache_layout import cpu_views, stage_blocks
-from kvserve.engine.worker_state import current_step
-from kvserve.kernel_dispatch import attention_mode
-
-SUPPORTED_ISAS = ("vec", "amx")  # the cache layouts kvserve reads and compacts (kvserve/engine/cache_layout.py)
-
-
-def layer_index(layer) -> int:
-    """The model layer an attention layer belongs to, parsed from its name once and kept on it."""
-    index = getattr(layer, "_kvserve_layer_idx", None)
-    if index is None:
-        index = layer._kvserve_layer_idx = extract_layer_index(layer.layer_name)
-    return index
-
-
-class KVServeAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
-    """vLLM picks the kernel ISA, and with it the cache layout, once per KV-cache group at engine start ("amx" for
-    bf16 on a CPU with AMX tiles, "vec" otherwise). Any layout kvserve cannot read is refused here, at start-up, with
-    the reason, rather than failing the first evicting request inside a forward pass."""
-
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        if self.isa not in SUPPORTED_ISAS or self.kv_cache_dtype != "auto":
-            raise RuntimeError(
-                f"kvserve eviction supports the CPU cache layout of ISA {SUPPORTED_ISAS} with an unquantised cache; "
-                f"this engine would use ISA {self.isa!r} (head size {self.head_dim}, block size {self.block_size}) and "
-                f"kv_cache_dtype {self.kv_cache_dtype!r}. Use a block size that is a multiple of 32, no fp8 cache, "
-                "or run vanilla vLLM (VLLM_PLUGINS without 'kvserve')."
-            )
+from kvserve.engine.cache_layout import cpu_views, stage_pages
+from kvserve.engine.eviction import after_attention, pseudo_queries
+from kvserve.engine.step import StepPages, current_step, layer_index, refuse_unpaged_features
 
 
 class KVServeAttentionImpl(CPUAttentionBackendImpl):
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                 logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
+                 sinks=None) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                         logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
+        refuse_unpaged_features(self, "KVSERVE_ATTENTION=vllm", kv_sharing_target_layer_name)
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        step = current_step()
+        if step is None or self.attn_type != AttentionType.DECODER:  # a dummy run: vLLM's own slots
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        pages = step.pages
+        tokens = pages.num_tokens
+        page_keys, page_values = split_pages(pages)
+        ops.cpu_attn_reshape_and_cache(key[:tokens].reshape(-1, 1, self.head_size),
+                                       value[:tokens].reshape(-1, 1, self.head_size), page_keys, page_values,
+                                       pages.slots[layer_index(layer)], layer.isa, k_scale=layer._k_scale_float,
+                                       v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None) -> torch.Tensor:
-        result = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                                 output_block_scale)
         step = current_step()
-        if step is None or not step.rows or attn_metadata is None or self.attn_type != AttentionType.DECODER:
-            return result
+        if step is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by kvserve's attention")
         layer_idx = layer_index(layer)
+        pages = step.pages
+        tokens = pages.num_tokens
+        rows = pseudo_queries(query[:tokens], self.num_kv_heads)
+        out_rows = torch.empty_like(rows)
+        page_keys, page_values = split_pages(pages)
+        ops.cpu_attention_with_kv_cache(
+            query=rows, key_cache=page_keys, value_cache=page_values, output=out_rows,
+            query_start_loc=pages.query_start_loc, seq_lens=pages.seq_lens[layer_idx], scale=self.scale,
+            causal=True, alibi_slopes=None, sliding_window=-1, block_table=pages.tables[layer_idx],
+            softcap=self.logits_soft_cap,
+            scheduler_metadata=pages.metadata(layer_idx, self._metadata_builder(layer, query, pages)),
+            s_aux=None, dynamic_causal=None, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype)
+        output[:tokens] = out_rows.view(self.num_kv_heads, tokens, -1, self.head_size).transpose(0, 1).reshape(
+            output[:tokens].shape)
+        if step.rows:
+            self._evict(step, layer, layer_idx, query, output)
+        return output
+
+    def _metadata_builder(self, layer, query: torch.Tensor, pages: StepPages):
+        group = self.num_heads // self.num_kv_heads
+        rows_start = pages.query_start_loc
+
+        def build(seq_lens: torch.Tensor):
+            return ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=seq_lens.shape[0], num_heads=group, num_kv_heads=1, head_dim=self.head_size,
+                seq_lens=seq_lens, dtype=query.dtype, query_start_loc=rows_start, causal=True,
+                sliding_window_size=-1, isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+                kv_cache_dtype=self.kv_cache_dtype)
+
+        return build
+
+    def _evict(self, step, layer, layer_idx: int, query: torch.Tensor, output: torch.Tensor) -> None:
+        pages = step.pages
         if getattr(layer, "isa", "vec") != "amx":
-            step.after_attention(layer_idx, query, cpu_views(kv_cache), attn_metadata.block_table, self.scale, result)
-            return result
-        # AMX blocks: no view addresses an entry, so the blocks this step reads are decoded into views first, and
+            cache = cpu_views(pages.pages)
+            after_attention(step, layer_idx, query, cache, {plan.req_id: plan.table(layer_idx) for plan in step.rows},
+                            self.scale, output)
+            return
+        # AMX pages: no view addresses an entry, so the pages this step reads are decoded into views first, and
         # written back if a compaction rewrote them. Steps that only record window queries copy nothing.
-        rows = step.cache_rows()
-        if not rows:
-            step.after_attention(layer_idx, query, None, attn_metadata.block_table, self.scale, result)
-            return result
-        staged = stage_blocks(kv_cache, attn_metadata.block_table, rows)
-        step.after_attention(layer_idx, query, staged.cache, staged.block_table, self.scale, result)
+        reading = [plan for plan in step.rows if plan.reads_cache()]
+        if not reading:
+            after_attention(step, layer_idx, query, None, {}, self.scale, output)
+            return
+        staged = stage_pages(pages.pages, {plan.req_id: plan.table(layer_idx) for plan in reading},
+                             {plan.req_id: plan.lengths(layer_idx) for plan in reading})
+        after_attention(step, layer_idx, query, staged.cache, staged.tables, self.scale, output)
         if step.compacts():
-            staged.write_back(kv_cache)
-        return result
+            staged.write_back(pages.pages)
 
 
-class KVServeAttentionBackend(CPUAttentionBackend):
-    @staticmethod
-    def get_impl_cls() -> type[KVServeAttentionImpl]:
-        if attention_mode() == "kernels":
-            from kvserve.engine.kernel_attention import KVServeKernelAttentionImpl
-
-            return KVServeKernelAttentionImpl
-        return KVServeAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[KVServeAttentionMetadataBuilder]:
-        return KVServeAttentionMetadataBuilder
+def split_pages(pages: StepPages) -> tuple[torch.Tensor, torch.Tensor]:
+    """The page view as the key and value halves vLLM's ops take (as `CPUAttentionBackendImpl.forward` splits a
+    layer's cache): [P, 1, block_size, D] each."""
+    view = pages.pages
+    return view.view(view.shape[0], 1, 2 * view.shape[2], -1).chunk(2, dim=2)

@@ -58,35 +58,47 @@ def flash_views(kv_cache: torch.Tensor, head_size: int) -> PagedKV:
     return PagedKV(*kernel_dispatch.split_kv_cache(kv_cache, head_size))
 
 
-def read_entries(cache: PagedKV, block_ids: torch.Tensor, num_entries: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `num_entries` cache entries of a request: keys and values, each [H, num_entries, D]."""
-    from kvserve_kernels.reference import gather_entries
+def list_slots(cache: PagedKV, table: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pages, offsets), each [H, width]: where entries 0..width-1 of each head's page list (`table` [H, W]) live."""
+    entries = torch.arange(width, device=cache.keys.device)
+    pages = table.to(cache.keys.device).long()[:, entries // cache.block_size]
+    return pages, (entries % cache.block_size).expand_as(pages)
 
-    return gather_entries(cache.keys, cache.values, block_ids, num_entries)
+
+def read_lists(cache: PagedKV, table: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries of each head's page list (`table` [H, W] into a one-head page view, `lengths` [H]): keys and
+    values [H, max(lengths), D], zero past a head's length."""
+    width = int(lengths.max())
+    pages, offsets = list_slots(cache, table, width)
+    keys, values = cache.keys[pages, offsets, 0], cache.values[pages, offsets, 0]
+    padding = torch.arange(width, device=keys.device)[None, :] >= lengths.to(keys.device)[:, None]
+    if bool(padding.any()):
+        keys, values = keys.masked_fill(padding[..., None], 0), values.masked_fill(padding[..., None], 0)
+    return keys, values
+
+
+def write_lists(cache: PagedKV, table: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Write [H, m, D] keys/values as entries 0..m-1 of each head's page list."""
+    pages, offsets = list_slots(cache, table, keys.shape[1])
+    cache.keys[pages, offsets, 0] = keys.to(cache.keys.dtype)
+    cache.values[pages, offsets, 0] = values.to(cache.values.dtype)
 
 
 def write_slots(cache: PagedKV, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Write [m, H, D] keys/values at global cache slots [m] (block * block_size + offset, vLLM's slot mapping)."""
+    """Write [m, H, D] keys/values at cache slots [m] (page or block * block_size + offset, vLLM's slot mapping)."""
     slots = slots.to(cache.keys.device).long()
     blocks, offsets = slots // cache.block_size, slots % cache.block_size
     cache.keys[blocks, offsets] = keys.to(cache.keys.dtype)
     cache.values[blocks, offsets] = values.to(cache.values.dtype)
 
 
-def write_entries(cache: PagedKV, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Write [H, m, D] keys/values as the request's first m entries (its blocks' slots 0..m-1)."""
-    entries = torch.arange(keys.shape[1], device=cache.keys.device)
-    blocks = block_ids.to(cache.keys.device).long()[entries // cache.block_size]
-    write_slots(cache, blocks * cache.block_size + entries % cache.block_size, keys.transpose(0, 1),
-                values.transpose(0, 1))
-
-
-def compact_entries(cache: PagedKV, block_ids: torch.Tensor, keep_indices: torch.Tensor,
-                    stats: Sequence[torch.Tensor] = ()) -> None:
-    """In place: each head's kept entries (keep_indices [H, B], ascending) move to the front of the request's blocks,
-    and each [H, n] statistic's entries with them (its first B columns are then the kept entries')."""
-    kernel_dispatch.compact(cache.keys, cache.values, block_ids[None], keep_indices[None],
-                            stats=[stat[None] for stat in stats])
+def compact_lists(cache: PagedKV, table: torch.Tensor, keep_indices: torch.Tensor, keep_counts: torch.Tensor,
+                  stats: Sequence[torch.Tensor] = ()) -> None:
+    """In place: head h's kept entries (keep_indices[h, :keep_counts[h]], ascending) move to the front of its page
+    list, and each [H, n] statistic's entries with them (its first counts are then the kept entries'). One call for
+    all heads: each head's list is a row of one KV head."""
+    kernel_dispatch.compact(cache.keys, cache.values, table, keep_indices[:, None], keep_counts=keep_counts,
+                            stats=[stat[:, None] for stat in stats])
 
 
 def amx_decode(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,27 +122,31 @@ def amx_encode(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class StagedBlocks:
-    """Some requests' blocks of an AMX-format cache, decoded into `cache` (views the kernels' operations read), with
-    `block_table` rows pointing into it; `source` holds each staged block's id in the real cache."""
+class StagedPages:
+    """Some page lists of an AMX-format page view, decoded into `cache` (views the kernels' operations read), with
+    `tables` (per key, [H, W]) pointing into it; `source` holds each staged page's id in the real view."""
 
     cache: PagedKV
-    block_table: torch.Tensor  # [rows, max staged blocks] int32
-    source: torch.Tensor  # [staged blocks] int64
+    tables: dict[str, torch.Tensor]
+    source: torch.Tensor  # [staged pages] int64
 
-    def write_back(self, kv_cache: torch.Tensor) -> None:
-        kv_cache[self.source] = amx_encode(self.cache.keys, self.cache.values)
+    def write_back(self, pages: torch.Tensor) -> None:
+        pages[self.source] = amx_encode(self.cache.keys, self.cache.values)
 
 
-def stage_blocks(kv_cache: torch.Tensor, block_table: torch.Tensor, entries_by_row: dict[int, int]) -> StagedBlocks:
-    """Copy out the blocks holding the first `entries` of each batch row (the other rows' table rows stay zero)."""
-    block_size = kv_cache.shape[2]
-    blocks_by_row = {row: -(-entries // block_size) for row, entries in entries_by_row.items()}
-    table = torch.zeros(block_table.shape[0], max(blocks_by_row.values()), dtype=torch.int32)
-    sources, next_id = [], 0
-    for row, count in blocks_by_row.items():
-        sources.append(block_table[row, :count].long())
-        table[row, :count] = torch.arange(next_id, next_id + count, dtype=torch.int32)
-        next_id += count
+def stage_pages(pages: torch.Tensor, tables: dict[str, torch.Tensor], lengths: dict[str, torch.Tensor]) -> StagedPages:
+    """Copy out the pages holding each list's entries (`tables[key]` [H, W], `lengths[key]` [H]) of a one-head page
+    view `[P, 1, block_size, 2 * D]` in vLLM's AMX format."""
+    block_size = pages.shape[2]
+    sources, staged, next_id = [], {}, 0
+    for key, table in tables.items():
+        counts = -(-lengths[key].long() // block_size)
+        width = max(int(counts.max()), 1)
+        used = torch.arange(width)[None, :] < counts[:, None]
+        ids = torch.zeros(table.shape[0], width, dtype=torch.int32)
+        ids[used] = torch.arange(next_id, next_id + int(used.sum()), dtype=torch.int32)
+        sources.append(table[:, :width].long()[used])
+        next_id += int(used.sum())
+        staged[key] = ids
     source = torch.cat(sources)
-    return StagedBlocks(PagedKV(*amx_decode(kv_cache[source])), table, source)
+    return StagedPages(PagedKV(*amx_decode(pages[source])), staged, source)

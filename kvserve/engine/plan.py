@@ -15,7 +15,7 @@ PLAN_ATTR = "kvserve_compactions"
 class Compaction:
     keep_tokens: int  # B: entries per layer and KV head after the step (a ragged policy: at most this many)
     logical_tokens: int  # tokens the request has computed after the step (drives RoPE positions)
-    cached_tokens: int  # entries in the cache after the step's writes, before compaction
+    cached_tokens: int  # entries in the longest (layer, head) list after the step's writes, before compaction
 
 
 def compactions_of(scheduler_output: object) -> dict[str, Compaction]:
@@ -30,14 +30,6 @@ def failures_of(model_runner_output) -> dict[str, str]:
     return getattr(model_runner_output, FAILURES_ATTR, None) or {}
 
 
-# Attribute of a ModelRunnerOutput: {req_id: entries kept} for ragged compactions, whose count the worker decides.
-KEPT_ATTR = "kvserve_kept"
-
-
-def kept_of(model_runner_output) -> dict[str, int]:
-    return getattr(model_runner_output, KEPT_ATTR, None) or {}
-
-
 # Keys kvserve adds to a request output's `kv_transfer_params` (vLLM's free-form dict that travels with a request's
 # output from the scheduler to the front end, beside any KV connector's keys); kvserve/server/evicted.py reads them.
 EVICTED_KEY = "kv_tokens_evicted"  # tokens of the sequence no longer in the cache (a running count)
@@ -50,3 +42,25 @@ def with_evicted_count(params: dict | None, request_id: str, tokens: int, policy
     and why its policy failed, if it did."""
     failure = {} if policy_failure is None else {POLICY_FAILURE_KEY: policy_failure}
     return {**(params or {}), EVICTED_KEY: tokens, REQUEST_KEY: request_id, **failure}
+
+
+# Attribute of a ModelRunnerOutput: {req_id: PageReport} for requests that compacted in that step.
+PAGES_ATTR = "kvserve_pages"
+
+
+@dataclass(frozen=True)
+class PageReport:
+    """An evicting request's page lists after a compaction, as the worker left them: what the scheduler needs to
+    charge it blocks (`pages` now, and how many pages any number of new tokens will take) and which of its vLLM
+    blocks the worker emptied and gave back."""
+
+    logical_tokens: int  # tokens the request had computed when the report was made
+    pages: int  # pages in its lists
+    free_slots: tuple[int, ...]  # lists with f free slots in their last page, f = 0 .. block_size - 1
+    longest: int  # entries in its longest list
+    entries: int  # entries over all lists
+    released_block_ids: tuple[int, ...]
+
+
+def page_reports_of(model_runner_output) -> dict[str, PageReport]:
+    return getattr(model_runner_output, PAGES_ATTR, None) or {}

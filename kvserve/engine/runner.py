@@ -1,9 +1,9 @@
-"""Worker-side bookkeeping around vLLM's model runner: separate RoPE positions from cache slots, build the step
-context the attention backend reads, and shrink block tables after compaction.
+"""Worker-side hooks around vLLM's model runner: keep evicting requests' page lists in step with the blocks the
+scheduler gave them, build each step's page tables for the attention backend, and give emptied blocks back.
 
-`num_computed_tokens` stays LOGICAL everywhere in vLLM (it drives RoPE positions and token gathering). For a request
-whose cache holds fewer entries, we subtract its offset from `seq_lens` and recompute the slot mapping from
-`positions - offset`; `positions` itself is left alone.
+`num_computed_tokens` stays LOGICAL everywhere in vLLM (it drives RoPE positions and token gathering); where each
+(layer, KV head)'s entries live is kvserve's business alone: the backend writes and reads through `StepPages` and
+ignores vLLM's slot mapping and block table for attention.
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
-from vllm.utils.math_utils import cdiv
 
 from kvserve.config import KVConfigError, parse_kv_config
-from kvserve.engine.gated import pad_layers_to
-from kvserve.engine.plan import FAILURES_ATTR, KEPT_ATTR, compactions_of
-from kvserve.engine.worker_state import GateRuntime, RequestState, RowPlan, StepContext, current_step, set_step
+from kvserve.engine.eviction import record_times
+from kvserve.engine.pages import HeadPages, PageLayout, check_cache_contract, page_view
+from kvserve.engine.plan import FAILURES_ATTR, PAGES_ATTR, PageReport, compactions_of
+from kvserve.engine.request_state import GateRuntime, RequestState
+from kvserve.engine.step import RowPlan, StepContext, StepPages, current_step, set_step
 
 RECENT_LIMIT = 32
 
@@ -32,9 +33,17 @@ class EvictionBook:
         # introspection: tests and debugging compare what was kept against references.
         self.recent: OrderedDict[str, RequestState] = OrderedDict()
         self.not_evicting: set[str] = set()
-        self.pending: dict[str, tuple[int, int]] = {}  # req id -> (keep_tokens, logical_tokens) from the last step
+        self.released: dict[str, list[int]] = {}  # req id -> vLLM blocks given back last step, to drop from vLLM's view
         self.failures: dict[str, str] = {}  # req id -> why its policy failed, until the scheduler hears of it
-        self.kept: dict[str, int] = {}  # req id -> entries a ragged compaction kept, until the scheduler hears of it
+        self.reports: dict[str, PageReport] = {}  # req id -> its lists after a compaction, until the scheduler hears
+        self.layout: PageLayout | None = None
+        self.pages: torch.Tensor | None = None  # the page view of the whole KV buffer
+
+    def attach_cache(self, runner) -> None:
+        """Check the KV cache against the page contract (once, at the first step) and view it as pages."""
+        if self.layout is None:
+            self.layout = check_cache_contract(list(runner.kv_caches))
+            self.pages = page_view(list(runner.kv_caches), self.layout)
 
     def state_for(self, req_id: str, runner) -> RequestState | None:
         if req_id in self.requests:
@@ -50,7 +59,7 @@ class EvictionBook:
         if config is None or not config.evicts:
             self.not_evicting.add(req_id)
             return None
-        state = RequestState(config=config, policy=config.make_policy())
+        state = RequestState(config=config, policy=config.make_policy(), pages=HeadPages(self.layout))
         if config.ragged:
             try:
                 state.gate = _gate_runtime(runner, req_state)
@@ -70,7 +79,7 @@ class EvictionBook:
             while len(self.recent) > RECENT_LIMIT:
                 self.recent.popitem(last=False)
         self.not_evicting.discard(req_id)
-        self.pending.pop(req_id, None)
+        self.released.pop(req_id, None)
 
 
 def _gate_runtime(runner, req_state) -> GateRuntime:
@@ -92,90 +101,136 @@ def book_of(runner) -> EvictionBook:
 
 
 def before_update_states(runner, scheduler_output) -> None:
-    """Apply last step's compactions to the worker's view before vLLM appends this step's new blocks."""
+    """Drop the blocks given back last step from vLLM's view of each request, before vLLM appends this step's."""
     book = book_of(runner)
     for req_id in scheduler_output.finished_req_ids:
         book.forget(req_id)
-    for req_id, (keep_tokens, logical_tokens) in book.pending.items():
-        state = book.requests.get(req_id)
+    for req_id, released in book.released.items():
         req_state = runner.requests.get(req_id)
-        if state is None or req_state is None:
+        if req_state is None:
             continue
-        state.offset = logical_tokens - keep_tokens
-        state.compactions += 1
-        keep_blocks = cdiv(keep_tokens, runner.cache_config.block_size)
-        del req_state.block_ids[0][keep_blocks:]
+        gone = set(released)
+        kept = [block for block in req_state.block_ids[0] if block not in gone]
+        req_state.block_ids[0][:] = kept
         row = runner.input_batch.req_id_to_index.get(req_id)
         if row is not None:
             table = runner.input_batch.block_table[0]
-            table.block_table.np[row, keep_blocks : table.num_blocks_per_row[row]] = 0
-            table.num_blocks_per_row[row] = keep_blocks
-    book.pending.clear()
-    for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+            table.block_table.np[row, : table.num_blocks_per_row[row]] = 0
+            table.block_table.np[row, : len(kept)] = kept
+            table.num_blocks_per_row[row] = len(kept)
+    book.released.clear()
+    restarted = [*scheduler_output.scheduled_cached_reqs.resumed_req_ids,
+                 *(request.req_id for request in scheduler_output.scheduled_new_reqs)]
+    for req_id in restarted:  # after a preemption the request recomputes into fresh blocks
         if req_id in book.requests:
             book.requests[req_id].reset()
 
 
 def after_prepare_inputs(runner, scheduler_output, num_scheduled_tokens: np.ndarray) -> None:
-    """Shift evicting requests' seq_lens and slot mapping to cache space and publish the step context."""
+    """Append this step's tokens to the evicting requests' page lists and publish the step's page tables."""
     book = book_of(runner)
+    book.attach_cache(runner)
     num_reqs = runner.input_batch.num_reqs
     compactions = compactions_of(scheduler_output)
-    offsets = np.zeros(num_reqs, dtype=np.int64)
-    rows: list[RowPlan] = []
     query_starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens[:num_reqs])])
+    rows: list[RowPlan] = []
+    appended: dict[int, np.ndarray] = {}  # batch row -> slots [L, H, q] of its new entries
     for row, req_id in enumerate(runner.input_batch.req_ids[:num_reqs]):
         state = book.state_for(req_id, runner)
         if state is None:
             continue
-        offsets[row] = state.offset
+        _take_new_blocks(state.pages, runner.requests[req_id].block_ids[0], req_id)
+        appended[row] = state.pages.append(int(num_scheduled_tokens[row]))
         logical_len = int(runner.input_batch.num_computed_tokens_cpu[row]) + int(num_scheduled_tokens[row])
         compaction = compactions.get(req_id)
+        if compaction is not None and compaction.cached_tokens != int(state.pages.lens.max()):
+            raise RuntimeError(f"kvserve: scheduler and worker disagree on request {req_id}'s cache length")
         rows.append(RowPlan(req_id=req_id, state=state, row=row, query_start=int(query_starts[row]),
-                            query_end=int(query_starts[row + 1]), cache_len=logical_len - state.offset,
-                            compaction=compaction))
-        if compaction is not None:
-            if compaction.cached_tokens != logical_len - state.offset:
-                raise RuntimeError(f"kvserve: scheduler and worker disagree on request {req_id}'s cache length")
-            book.pending[req_id] = (compaction.keep_tokens, compaction.logical_tokens)
-    if offsets.any():
-        total = int(query_starts[num_reqs])
-        offsets_t = torch.from_numpy(offsets)
-        runner.seq_lens[:num_reqs] -= offsets_t.to(runner.seq_lens.dtype)
-        runner.optimistic_seq_lens_cpu[:num_reqs] -= offsets_t.to(runner.optimistic_seq_lens_cpu.dtype)
-        per_token = torch.from_numpy(np.repeat(offsets, num_scheduled_tokens[:num_reqs]))
-        cache_positions = runner.positions[:total] - per_token.to(runner.positions.dtype)
-        runner.input_batch.block_table.compute_slot_mapping(
-            num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], cache_positions)
-    set_step(StepContext(rows=rows) if rows else None)
+                            query_end=int(query_starts[row + 1]), logical_len=logical_len, compaction=compaction))
+    pages = _step_pages(runner, book, num_reqs, int(query_starts[num_reqs]), rows, appended)
+    set_step(StepContext(pages=pages, rows=rows))
+
+
+def _take_new_blocks(pages: HeadPages, block_ids: list[int], req_id: str) -> None:
+    held = len(pages.blocks)
+    if block_ids[:held] != pages.blocks:
+        raise RuntimeError(f"kvserve: request {req_id}'s blocks in vLLM and in its page lists differ")
+    if len(block_ids) > held:
+        pages.add_blocks(block_ids[held:])
+
+
+def _step_pages(runner, book: EvictionBook, num_reqs: int, num_tokens: int, rows: list[RowPlan],
+                appended: dict[int, np.ndarray]) -> StepPages:
+    """Every (layer, head, request)'s page list as pseudo rows `h * R + r`: derived from vLLM's block table for
+    requests that do not evict, from their own lists for those that do."""
+    layout = book.layout
+    num_layers, num_heads, bs = layout.num_layers, layout.num_heads, layout.block_size
+    block_table = runner.input_batch.block_table[0]
+    vllm_width = max(int(block_table.num_blocks_per_row[:num_reqs].max(initial=0)), 1)
+    width = max([vllm_width] + [plan.state.pages.table.shape[2] for plan in rows])
+    blocks = torch.from_numpy(block_table.block_table.np[:num_reqs, :vllm_width]).long()
+    heads = torch.arange(num_heads)
+    layer_base = torch.arange(num_layers) * layout.num_blocks * num_heads
+    tables = torch.zeros(num_layers, num_heads, num_reqs, width, dtype=torch.long)
+    tables[..., :vllm_width] = (blocks[None, None] * num_heads + heads[None, :, None, None]
+                                + layer_base[:, None, None, None])
+    seq_lens = runner.seq_lens[:num_reqs].to(torch.int32).repeat(num_layers, num_heads, 1)  # [L, H, R]
+    slot_mapping = block_table.slot_mapping.gpu[:num_tokens].long()
+    page_slots = ((slot_mapping // bs)[:, None] * num_heads + heads[None, :]) * bs + (slot_mapping % bs)[:, None]
+    slots = page_slots[None] + layer_base[:, None, None] * bs  # [L, T, H]
+    slots[:, slot_mapping < 0] = -1
+    for plan in rows:
+        lists = plan.state.pages
+        tables[:, :, plan.row] = 0
+        tables[:, :, plan.row, : lists.table.shape[2]] = torch.from_numpy(lists.table)
+        seq_lens[:, :, plan.row] = torch.from_numpy(lists.lens)
+        slots[:, plan.query_start : plan.query_end] = torch.from_numpy(appended[plan.row]).transpose(1, 2)
+    query_start_loc = runner.query_start_loc.cpu[: num_reqs + 1]
+    starts = (query_start_loc[:-1][None, :] + heads[:, None] * num_tokens).reshape(-1)
+    pseudo_starts = torch.cat([starts, torch.tensor([num_heads * num_tokens])]).to(torch.int32)
+    seq_lens = seq_lens.reshape(num_layers, -1)
+    return StepPages(layout=layout, pages=book.pages, num_reqs=num_reqs, num_tokens=num_tokens,
+                     tables=tables.reshape(num_layers, num_heads * num_reqs, width).to(torch.int32),
+                     seq_lens=seq_lens, query_start_loc=pseudo_starts,
+                     slots=slots.reshape(num_layers, -1).contiguous(),
+                     same_lens=not rows or bool((seq_lens == seq_lens[0]).all()))
 
 
 def clear_step(runner) -> None:
+    """After the forward: requests whose policy raised go to the scheduler; those that compacted give back the
+    blocks their lists no longer need (moving the few live pages out of the emptiest blocks first)."""
     step = current_step()
-    if step is not None:
-        step.record_times()
-        failures = step.failures()
-        book = book_of(runner)
-        book.failures.update(failures)
-        for req_id in failures:  # its cache was not compacted: the scheduler frees it whole when it fails it
-            book.pending.pop(req_id, None)
-        for plan in step.rows:  # ragged compactions: the count is known only now, after every layer ran
-            if plan.kept_tokens is not None and plan.failure is None:
-                pad_layers_to(plan.state, plan.kept_tokens)
-                book.pending[plan.req_id] = (plan.kept_tokens, plan.compaction.logical_tokens)
-                book.kept[plan.req_id] = plan.kept_tokens
     set_step(None)
+    if step is None or not step.rows:
+        return
+    record_times(step)
+    book = book_of(runner)
+    book.failures.update(step.failures())
+    for plan in step.rows:
+        if plan.compaction is None or plan.failure is not None:
+            continue
+        state, lists = plan.state, plan.state.pages
+        moves, released = lists.release_blocks()
+        if moves:
+            sources, destinations = (torch.tensor(ids) for ids in zip(*moves, strict=True))
+            book.pages[destinations] = book.pages[sources]
+        state.since = plan.logical_len
+        state.compactions += 1
+        book.released[plan.req_id] = released
+        book.reports[plan.req_id] = PageReport(
+            logical_tokens=plan.logical_len, pages=lists.pages_in_use, free_slots=lists.free_slot_counts(),
+            longest=int(lists.lens.max()), entries=int(lists.lens.sum()), released_block_ids=tuple(released))
 
 
 def attach_failures(runner, output):
-    """Hand failed requests, and ragged compactions' kept counts, to the scheduler on the step's output (it travels
-    to the engine core pickled)."""
+    """Hand failed requests, and compacted requests' page reports, to the scheduler on the step's output (it
+    travels to the engine core pickled)."""
     book = book_of(runner)
-    if output is None or not (book.failures or book.kept):
+    if output is None or not (book.failures or book.reports):
         return output
     output = copy.copy(output)  # never mark a shared constant such as EMPTY_MODEL_RUNNER_OUTPUT
     setattr(output, FAILURES_ATTR, dict(book.failures))
-    setattr(output, KEPT_ATTR, dict(book.kept))
+    setattr(output, PAGES_ATTR, dict(book.reports))
     book.failures.clear()
-    book.kept.clear()
+    book.reports.clear()
     return output

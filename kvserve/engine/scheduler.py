@@ -4,11 +4,12 @@ Rules (B = the request's budget, bs = block size), checked after each step is sc
 - the chunk that completes the prompt (or a preempted request's recompute): compact to B if the cache exceeds B;
 - any earlier prompt chunk: the same, only with `kv_evict_every_chunk`;
 - a decode step: compact back to B once the cache reaches B + bs, so eviction runs once per block of new tokens.
-After the step ran, `update_from_output` frees the blocks past B.
+After the step ran, the worker reports the request's page lists and the blocks it emptied (`PageReport`), and
+`update_from_output` frees those blocks; from then on the block manager charges the request by its pages.
 
-A ragged policy (Attention-Gate) decides its counts in the worker: its prompt always compacts, to at most B (or to
-at most the whole cache without a budget), and the worker reports how many entries it kept on the step's output;
-during decoding the B + bs rule applies only when a budget was given.
+Each (layer, KV head) list has its own count; "the cache" in these rules is the longest list. A ragged policy
+(Attention-Gate) decides its counts in the worker: its prompt always compacts, each head to at most B (or to what its
+gate kept, without a budget); during decoding the B + bs rule applies only when a budget was given.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from vllm.v1.request import Request
 
 from kvserve.config import KVConfig, KVConfigError, parse_kv_config
 from kvserve.engine.block_manager import EvictingFullAttentionManager
-from kvserve.engine.plan import PLAN_ATTR, Compaction, compactions_of, failures_of, kept_of, with_evicted_count
+from kvserve.engine.plan import PLAN_ATTR, Compaction, compactions_of, failures_of, page_reports_of, with_evicted_count
 from kvserve.metrics import metrics
 
 logger = init_logger(__name__)
@@ -38,12 +39,13 @@ class EvictingScheduler(Scheduler):
                 f"{[type(m).__name__ for m in managers]}"
             )
         # The manager is built deep inside KVCacheManager; swap its class rather than re-implementing the factory.
+        group = self.kv_cache_config.kv_cache_groups[0]  # one full-attention group, checked above
+        self.pages_per_block = len(group.layer_names) * group.kv_cache_spec.num_kv_heads
         managers[0].__class__ = EvictingFullAttentionManager
-        managers[0].init_eviction_state()
+        managers[0].init_eviction_state(self.pages_per_block)
         self.evicting_manager: EvictingFullAttentionManager = managers[0]
         self.kv_configs: dict[str, KVConfig] = {}
         self.reported_evicted: dict[str, int] = {}  # req id -> the evicted count its outputs last carried
-        group = self.kv_cache_config.kv_cache_groups[0]  # one full-attention group, checked above
         self.bytes_per_block = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
         # Capacity statistics: most requests in the running queue, and most requests decoding in one step (a
         # request decoding holds its whole cache; running ones may still be prefilling and get preempted).
@@ -85,7 +87,7 @@ class EvictingScheduler(Scheduler):
             config = self.kv_configs.get(req_id)
             if config is None:
                 continue
-            cached = logical - self.evicting_manager.evicted.get(req_id, 0)
+            cached = self.evicting_manager.longest_list(req_id, logical)
             keep = self._keep_tokens(config, cached, is_decode, prompt_done=logical >= request.num_tokens)
             if keep is not None:
                 plan[req_id] = Compaction(keep_tokens=keep, logical_tokens=logical, cached_tokens=cached)
@@ -114,19 +116,33 @@ class EvictingScheduler(Scheduler):
         # vLLM finishes the requests in this set with FINISHED_ERROR (HTTP 500) at the end of this update; the set
         # is named for grammar failures but is its generic "fail these requests" hook.
         self.grammar_compile_error_reqs.update(req_id for req_id in failures if req_id in self.requests)
-        kept_by_worker = kept_of(model_runner_output)
-        for req_id, compaction in compactions_of(scheduler_output).items():
+        manager = self.evicting_manager
+        reports = page_reports_of(model_runner_output)
+        for req_id in compactions_of(scheduler_output):
             request = self.requests.get(req_id)
-            if request is None or request.is_finished() or req_id in failures:
+            report = reports.get(req_id)
+            if request is None or request.is_finished() or req_id in failures or report is None:
                 continue
-            keep = kept_by_worker.get(req_id, compaction.keep_tokens)
-            freed = self.evicting_manager.truncate(req_id, keep, compaction.logical_tokens)
-            metrics().record_compaction(self.kv_configs[req_id].policy, compaction.cached_tokens - keep, freed,
-                                        self.bytes_per_block)
+            evicted_before = manager.evicted_tokens(req_id)
+            freed = manager.apply_report(req_id, report)
+            evicted = manager.evicted_tokens(req_id) - evicted_before
+            metrics().record_compaction(self.kv_configs[req_id].policy, evicted, freed, self.bytes_per_block)
         result = super().update_from_output(scheduler_output, model_runner_output)
         self._report_evicted_counts(result, failures)
-        metrics().evicted_requests.set(sum(1 for v in self.evicting_manager.evicted.values() if v > 0))
+        metrics().evicted_requests.set(len(manager.reports))
+        self._export_pages()
         return result
+
+    def _export_pages(self) -> None:
+        """`kvserve:kv_pages_in_use`: every page of a used block, less the free pages inside compacted requests'
+        blocks (vLLM's usage counts those blocks whole)."""
+        pool = self.kv_cache_manager.block_pool
+        total_blocks = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
+        used_blocks = total_blocks - pool.get_num_free_blocks()
+        running = {req_id: request.num_computed_tokens for req_id, request in self.requests.items()}
+        in_use = used_blocks * self.pages_per_block - self.evicting_manager.free_pages_held(running)
+        metrics().pages_in_use.set(in_use)
+        metrics().pages_total.set(total_blocks * self.pages_per_block)
 
     def _report_evicted_counts(self, outputs_by_client, failures: dict[str, str]) -> None:
         """A request's first output, and each later one whose evicted count changed, carries the count to the front
@@ -134,7 +150,7 @@ class EvictingScheduler(Scheduler):
         error output of a request whose policy raised this step says why (vLLM builds it without transfer params)."""
         for engine_outputs in outputs_by_client.values():
             for output in engine_outputs.outputs:
-                evicted = self.evicting_manager.evicted.get(output.request_id, 0)
+                evicted = self.evicting_manager.evicted_tokens(output.request_id)
                 failure = failures.get(output.request_id)
                 if output.kv_transfer_params is not None or (
                         failure is None and evicted == self.reported_evicted.get(output.request_id)):
@@ -150,7 +166,7 @@ class EvictingScheduler(Scheduler):
 
     def _free_request(self, request: Request, *args, **kwargs):
         config = self.kv_configs.pop(request.request_id, None)
-        evicted = self.evicting_manager.evicted.get(request.request_id, 0)
+        evicted = self.evicting_manager.evicted_tokens(request.request_id)
         if config is not None and request.num_computed_tokens > 0:
             kept = request.num_computed_tokens - evicted
             metrics().kept_ratio.labels(policy=config.policy).observe(kept / request.num_computed_tokens)

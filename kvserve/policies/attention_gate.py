@@ -1,9 +1,8 @@
 """Attention-Gate (seed 000): a trained gate per layer flags, per prompt token and KV head, whether its K/V is kept.
 
 Unlike the other policies it does not rank entries against a budget: each head keeps what its gate flags, so heads
-keep different counts (ragged). The engine stores each head's kept entries at the front of the request's blocks,
-pads every head to the largest count over all layers and heads (they share one block table), masks the padding out
-of attention, and returns the blocks past that count (`kvserve/engine/gated.py`). Within the prompt, a flagged-out
+keep different counts (ragged). The engine stores each head's kept entries at the front of its own page list (one
+per layer and KV head), so what a gate evicts is freed (`kvserve/engine/gated.py`). Within the prompt, a flagged-out
 token is hidden from every later query at once (Eq. 4/7), while it still sees itself. Decode-time tokens are not
 gated (the paper runs the gate in prefill only) and are appended; with a budget B, once a head's cache reaches
 B + block_size the head keeps its B most recent entries (a window rule that caps growth).
@@ -32,7 +31,7 @@ class AttentionGate(Policy):
     @staticmethod
     def ragged_keep(valid: torch.Tensor, cap: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """valid [H, n] -> (keep_indices [H, M], counts [H]): head h's first counts[h] indices are its kept entries,
-        ascending; the rest (up to M, the largest count) are padding the engine masks out.
+        ascending; the rest (up to M, the largest count) are ignored.
 
         Each head keeps its valid entries; with a cap, only the `cap` most recent of them (the window rule)."""
         counts = valid.sum(dim=1)

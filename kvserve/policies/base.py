@@ -52,6 +52,9 @@ class LayerObservation:
     stats: dict[str, torch.Tensor] = field(default_factory=dict)  # running per-entry statistics, [H, n] each
     budget: int = 0  # entries each head keeps at this compaction (0 outside a compaction)
     measured: PassStatistics = field(default_factory=PassStatistics)
+    # [H] entries of each head when heads hold different counts (None: all n); a head's entries past its length are
+    # padding: zero keys and values, position -1, never attended, never kept
+    lengths: torch.Tensor | None = None
 
     @property
     def num_heads(self) -> int:
@@ -60,6 +63,19 @@ class LayerObservation:
     @property
     def num_tokens(self) -> int:
         return self.keys.shape[1]
+
+    def padding(self) -> torch.Tensor | None:
+        """[H, n] True for a head's slots past its length (None when every head holds n entries)."""
+        if self.lengths is None:
+            return None
+        slots = torch.arange(self.num_tokens, device=self.lengths.device)
+        return slots[None, :] >= self.lengths[:, None]
+
+    def head_budgets(self, budget: int) -> torch.Tensor | None:
+        """[H] what each head can keep of `budget` (a head holds fewer entries than it), None when all can."""
+        if self.lengths is None:
+            return None
+        return self.lengths.clamp(max=budget)
 
     def attention(self, queries: torch.Tensor, query_positions: torch.Tensor,
                   logit_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
@@ -72,7 +88,8 @@ class LayerObservation:
         group = num_q_heads // self.num_heads
         grouped = queries.float().reshape(q, self.num_heads, group, dim).permute(1, 2, 0, 3)
         logits = torch.einsum("hgqd,hnd->hgqn", grouped, self.keys.float()) * self.scale * logit_scale
-        visible = self.positions[:, None, None, :] <= query_positions[None, None, :, None]
+        visible = ((self.positions[:, None, None, :] <= query_positions[None, None, :, None])
+                   & (self.positions >= 0)[:, None, None, :])  # -1: a shorter head's padding
         return torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
 
     def attention_column_sums(self, queries: torch.Tensor, query_positions: torch.Tensor,
@@ -127,6 +144,7 @@ class Selection:
     keys: torch.Tensor | None = None  # [H, B, D]
     values: torch.Tensor | None = None
     stats: dict[str, torch.Tensor] | None = None  # the kept entries' statistics, if the policy rewrote them
+    keep_counts: torch.Tensor | None = None  # [H] a head keeps only keep_indices[h, :count] (None: all B)
 
 
 class Policy:
@@ -165,16 +183,29 @@ class Policy:
         raise NotImplementedError
 
     def select(self, obs: LayerObservation, budget: int) -> Selection:
-        return Selection(self.keep_indices(obs, budget))
+        """What the compaction keeps. Heads holding fewer than `budget` entries (ragged lists) keep all of theirs:
+        their padding scores below every real entry, so the first `count` indices are the real ones."""
+        return Selection(self.keep_indices(obs, budget), keep_counts=obs.head_budgets(budget))
 
 
-def top_with_protected(scores: torch.Tensor, protected: torch.Tensor, budget: int) -> torch.Tensor:
-    """The protected entries plus the highest scores, [H, budget] ascending.
+def top_with_protected(scores: torch.Tensor, protected: torch.Tensor, budget: int,
+                       padding: torch.Tensor | None = None) -> torch.Tensor:
+    """The protected entries plus the highest scores, [H, budget] ascending; `padding` [H, n] (a shorter head's
+    slots past its length) sorts after every real entry, so a head with `count` < budget entries gets them first.
 
     A stable sort, not topk: equal scores (max pooling makes plateaus) go to the earlier token, on every backend and
     for every shape, so results are reproducible.
     """
     scores = scores.float().masked_fill(protected, float("inf"))
+    if padding is not None:
+        scores = scores.masked_fill(padding, float("-inf"))
+        rank = torch.where(padding, 1, 0)  # real entries first, padding last, each by score
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        keep = order.gather(1, torch.sort(rank.gather(1, order), dim=-1, stable=True).indices)[:, :budget]
+        real = ~padding.gather(1, keep)
+        # a head's real entries ascending, then its padding slots (ignored: beyond its count)
+        keyed = torch.where(real, keep, keep + scores.shape[-1])
+        return torch.sort(keyed, dim=-1).values.remainder(scores.shape[-1])
     keep = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :budget]
     return torch.sort(keep, dim=-1).values
 
@@ -182,8 +213,12 @@ def top_with_protected(scores: torch.Tensor, protected: torch.Tensor, budget: in
 def recent_mask(obs: LayerObservation, count: int) -> torch.Tensor:
     """[H, n] True for the last `count` entries."""
     mask = torch.zeros(obs.num_heads, obs.num_tokens, dtype=torch.bool, device=obs.keys.device)
-    if count:
+    if count and obs.lengths is None:
         mask[:, -count:] = True
+    elif count:  # each head's own last entries
+        slots = torch.arange(obs.num_tokens, device=obs.keys.device)[None, :]
+        lengths = obs.lengths.to(obs.keys.device)[:, None]
+        mask = (slots >= lengths - count) & (slots < lengths)
     return mask
 
 
@@ -211,4 +246,8 @@ class ScoredPolicy(Policy):
     def keep_indices(self, obs: LayerObservation, budget: int) -> torch.Tensor:
         if obs.budget != budget:  # scores that depend on the budget (AhaKV's step gain) must see this one
             obs = replace(obs, budget=budget)
-        return top_with_protected(self.score(obs), self.protected_mask(obs), budget)
+        padding = obs.padding()
+        protected = self.protected_mask(obs)
+        if padding is not None:
+            protected = protected & ~padding
+        return top_with_protected(self.score(obs), protected, budget, padding)

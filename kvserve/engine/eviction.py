@@ -1,0 +1,208 @@
+"""The eviction step of one layer, run by the attention backend right after the layer's attention: record window
+queries, measure the statistics the policy asks for, and, when the scheduler planned a compaction, let the policy
+choose each head's entries and move them to the front of the head's page list. Pages past a head's new count go back
+to the request (`HeadPages.shrink`); whole blocks go back to vLLM at the end of the step (`kvserve/engine/runner.py`).
+
+A layer's lists are read as pseudo rows: row h of `table` [H, W] is head h's page list in the page view, so every
+operation of `kvserve.kernel_dispatch` runs on them with one KV head per row.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from kvserve import kernel_dispatch
+from kvserve.engine.cache_layout import PagedKV, compact_lists, read_lists, write_lists
+from kvserve.engine.gated import gated_layer_step
+from kvserve.engine.request_state import LayerState
+from kvserve.engine.step import RowPlan, StepContext
+from kvserve.metrics import metrics
+from kvserve.policies import LayerObservation, Policy
+from kvserve.policies.base import PassStatistics
+
+logger = logging.getLogger(__name__)
+
+
+def after_attention(step: StepContext, layer_idx: int, query: torch.Tensor, cache: PagedKV,
+                    tables: dict[str, torch.Tensor], scale: float, output: torch.Tensor,
+                    measured: dict[str, PassStatistics] | None = None) -> None:
+    """For each evicting request of the step: its eviction work on layer `layer_idx` (this step's entries are
+    written). `tables[req_id]` ([H, W]) addresses its lists in `cache`; `measured[req_id]` holds what the backend's
+    own pass measured. Gated requests get their output rows [q, Hq, D] recomputed with the per-head keep mask."""
+    for plan in step.rows:
+        if plan.failure is not None:
+            continue
+        start = time.perf_counter()
+        try:
+            if plan.state.gate is not None:
+                gated_layer_step(plan, plan.state.layer(layer_idx), layer_idx,
+                                 query[plan.query_start : plan.query_end], output, cache, tables[plan.req_id], scale)
+            else:
+                _evict(plan, layer_idx, query, cache, tables.get(plan.req_id), scale,
+                       (measured or {}).get(plan.req_id))
+        except Exception as error:  # a policy's bug fails its request, never the engine (the scheduler ends it)
+            plan.failure = f"kv_policy {plan.state.config.policy!r} failed: {type(error).__name__}: {error}"
+            logger.exception("kvserve: request %s: %s", plan.req_id, plan.failure)
+        plan.eviction_seconds += time.perf_counter() - start
+
+
+def record_times(step: StepContext) -> None:
+    """After the forward: one histogram sample per request that compacted in this step."""
+    for plan in step.rows:
+        if plan.compaction is not None and plan.failure is None:
+            metrics().compaction_seconds.labels(policy=plan.state.config.policy).observe(plan.eviction_seconds)
+
+
+def _evict(plan: RowPlan, layer_idx: int, query: torch.Tensor, cache: PagedKV, table: torch.Tensor | None,
+           scale: float, given: PassStatistics | None) -> None:
+    layer = plan.state.layer(layer_idx)
+    policy = plan.state.policy
+    queries = query[plan.query_start : plan.query_end]
+    window = policy.window_size()
+    if window:
+        _record_window(layer, queries, plan, window)
+    if not policy.stat_names and plan.compaction is None:
+        return
+    lengths = plan.lengths(layer_idx)
+    obs = _observe(plan, layer, layer_idx, cache, lengths, scale)
+    obs.measured = measure_pass(policy, obs, queries, cache, table, lengths, compacting=plan.compaction is not None,
+                                given=given)
+    if plan.compaction is not None or _reads_entries(policy, obs.measured):
+        obs.keys, obs.values = read_lists(cache, table, lengths)
+    if policy.stat_names:
+        layer.stats = obs.stats = policy.update_stats(obs, queries, plan.query_positions())
+    if plan.compaction is not None:
+        _compact(plan, layer, layer_idx, obs, cache, table)
+
+
+def _record_window(layer: LayerState, queries: torch.Tensor, plan: RowPlan, window: int) -> None:
+    queries = queries[-window:].detach().clone()
+    positions = plan.query_positions()[-window:]
+    if layer.window_queries is not None and queries.shape[0] < window:
+        queries = torch.cat([layer.window_queries, queries])[-window:]
+        positions = torch.cat([layer.window_positions, positions])[-window:]
+    layer.window_queries, layer.window_positions = queries, positions
+
+
+def _observe(plan: RowPlan, layer: LayerState, layer_idx: int, cache: PagedKV, lengths: torch.Tensor,
+             scale: float) -> LayerObservation:
+    """The layer's observation without its entries: keys and values are shape-only (meta) tensors until the caller
+    reads them from the cache. A step that only accumulates measured statistics never copies the cache, and a policy
+    that touched them without asking would fail loudly instead of scoring garbage."""
+    n = int(lengths.max())
+    num_heads = lengths.shape[0]
+    keys = values = torch.empty(num_heads, n, cache.keys.shape[-1], device="meta")
+    stats = {}
+    for name in plan.state.policy.stat_names:  # entries appended since the last step start at zero
+        old = layer.stats.get(name)
+        stats[name] = (torch.zeros(num_heads, n, device=cache.keys.device) if old is None
+                       else F.pad(old, (0, n - old.shape[1])))
+    ragged = bool((lengths != n).any())
+    return LayerObservation(layer_idx=layer_idx, keys=keys, values=values,
+                            positions=layer.positions(lengths, plan.state.since), scale=scale,
+                            window_queries=layer.window_queries, window_positions=layer.window_positions,
+                            stats=stats, budget=plan.compaction.keep_tokens if plan.compaction else 0,
+                            lengths=lengths.long() if ragged else None)
+
+
+def _compact(plan: RowPlan, layer: LayerState, layer_idx: int, obs: LayerObservation, cache: PagedKV,
+             table: torch.Tensor) -> None:
+    selection = plan.state.policy.select(obs, plan.compaction.keep_tokens)
+    keep = selection.keep_indices
+    width = keep.shape[1]
+    counts = selection.keep_counts
+    if counts is None:
+        counts = torch.full((keep.shape[0],), width, dtype=torch.long)
+    if selection.keys is None:  # the statistics move with their entries, in the same operation
+        stats = {name: stat.float().contiguous() for name, stat in obs.stats.items()}
+        compact_lists(cache, table, keep, counts, stats=list(stats.values()))
+        layer.stats = {name: stat[:, :width].clone() for name, stat in stats.items()}
+    else:  # a merging policy rewrote the kept entries and their statistics
+        write_lists(cache, table, selection.keys, selection.values)
+        layer.stats = selection.stats or {name: stat.gather(1, keep) for name, stat in obs.stats.items()}
+    kept_here = torch.arange(width)[None, :] < counts[:, None]
+    layer.kept_positions = obs.positions.gather(1, keep).masked_fill(~kept_here, -1)
+    layer.kept_counts = None if bool((counts == width).all()) else counts.long()
+    layer.last_keep = keep
+    plan.state.pages.shrink(layer_idx, counts.numpy())
+
+
+def _reads_entries(policy: Policy, measured: PassStatistics) -> bool:
+    """Outside a compaction, the entries are needed only by a statistic the pass did not measure (or by a policy that
+    keeps statistics without declaring them as pass statistics)."""
+    if policy.stat_names and not policy.pass_statistics:
+        return True
+    return any(getattr(measured, name) is None for name in policy.pass_statistics if name != "window_sums")
+
+
+def pseudo_queries(queries: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[q, H*G, D] -> [H*q, G, D]: one pseudo row of q queries per KV head, in head order."""
+    count, num_q_heads, dim = queries.shape
+    return queries.view(count, num_heads, num_q_heads // num_heads, dim).transpose(0, 1).reshape(
+        num_heads * count, num_q_heads // num_heads, dim)
+
+
+def measure_pass(policy: Policy, obs: LayerObservation, queries: torch.Tensor, cache: PagedKV,
+                 table: torch.Tensor | None, lengths: torch.Tensor, compacting: bool,
+                 given: PassStatistics | None = None) -> PassStatistics:
+    """The statistics of this step's queries [q, Hq, D] that `policy.pass_statistics` names, from the attention
+    operations of `kernel_dispatch` (Triton on CUDA: the fused kernels; PyTorch on CPU, after vLLM's own kernel),
+    run on the layer's lists as pseudo rows (one per KV head, `table` [H, W]).
+
+    Window sums are measured only at a compaction whose window lies inside this step (a prefill chunk of at least
+    `window` queries, or a one-query window in decode without a logit scale); an older window is not in this pass,
+    and the policy computes it from the stored window queries. Prefill first-logits are left to the policy (one
+    [q, Hq] product; the prefill kernel does not produce them). What `given` holds (the backend's own pass measured
+    it) is not measured again.
+    """
+    given = given or PassStatistics()
+    wanted = [name for name in policy.pass_statistics if getattr(given, name) is None]
+    measured = replace(given)
+    num_queries, n, num_heads = queries.shape[0], obs.num_tokens, obs.num_heads
+    window = policy.window_size() if compacting and "window_sums" in wanted else 0
+    gain = policy.window_logit_scale(obs) if 0 < window <= num_queries else None
+    if not wanted or (table is None):
+        return measured
+    device = cache.keys.device
+    table = table.to(device=device, dtype=torch.int32)
+    seq_lens = lengths.to(device=device, dtype=torch.int32)
+    rows = pseudo_queries(queries.to(device), num_heads)
+    if num_queries == 1:  # decode: one launch gives the column sums (= a one-query window's sums) and the logits
+        window_here = window == 1 and gain is None
+        sums = torch.zeros(num_heads, 1, n, device=device) if "column_sums" in wanted or window_here else None
+        first = torch.empty(num_heads, rows.shape[1], device=device) if "first_logits" in wanted else None
+        if sums is None and first is None:
+            return measured
+        kernel_dispatch.decode_attention_with_scores(rows, cache.keys, cache.values, table, seq_lens, obs.scale,
+                                                     scores=sums, first_logit=first, max_seq_len=n,
+                                                     need_output=False)
+        if "column_sums" in wanted:
+            measured.column_sums = sums[:, 0]
+        if window_here:
+            measured.window_sums = sums[:, 0]
+        if first is not None:
+            measured.first_logits = first.reshape(1, -1)
+        return measured
+    starts = torch.arange(num_heads + 1, dtype=torch.int32, device=device) * num_queries
+
+    def prefill_sums(window_rows: int, logit_scale: torch.Tensor | None) -> torch.Tensor:
+        _, sums, _ = kernel_dispatch.prefill_attention_with_window_sums(
+            rows, cache.keys, cache.values, table, seq_lens, starts, obs.scale, window_rows,
+            score_logit_scale=logit_scale, max_slots=n, max_seq_len=n, max_query_len=num_queries, need_output=False)
+        return sums[:, 0]
+
+    if "column_sums" in wanted:
+        measured.column_sums = prefill_sums(num_queries, None)
+    if 0 < window <= num_queries:
+        row_scale = None
+        if gain is not None:  # the gain applies to the window rows; the others do not vote
+            row_scale = torch.ones(num_heads, num_queries, device=device)
+            row_scale[:, -window:] = gain.to(device)
+            row_scale = row_scale.reshape(1, -1)  # [1 KV head, H * q pseudo tokens]
+        measured.window_sums = prefill_sums(window, row_scale)
+    return measured

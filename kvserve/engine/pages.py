@@ -1,0 +1,210 @@
+"""Head-granular pages: the unit kvserve stores, evicts and frees.
+
+vLLM 0.32's CPU backend allocates every layer's cache as a view of ONE buffer, layer-outermost (layout LBHNC): layer
+l's block b holds, per KV head h, a self-contained slab of `block_size` keys then `block_size` values. So the whole
+buffer views, without a copy, as `[L * NB * H, 1, block_size, 2 * head_size]` pages, page `(l * NB + b) * H + h`
+being `caches[l][b, h]`, and vLLM's own CPU ops read and write it when called on pseudo-sequences (one row per
+(request, KV head), one KV head; `kvserve/engine/step.py`).
+
+A request that evicts gets a `HeadPages`: one list of pages per (layer, KV head), each with its own length. Its pages
+come from the vLLM blocks the scheduler gave it (each block is L * H pages, usable by ANY list of the request), so a
+head that keeps fewer entries holds fewer pages, and once every page of a block is free the block goes back to
+vLLM's pool. vLLM keeps counting in blocks; the scheduler charges a request `cdiv(pages + next step's need, L * H)`
+blocks (`kvserve/engine/block_manager.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    num_layers: int
+    num_blocks: int
+    num_heads: int  # KV heads per layer
+    block_size: int
+
+    @property
+    def pages_per_block(self) -> int:
+        return self.num_layers * self.num_heads
+
+    def page_id(self, layer: np.ndarray | int, block: np.ndarray | int, head: np.ndarray | int):
+        return (layer * self.num_blocks + block) * self.num_heads + head
+
+    def block_of(self, page: np.ndarray | int):
+        return (page // self.num_heads) % self.num_blocks
+
+
+def check_cache_contract(kv_caches: list[torch.Tensor]) -> PageLayout:
+    """The layout the page view relies on, checked on the worker's real KV-cache tensors (in layer order), or a
+    RuntimeError that says which part of the contract this engine breaks."""
+    if not kv_caches:
+        raise RuntimeError("kvserve head pages: the engine has no KV cache")
+    first = kv_caches[0]
+    problems = []
+    if first.dim() != 4:
+        problems.append(f"a layer's cache has shape {tuple(first.shape)}, not [blocks, kv_heads, block_size, 2*D]")
+    else:
+        num_blocks, num_heads, block_size, two_dim = first.shape
+        layer_bytes = first.numel() * first.element_size()
+        storage = first.untyped_storage().data_ptr()
+        if first.data_ptr() != storage:
+            problems.append("layer 0 does not start the KV buffer (offset != 0)")
+        for index, cache in enumerate(kv_caches):
+            if cache.shape != first.shape or cache.dtype != first.dtype or not cache.is_contiguous():
+                problems.append(f"layer {index} has shape {tuple(cache.shape)} {cache.dtype}, contiguous="
+                                f"{cache.is_contiguous()}, unlike layer 0")
+            elif cache.untyped_storage().data_ptr() != storage:
+                problems.append(f"layer {index} lives in another buffer than layer 0")
+            elif cache.data_ptr() - storage != index * layer_bytes:
+                problems.append(f"layer {index} starts {cache.data_ptr() - storage} bytes into the buffer, not "
+                                f"{index * layer_bytes} (layer-outermost layout)")
+    if problems:
+        raise RuntimeError("kvserve head pages need vLLM's CPU cache as one layer-outermost buffer (LBHNC); this "
+                           "engine's cache is not: " + "; ".join(problems[:3]))
+    return PageLayout(len(kv_caches), num_blocks, num_heads, block_size)
+
+
+def page_view(kv_caches: list[torch.Tensor], layout: PageLayout) -> torch.Tensor:
+    """The whole KV buffer as `[L * NB * H, 1, block_size, 2 * D]` pages (a view: writes go to the cache)."""
+    first = kv_caches[0]
+    page_elems = layout.block_size * first.shape[-1]
+    return first.as_strided((layout.num_layers * layout.num_blocks * layout.num_heads, 1, layout.block_size,
+                             first.shape[-1]), (page_elems, page_elems, first.shape[-1], 1), 0)
+
+
+class HeadPages:
+    """One request's page lists, per (layer, KV head), over the pages of the vLLM blocks it holds.
+
+    `table[l, h, i]` is the page holding entries `i * bs .. (i + 1) * bs - 1` of list (l, h); `lens[l, h]` its
+    entries. `used[j, l, h]` tells whether page (l, blocks[j], h) is in some list. A new page for list (l, h) comes
+    from its own column (l, h) of the earliest block that has it free, so a request whose lists all keep the same
+    count uses exactly vLLM's own slots ("derived" pages) and frees whole tail blocks without moving anything.
+    """
+
+    def __init__(self, layout: PageLayout) -> None:
+        self.layout = layout
+        self.blocks: list[int] = []
+        self.used = np.zeros((0, layout.num_layers, layout.num_heads), dtype=bool)
+        self.table = np.zeros((layout.num_layers, layout.num_heads, 0), dtype=np.int64)
+        self.lens = np.zeros((layout.num_layers, layout.num_heads), dtype=np.int64)
+
+    @property
+    def pages_in_use(self) -> int:
+        return int(self.used.sum())
+
+    def page_counts(self) -> np.ndarray:
+        return cdiv(self.lens, self.layout.block_size)
+
+    def add_blocks(self, block_ids: list[int]) -> None:
+        self.blocks.extend(block_ids)
+        fresh = np.zeros((len(block_ids), *self.used.shape[1:]), dtype=bool)
+        self.used = np.concatenate([self.used, fresh])
+
+    def append(self, tokens: int) -> np.ndarray:
+        """Append `tokens` entries to every list; returns their cache slots `[L, H, tokens]` (page * bs + offset)."""
+        bs = self.layout.block_size
+        have = self.page_counts()
+        new_lens = self.lens + tokens
+        need = cdiv(new_lens, bs)
+        width = int(need.max(initial=0))
+        if width > self.table.shape[2]:
+            self.table = np.pad(self.table, ((0, 0), (0, 0), (0, width - self.table.shape[2])))
+        for layer, head in np.argwhere(need > have):
+            for index in range(have[layer, head], need[layer, head]):
+                self.table[layer, head, index] = self._take(layer, head)
+        positions = self.lens[:, :, None] + np.arange(tokens)
+        pages = np.take_along_axis(self.table, positions // bs, axis=2)
+        self.lens = new_lens
+        return pages * bs + positions % bs
+
+    def _take(self, layer: int, head: int) -> int:
+        free = np.flatnonzero(~self.used[:, layer, head])
+        if free.size:
+            index = (int(free[0]), layer, head)
+        else:  # this column is full: any free page of the request's blocks serves
+            anywhere = np.flatnonzero(~self.used.reshape(-1))
+            if not anywhere.size:
+                raise RuntimeError(f"kvserve: no free page in the request's {len(self.blocks)} blocks (the "
+                                   "scheduler granted fewer blocks than the page lists need)")
+            index = tuple(int(i) for i in np.unravel_index(int(anywhere[0]), self.used.shape))
+        self.used[index] = True
+        block, page_layer, page_head = index
+        return int(self.layout.page_id(page_layer, self.blocks[block], page_head))
+
+    def _position(self, page: int) -> tuple[int, int, int]:
+        """(block index j, layer, head) of a page of this request."""
+        layout = self.layout
+        head = page % layout.num_heads
+        block = (page // layout.num_heads) % layout.num_blocks
+        layer = page // (layout.num_heads * layout.num_blocks)
+        return self.blocks.index(block), layer, head
+
+    def shrink(self, layer: int, counts: np.ndarray) -> None:
+        """Layer `layer`'s lists now hold `counts[h]` entries (a compaction kept them at the front): pages past them
+        return to the request's free pages."""
+        keep_pages = cdiv(counts, self.layout.block_size)
+        for head, kept in enumerate(keep_pages):
+            for index in range(int(kept), int(cdiv(self.lens[layer, head], self.layout.block_size))):
+                self.used[self._position(int(self.table[layer, head, index]))] = False
+                self.table[layer, head, index] = 0
+        self.lens[layer] = counts
+
+    def release_blocks(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """Give back every block the lists can do without: keep the `cdiv(pages, L * H)` blocks with the most live
+        pages, move the live pages of the others into free pages of those. Returns (page moves (src, dst), the
+        released vLLM block ids); the caller copies the pages before anything reads them."""
+        target = cdiv(self.pages_in_use, self.layout.pages_per_block)
+        if len(self.blocks) <= target:
+            return [], []
+        live = self.used.sum(axis=(1, 2))
+        order = np.argsort(-live, kind="stable")  # fullest first, earlier blocks on ties
+        kept, released = sorted(order[:target].tolist()), sorted(order[target:].tolist())
+        moves = []
+        valid = np.arange(self.table.shape[2]) < self.page_counts()[:, :, None]
+        for block in released:
+            for page_layer, page_head in np.argwhere(self.used[block]):
+                source = int(self.layout.page_id(page_layer, self.blocks[block], page_head))
+                self.used[block, page_layer, page_head] = False
+                destination = self._take_in(kept, page_layer, page_head)
+                layer, head, index = np.argwhere((self.table == source) & valid)[0]
+                self.table[layer, head, index] = destination
+                moves.append((source, destination))
+        released_ids = [self.blocks[block] for block in released]
+        self.blocks = [self.blocks[block] for block in kept]
+        self.used = self.used[kept]
+        return moves, released_ids
+
+    def _take_in(self, blocks: list[int], layer: int, head: int) -> int:
+        """A free page among `blocks` (indices), its own column first."""
+        candidates = self.used[blocks]
+        free = np.flatnonzero(~candidates[:, layer, head])
+        if free.size:
+            index = (blocks[int(free[0])], layer, head)
+        else:
+            block, page_layer, page_head = np.unravel_index(int(np.flatnonzero(~candidates.reshape(-1))[0]),
+                                                            candidates.shape)
+            index = (blocks[int(block)], int(page_layer), int(page_head))
+        self.used[index] = True
+        return int(self.layout.page_id(index[1], self.blocks[index[0]], index[2]))
+
+    def free_slot_counts(self) -> tuple[int, ...]:
+        """How many lists have f free slots in their last page, for f = 0 .. bs-1 (an empty list counts as 0): the
+        scheduler's exact page demand for any number of new tokens (`pages_needed`)."""
+        bs = self.layout.block_size
+        free = (-self.lens) % bs
+        return tuple(int(c) for c in np.bincount(free.reshape(-1), minlength=bs))
+
+
+def pages_needed(free_slot_counts: tuple[int, ...], tokens: int) -> int:
+    """Pages that appending `tokens` entries to every list takes, given `HeadPages.free_slot_counts()`."""
+    bs = len(free_slot_counts)
+    return sum(count * cdiv(max(tokens - free, 0), bs) for free, count in enumerate(free_slot_counts) if count)
