@@ -15,7 +15,14 @@ class StreamingLLM(Policy):
         return self.sink_tokens
 
     def keep_indices(self, obs: LayerObservation, budget: int) -> torch.Tensor:
-        n = obs.num_tokens
         recent = budget - self.sink_tokens
-        keep = torch.cat([torch.arange(self.sink_tokens), torch.arange(n - recent, n)])
-        return keep.to(obs.keys.device).expand(obs.num_heads, budget).contiguous()
+        if obs.lengths is None:
+            n = obs.num_tokens
+            keep = torch.cat([torch.arange(self.sink_tokens), torch.arange(n - recent, n)])
+            return keep.to(obs.keys.device).expand(obs.num_heads, budget).contiguous()
+        # heads of different lengths: each keeps its own sinks and last entries (all of them when shorter than B)
+        slots = torch.arange(budget, device=obs.keys.device)[None, :]
+        lengths = obs.lengths.to(obs.keys.device)[:, None]
+        recent_start = (lengths - recent).clamp(min=self.sink_tokens)
+        keep = torch.where(slots < self.sink_tokens, slots, recent_start + slots - self.sink_tokens)
+        return torch.where(lengths <= budget, slots, keep)
