@@ -1,6 +1,6 @@
 """The paper policies (H2O, TOVA, AhaKV, CAOTE/FastCAOTE, MAT, EMS) against dense references written here.
 
-Every reference below is built from the equations in `/work/shared/specs/*.md` with plain loops and float64 tensor
+Every reference below is built from the papers' equations with plain loops and float64 tensor
 code; none calls a policy's own helpers (`score`, `step_gain`, `global_local`, `caote_score`,
 `LayerObservation.attention`). Policies run on small random tensors from seeded generators; the tests compare the
 kept sets (and EMS's merged keys/values), then check the properties listed under "Checks" in each spec.
