@@ -148,7 +148,7 @@ def pseudo_queries(queries: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def measure_pass(policy: Policy, obs: LayerObservation, queries: torch.Tensor, cache: PagedKV,
-                 table: torch.Tensor | None, lengths: torch.Tensor, compacting: bool,
+                 table: torch.Tensor, lengths: torch.Tensor, compacting: bool,
                  given: PassStatistics | None = None) -> PassStatistics:
     """The statistics of this step's queries [q, Hq, D] that `policy.pass_statistics` names, from the attention
     operations of `kernel_dispatch` (Triton on CUDA: the fused kernels; PyTorch on CPU, after vLLM's own kernel),
@@ -166,7 +166,7 @@ def measure_pass(policy: Policy, obs: LayerObservation, queries: torch.Tensor, c
     num_queries, n, num_heads = queries.shape[0], obs.num_tokens, obs.num_heads
     window = policy.window_size() if compacting and "window_sums" in wanted else 0
     gain = policy.window_logit_scale(obs) if 0 < window <= num_queries else None
-    if not wanted or (table is None):
+    if not wanted:
         return measured
     device = cache.keys.device
     table = table.to(device=device, dtype=torch.int32)

@@ -90,7 +90,7 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
         with_columns = {plan.req_id for plan in column_plans}
         with_first = {plan.req_id for plan in first_plans}
         measured = {}
-        for plan in column_plans + first_plans:
+        for plan in {plan.req_id: plan for plan in column_plans + first_plans}.values():
             n = int(plan.lengths(layer_idx).max())
             measured[plan.req_id] = PassStatistics(
                 column_sums=sums[head_rows + plan.row, 0, :n] if plan.req_id in with_columns else None,
