@@ -16,7 +16,9 @@ from pathlib import Path
 
 import yaml
 
+from kvserve.allocator import allocator_env
 from kvserve.config import DEFAULTS_ENV, GENERAL_KEYS, KVConfigError, knob_keys, parse_kv_config
+from kvserve.cpu_dtype import default_dtype, has_dtype_flag
 
 # Eviction is on by default: SnapKV keeping 1,024 tokens per layer and KV head (configs/default.yaml says the same).
 BUILTIN_DEFAULTS = {"kv_policy": "snapkv", "kv_budget": 1024}
@@ -68,15 +70,18 @@ def serve(argv: list[str]) -> None:
         model_args = ["--model", str(ensure_default_model())]
     else:
         model_args = ["--model", model]
+    if not has_dtype_flag(vllm_args):
+        dtype, why = default_dtype()
+        vllm_args = [*vllm_args, "--dtype", dtype]
+        print(f"kvserve: --dtype {dtype}: {why} (pass --dtype to choose)", file=sys.stderr, flush=True)
     env = os.environ
     env[DEFAULTS_ENV] = json.dumps(defaults)
     # kvserve's metrics live in the engine-core process; multiprocess mode brings them to the API server's /metrics.
     env.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="kvserve-prom-"))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    # Scoring makes large temporaries of a different size every step (they grow with the cache). glibc's adaptive
-    # mmap threshold then serves them from the heap, which fragments: a worker grew ~400 MB per 3k-token h2o request
-    # (2.8 -> 4.4 GB RSS in 5 requests). With a fixed 1 MiB threshold they are mmapped and returned: flat 2.2 GB.
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    added, allocator = allocator_env(env)  # tcmalloc, or glibc with a fixed mmap threshold (kvserve/allocator.py)
+    env.update(added)
+    print(f"kvserve: {allocator}", file=sys.stderr, flush=True)
     # Accumulating policies (h2o, ems) add O(n^2) CPU work to a long prefill step; on a loaded 2-core machine one
     # 3k-token h2o step passed vLLM's 300 s worker deadline and vLLM shut the engine down. Allow 30 minutes.
     env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "1800")

@@ -54,6 +54,11 @@ class Metrics:
             "Worker time of one request's eviction step: scoring and compacting every layer, outside vLLM's attention",
             ["policy"], buckets=COMPACTION_BUCKETS)
 
+        self.engine_seconds = Counter(
+            "kvserve:engine_seconds",
+            "Engine time by phase: schedule, worker (whole step), and inside it attention, statistics, compaction, "
+            "pages (kvserve/engine/phases.py); the model's layers are worker minus the last four", ["phase"])
+
     def record_compaction(self, policy: str, tokens: int, blocks: int, bytes_per_block: int) -> None:
         self.tokens_evicted.labels(policy=policy).inc(tokens)
         self.blocks_freed.labels(policy=policy).inc(blocks)

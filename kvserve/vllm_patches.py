@@ -111,6 +111,7 @@ def _patch_scheduler_choice() -> None:
 def _patch_model_runner() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from kvserve.engine import phases
     from kvserve.engine import runner as hooks
 
     update_states = GPUModelRunner._update_states
@@ -120,26 +121,35 @@ def _patch_model_runner() -> None:
 
     @functools.wraps(update_states)
     def _update_states(self, scheduler_output):
-        hooks.before_update_states(self, scheduler_output)
+        with phases.timed("pages"):
+            hooks.before_update_states(self, scheduler_output)
         return update_states(self, scheduler_output)
 
     @functools.wraps(prepare_inputs)
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = prepare_inputs(self, scheduler_output, num_scheduled_tokens)
-        hooks.after_prepare_inputs(self, scheduler_output, num_scheduled_tokens)
+        with phases.timed("pages"):
+            hooks.after_prepare_inputs(self, scheduler_output, num_scheduled_tokens)
         return result
 
     @functools.wraps(execute_model)
     def _execute_model(self, scheduler_output, *args, **kwargs):
         try:
-            output = execute_model(self, scheduler_output, *args, **kwargs)
+            with phases.timed("worker"):
+                try:
+                    output = execute_model(self, scheduler_output, *args, **kwargs)
+                finally:
+                    with phases.timed("pages"):
+                        hooks.clear_step(self)
         finally:
-            hooks.clear_step(self)
+            phases.publish()
         return hooks.attach_failures(self, output)
 
     @functools.wraps(sample_tokens)
     def _sample_tokens(self, *args, **kwargs):
-        return hooks.attach_failures(self, sample_tokens(self, *args, **kwargs))
+        with phases.timed("worker"):
+            output = sample_tokens(self, *args, **kwargs)
+        return hooks.attach_failures(self, output)
 
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._prepare_inputs = _prepare_inputs

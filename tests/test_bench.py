@@ -31,7 +31,10 @@ def test_compaction_histogram_is_the_per_bucket_difference_of_two_scrapes():
 
 def test_capacity_command_compares_vanilla_and_kvserve(tmp_path, capsys):
     out = tmp_path / "capacity.json"
-    bench_main(["capacity", *TINY, "--num-blocks", "24", "--budgets", str(BUDGET), "--out", str(out)])
+    plot = tmp_path / "capacity.png"
+    bench_main(["capacity", *TINY, "--num-blocks", "24", "--budgets", str(BUDGET), "--out", str(out),
+                "--plot", str(plot)])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     results = json.loads(out.read_text())["results"]
     vanilla, kvserve = results
     assert (vanilla["server"], kvserve["server"], kvserve["budget"]) == ("vanilla", "kvserve", BUDGET)
@@ -43,7 +46,13 @@ def test_capacity_command_compares_vanilla_and_kvserve(tmp_path, capsys):
     assert vanilla["blocks_freed"] == 0 and vanilla["compactions"] == 0
     assert kvserve["compactions"] == PROMPTS and kvserve["blocks_freed"] > 0
     assert sum(kvserve["compaction_histogram"].values()) == PROMPTS
+    # where kvserve's engine time went: the phases inside the worker's step add up to at most the step
+    phases = kvserve["phase_seconds"]
+    assert phases["worker"] > 0 and phases["compaction"] > 0 and phases["statistics"] > 0 and phases["attention"] > 0
+    assert sum(phases[p] for p in ("attention", "statistics", "compaction", "pages")) < phases["worker"]
+    assert not any(vanilla["phase_seconds"].values())  # vanilla has no kvserve series
     printed = capsys.readouterr().out
+    assert "Engine time by phase" in printed
     assert "Ratios kvserve / vanilla" in printed and f"| {PROMPT_TOKENS / BUDGET:.1f} |" in printed
 
 
@@ -56,3 +65,19 @@ def test_overhead_command_runs_full_and_scoring_without_eviction(tmp_path):
     for result in (full, scoring):
         assert result["blocks_freed"] == 0 and result["compactions"] == 0
         assert result["output_tokens_per_s"] * result["wall_s"] == pytest.approx(PROMPTS * MAX_TOKENS)
+
+
+def test_decode_heavy_preset_holds_two_requests_without_eviction_and_compresses_4_8_16x():
+    import argparse
+
+    from kvserve.bench.__main__ import apply_decode_heavy
+
+    args = argparse.Namespace(prompts=8, prompt_tokens=3000, max_tokens=64, block_size=128, num_blocks=64,
+                              budgets="256,512")
+    apply_decode_heavy(args, ["--decode-heavy"])
+    per_request = -(-(args.prompt_tokens + args.max_tokens) // args.block_size)
+    assert (args.prompts, args.max_tokens) == (16, 256) and args.num_blocks == 2 * per_request
+    assert [round(args.prompt_tokens / int(b)) for b in args.budgets.split(",")] == [4, 8, 16]
+    given = argparse.Namespace(**vars(args) | {"prompts": 4})
+    apply_decode_heavy(given, ["--decode-heavy", "--prompts", "4"])
+    assert given.prompts == 4  # a flag the user gave wins over the preset

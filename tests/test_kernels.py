@@ -413,6 +413,7 @@ def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch, dtype
 
     if not measure:
         monkeypatch.setattr(eviction, "measure_pass", lambda *args, **kwargs: PassStatistics())
+        monkeypatch.setattr(eviction, "measure_decode_rows", lambda *args, **kwargs: {})
     generator = torch.Generator().manual_seed(7)
     page_layout = PageLayout(num_layers=PATH_LAYER + 1, num_blocks=8, num_heads=PATH_HEADS, block_size=PATH_BLOCK)
     num_pages, hq = page_layout.num_layers * page_layout.num_blocks * PATH_HEADS, PATH_HEADS * PATH_GROUP

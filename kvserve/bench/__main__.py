@@ -7,8 +7,16 @@ and prints each setting's numbers and its ratio to vanilla's.
     # capacity: a fixed pool of 64 blocks of 128 tokens, 8 prompts of 3k tokens, SnapKV at budgets 256 and 512
     python -m kvserve.bench capacity --num-blocks 64 --prompts 8 --prompt-tokens 3000 --budgets 256,512
 
+    # decode-heavy capacity: 16 prompts of 1,500 tokens x 256 output tokens in a pool that holds 2 of them
+    # without eviction, budgets compressing 4x, 8x and 16x; writes a plot
+    python -m kvserve.bench capacity --decode-heavy --plot docs/eval/capacity-decode-heavy.png
+
     # overhead: kvserve with policy full, and with scoring on but a budget above every sequence, vs vanilla
     python -m kvserve.bench overhead --prompts 8 --prompt-tokens 3000
+
+Both servers get the same `--dtype` (bf16 where the CPU has native bf16, else float32, unless --server-args names
+one) and the same allocator (tcmalloc where installed). Each kvserve row also shows where the engine's time went
+(`kvserve:engine_seconds_total` by phase, kvserve/engine/phases.py).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from pathlib import Path
 
 from kvserve.bench.servers import running_server
 from kvserve.bench.workload import run_workload
+from kvserve.cpu_dtype import default_dtype, has_dtype_flag
 from kvserve.eval.client import Setting
 
 SERVED_NAME = "bench"
@@ -67,7 +76,7 @@ def report(results: list[dict], prompt_tokens: int) -> str:
                      + f" | {r['preemptions']:.0f} | {r['blocks_freed']:.0f} | {r['compactions']:.0f}"
                      + f" | {mean_ms:.1f} |")
     lines += ["", "Ratios kvserve / vanilla (time columns: lower is better; theoretical = prompt tokens / budget):", ""]
-    header = "| policy | budget | " + " | ".join(COLUMNS) + " | theoretical |"
+    header = "| policy | budget | " + " | ".join(COLUMNS) + " | theoretical | peak running / pool's limit |"
     lines += [header, "|---" * (header.count("|") - 1) + "|"]
     for r in results:
         if r["server"] == "vanilla":
@@ -75,7 +84,19 @@ def report(results: list[dict], prompt_tokens: int) -> str:
         theoretical = f"{prompt_tokens / r['budget']:.1f}" if r["budget"] and r["budget"] < prompt_tokens else "-"
         lines.append(f"| {r['policy']} | {r['budget'] or '-'} | "
                      + " | ".join(f"{r[c] / vanilla[c]:.2f}" if vanilla[c] else "-" for c in COLUMNS)
-                     + f" | {theoretical} |")
+                     + f" | {theoretical} | {r['peak_running']:.0f} / {r.get('peak_theoretical', '-')} |")
+    lines += ["", "Engine time by phase, seconds (share of the run's wall time; model = worker minus the rest):", ""]
+    header = "| policy | budget | wall | worker | model | attention | statistics | compaction | pages | schedule |"
+    lines += [header, "|---" * (header.count("|") - 1) + "|"]
+    for r in results:
+        if r["server"] == "vanilla":
+            continue
+        phase = r["phase_seconds"]
+        model = phase["worker"] - sum(phase[p] for p in ("attention", "statistics", "compaction", "pages"))
+        cells = [phase["worker"], model, phase["attention"], phase["statistics"], phase["compaction"], phase["pages"],
+                 phase["schedule"]]
+        lines.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['wall_s']:.1f} | "
+                     + " | ".join(f"{c:.1f} ({100 * c / r['wall_s']:.0f}%)" for c in cells) + " |")
     if any(r["compactions"] for r in results):
         lines += ["", "Compaction time histogram (steps per bucket, upper bound in seconds):", ""]
     for r in results:
@@ -83,6 +104,49 @@ def report(results: list[dict], prompt_tokens: int) -> str:
             buckets = ", ".join(f"<={b}: {n:.0f}" for b, n in r["compaction_histogram"].items() if n)
             lines.append(f"- {r['policy']} {r['budget']}: {buckets}")
     return "\n".join(lines)
+
+
+DECODE_HEAVY = {"prompts": 16, "prompt_tokens": 1500, "max_tokens": 256, "block_size": 128, "compressions": (4, 8, 16)}
+
+
+def apply_decode_heavy(args: argparse.Namespace, argv: list[str]) -> None:
+    """The decode-heavy preset, except for the flags the user gave: the pool holds two requests' full length."""
+    given = {arg.split("=")[0] for arg in argv}
+    for key in ("prompts", "prompt_tokens", "max_tokens", "block_size"):
+        if "--" + key.replace("_", "-") not in given:
+            setattr(args, key, DECODE_HEAVY[key])
+    if "--num-blocks" not in given:
+        args.num_blocks = 2 * -(-(args.prompt_tokens + args.max_tokens) // args.block_size)
+    if "--budgets" not in given:
+        args.budgets = ",".join(str(round(args.prompt_tokens / c)) for c in DECODE_HEAVY["compressions"])
+
+
+def plot(results: list[dict], prompt_tokens: int, path: str) -> None:
+    """Output tokens/s and peak requests running against the compression (prompt tokens / budget), vanilla at 1x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    vanilla = next(r for r in results if r["server"] == "vanilla")
+    figure, (throughput, concurrency) = plt.subplots(1, 2, figsize=(10, 4))
+    for policy in sorted({r["policy"] for r in results if r["server"] == "kvserve" and r["budget"]}):
+        rows = sorted((r for r in results if r["policy"] == policy and r["budget"]), key=lambda r: -r["budget"])
+        ratio = [prompt_tokens / r["budget"] for r in rows]
+        throughput.plot(ratio, [r["output_tokens_per_s"] / vanilla["output_tokens_per_s"] for r in rows], "o-",
+                        label=policy)
+        concurrency.plot(ratio, [r["peak_running"] for r in rows], "o-", label=f"{policy} measured")
+        concurrency.plot(ratio, [r["peak_theoretical"] for r in rows], "x--", label=f"{policy} pool's limit")
+    throughput.axhline(1.0, color="grey", linestyle=":", label="vanilla")
+    concurrency.axhline(vanilla["peak_running"], color="grey", linestyle=":", label="vanilla")
+    for axes, title in ((throughput, "output tokens/s vs vanilla"), (concurrency, "peak requests running")):
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("compression (prompt tokens / budget)")
+        axes.set_title(title)
+        axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    print(f"plot: {path}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,12 +180,23 @@ def main(argv: list[str] | None = None) -> None:
                         help="kvserve's attention mode (KVSERVE_ATTENTION): vLLM's CPU kernel then kvserve's "
                              "statistics, or kvserve's own kernel operations for both")
     parser.add_argument("--out", default=None, help="JSON file for the results")
+    parser.add_argument("--decode-heavy", action="store_true",
+                        help="capacity preset: 16 prompts of 1,500 tokens, 256 output tokens each, a pool that holds "
+                             "2 of them without eviction, budgets compressing 4x, 8x and 16x (other flags still apply "
+                             "when given explicitly)")
+    parser.add_argument("--plot", default=None, help="capacity: PNG of throughput and peak concurrency vs budget")
     args = parser.parse_args(argv)
+    if args.decode_heavy:
+        apply_decode_heavy(args, argv)
 
     policies = args.policy.split(",")
     max_model_len = args.prompt_tokens + args.max_tokens + args.block_size
     engine_args = ["--served-model-name", SERVED_NAME, "--max-model-len", str(max_model_len),
                    "--block-size", str(args.block_size), *shlex.split(args.server_args)]
+    if not has_dtype_flag(engine_args):  # what `kvserve serve` would pick, given to vanilla as well
+        dtype, why = default_dtype()
+        engine_args += ["--dtype", dtype]
+        print(f"bench: --dtype {dtype} for both servers: {why}", flush=True)
     if args.command == "capacity":
         engine_args += ["--num-gpu-blocks-override", str(args.num_blocks)]
         kvserve_settings = [Setting(policy, int(b), args.evict_every_chunk)
@@ -135,8 +210,16 @@ def main(argv: list[str] | None = None) -> None:
         env = {"VLLM_CPU_KVCACHE_SPACE": args.kv_space_gib, "KVSERVE_ATTENTION": args.attention}  # vanilla: no plugin
         results = run({"vanilla": [Setting("full", None)], "kvserve": kvserve_settings}, engine_args, env, workload,
                       Path(log_dir))
+    pool_tokens = args.num_blocks * args.block_size if args.command == "capacity" else None
+    for result in results:  # how many requests the pool holds at once, each at its full length after eviction
+        held = args.prompt_tokens if result["server"] == "vanilla" or not result["budget"] else result["budget"]
+        per_request = -(-(min(held, args.prompt_tokens) + args.max_tokens) // args.block_size) * args.block_size
+        result["peak_theoretical"] = (min(args.prompts, pool_tokens // per_request) if pool_tokens
+                                      else args.prompts)
     print()
     print(report(results, args.prompt_tokens))
+    if args.plot:
+        plot(results, args.prompt_tokens, args.plot)
     if args.out:
         Path(args.out).write_text(json.dumps({"command": args.command, "args": vars(args), "results": results},
                                              indent=1))

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from kvserve.allocator import allocator_env
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -48,6 +50,7 @@ def running_server_process(kind: str, model: str, args: list[str], log_path: Pat
     server_env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # kvserve makes a fresh one; vanilla needs none
     if kind == "vanilla":
         server_env["VLLM_PLUGINS"] = "none"
+        server_env.update(allocator_env(server_env)[0])  # the allocator `kvserve serve` would choose
     base = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(server_command(kind, model, port, args), env=server_env, stdout=log,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from kvserve.engine.phases import PHASES
 from kvserve.eval.client import Setting, metric_sum
 
 
@@ -93,7 +94,18 @@ def summarize(timings: list[RequestTiming], wall: float, peak_running: float, me
         "compactions": delta("kvserve:compaction_seconds_count"),
         "compaction_seconds": delta("kvserve:compaction_seconds_sum"),
         "compaction_histogram": compaction_histogram(metrics_before, metrics_after),
+        "phase_seconds": {phase: phase_delta(metrics_before, metrics_after, phase) for phase in PHASES},
     }
+
+
+def phase_delta(before: str, after: str, phase: str) -> float:
+    """Seconds `kvserve:engine_seconds_total{phase=...}` grew between two scrapes (0 for vanilla)."""
+
+    def value(text: str) -> float:
+        found = re.findall(rf'^kvserve:engine_seconds_total\{{[^}}]*phase="{phase}"[^}}]*\}} (\S+)$', text, re.M)
+        return sum(float(v) for v in found)
+
+    return value(after) - value(before)
 
 
 def compaction_histogram(before: str, after: str) -> dict[str, float]:

@@ -15,12 +15,15 @@ compacted lists.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
+from kvserve.engine import phases
 from kvserve.engine.cache_layout import cpu_views, stage_pages
 from kvserve.engine.eviction import after_attention, pseudo_queries
 from kvserve.engine.step import StepPages, current_step, layer_index, refuse_unpaged_features
@@ -42,10 +45,12 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         pages = step.pages
         tokens = pages.num_tokens
         page_keys, page_values = split_pages(pages)
-        ops.cpu_attn_reshape_and_cache(key[:tokens].reshape(-1, 1, self.head_size),
-                                       value[:tokens].reshape(-1, 1, self.head_size), page_keys, page_values,
-                                       pages.slots[layer_index(layer)], layer.isa, k_scale=layer._k_scale_float,
-                                       v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
+        with phases.timed("attention"):
+            ops.cpu_attn_reshape_and_cache(key[:tokens].reshape(-1, 1, self.head_size),
+                                           value[:tokens].reshape(-1, 1, self.head_size), page_keys, page_values,
+                                           pages.slots[layer_index(layer)], layer.isa,
+                                           k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+                                           kv_cache_dtype=self.kv_cache_dtype)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None) -> torch.Tensor:
@@ -58,6 +63,7 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         layer_idx = layer_index(layer)
         pages = step.pages
         tokens = pages.num_tokens
+        start = time.perf_counter()
         rows = pseudo_queries(query[:tokens], self.num_kv_heads)
         out_rows = torch.empty_like(rows)
         page_keys, page_values = split_pages(pages)
@@ -71,6 +77,7 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
             kv_cache_dtype=self.kv_cache_dtype)
         output[:tokens] = out_rows.view(self.num_kv_heads, tokens, -1, self.head_size).transpose(0, 1).reshape(
             output[:tokens].shape)
+        phases.add("attention", time.perf_counter() - start)
         if step.rows:
             self._evict(step, layer, layer_idx, query, output)
         return output

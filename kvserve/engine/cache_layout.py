@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve import kernel_dispatch
+from kvserve.engine.page_scores import compact_rows, read_rows
 
 
 @dataclass(frozen=True)
@@ -67,11 +68,9 @@ def list_slots(cache: PagedKV, table: torch.Tensor, width: int) -> tuple[torch.T
 
 def read_lists(cache: PagedKV, table: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The entries of each head's page list (`table` [H, W] into a one-head page view, `lengths` [H]): keys and
-    values [H, max(lengths), D], zero past a head's length."""
-    width = int(lengths.max())
-    pages, offsets = list_slots(cache, table, width)
-    keys, values = cache.keys[pages, offsets, 0], cache.values[pages, offsets, 0]
-    padding = torch.arange(width, device=keys.device)[None, :] >= lengths.to(keys.device)[:, None]
+    values [H, max(lengths), D], zero past a head's length. Read page by page (`kvserve/engine/page_scores.py`)."""
+    keys, values = read_rows(cache, table.to(cache.keys.device), int(lengths.max()))
+    padding = torch.arange(keys.shape[1], device=keys.device)[None, :] >= lengths.to(keys.device)[:, None]
     if bool(padding.any()):
         keys, values = keys.masked_fill(padding[..., None], 0), values.masked_fill(padding[..., None], 0)
     return keys, values
@@ -93,12 +92,17 @@ def write_slots(cache: PagedKV, slots: torch.Tensor, keys: torch.Tensor, values:
 
 
 def compact_lists(cache: PagedKV, table: torch.Tensor, keep_indices: torch.Tensor, keep_counts: torch.Tensor,
-                  stats: Sequence[torch.Tensor] = ()) -> None:
+                  stats: Sequence[torch.Tensor] = (),
+                  entries: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """In place: head h's kept entries (keep_indices[h, :keep_counts[h]], ascending) move to the front of its page
     list, and each [H, n] statistic's entries with them (its first counts are then the kept entries'). One call for
-    all heads: each head's list is a row of one KV head."""
-    kernel_dispatch.compact(cache.keys, cache.values, table, keep_indices[:, None], keep_counts=keep_counts,
-                            stats=[stat[:, None] for stat in stats])
+    all heads: each head's list is a row of one KV head. The Triton kernel on CUDA, whole pages on CPU (`entries`:
+    the lists' keys and values as `read_lists` gave them, if the caller holds them)."""
+    if kernel_dispatch.use_triton(cache.keys.device):
+        kernel_dispatch.compact(cache.keys, cache.values, table, keep_indices[:, None], keep_counts=keep_counts,
+                                stats=[stat[:, None] for stat in stats])
+        return
+    compact_rows(cache, table, keep_indices, keep_counts, stats, entries)
 
 
 def amx_decode(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve import kernel_dispatch
+from kvserve.engine import page_scores, phases
 from kvserve.engine.cache_layout import PagedKV, compact_lists, read_lists, write_lists
 from kvserve.engine.gated import gated_layer_step
 from kvserve.engine.request_state import LayerState
@@ -34,6 +35,15 @@ def after_attention(step: StepContext, layer_idx: int, query: torch.Tensor, cach
     """For each evicting request of the step: its eviction work on layer `layer_idx` (this step's entries are
     written). `tables[req_id]` ([H, W]) addresses its lists in `cache`; `measured[req_id]` holds what the backend's
     own pass measured. Gated requests get their output rows [q, Hq, D] recomputed with the per-head keep mask."""
+    layer_start, compaction_before = time.perf_counter(), phases.seconds("compaction")
+    if cache is not None and measured is None:  # every decoding request's statistics in one product
+        start = time.perf_counter()
+        measured = measure_decode_rows(step, layer_idx, query, cache, tables, scale)
+        if measured:
+            share = (time.perf_counter() - start) / len(measured)
+            for plan in step.rows:
+                if plan.req_id in measured:
+                    plan.eviction_seconds += share
     for plan in step.rows:
         if plan.failure is not None:
             continue
@@ -49,6 +59,8 @@ def after_attention(step: StepContext, layer_idx: int, query: torch.Tensor, cach
             plan.failure = f"kv_policy {plan.state.config.policy!r} failed: {type(error).__name__}: {error}"
             logger.exception("kvserve: request %s: %s", plan.req_id, plan.failure)
         plan.eviction_seconds += time.perf_counter() - start
+    compacting = phases.seconds("compaction") - compaction_before  # timed inside _compact
+    phases.add("statistics", time.perf_counter() - layer_start - compacting)
 
 
 def record_times(step: StepContext) -> None:
@@ -112,6 +124,12 @@ def _observe(plan: RowPlan, layer: LayerState, layer_idx: int, cache: PagedKV, l
 
 def _compact(plan: RowPlan, layer: LayerState, layer_idx: int, obs: LayerObservation, cache: PagedKV,
              table: torch.Tensor) -> None:
+    with phases.timed("compaction"):
+        _select_and_move(plan, layer, layer_idx, obs, cache, table)
+
+
+def _select_and_move(plan: RowPlan, layer: LayerState, layer_idx: int, obs: LayerObservation, cache: PagedKV,
+                     table: torch.Tensor) -> None:
     selection = plan.state.policy.select(obs, plan.compaction.keep_tokens)
     keep = selection.keep_indices
     width = keep.shape[1]
@@ -120,7 +138,7 @@ def _compact(plan: RowPlan, layer: LayerState, layer_idx: int, obs: LayerObserva
         counts = torch.full((keep.shape[0],), width, dtype=torch.long)
     if selection.keys is None:  # the statistics move with their entries, in the same operation
         stats = {name: stat.float().contiguous() for name, stat in obs.stats.items()}
-        compact_lists(cache, table, keep, counts, stats=list(stats.values()))
+        compact_lists(cache, table, keep, counts, stats=list(stats.values()), entries=(obs.keys, obs.values))
         layer.stats = {name: stat[:, :width].clone() for name, stat in stats.items()}
     else:  # a merging policy rewrote the kept entries and their statistics
         write_lists(cache, table, selection.keys, selection.values)
@@ -150,29 +168,93 @@ def pseudo_queries(queries: torch.Tensor, num_heads: int) -> torch.Tensor:
 def measure_pass(policy: Policy, obs: LayerObservation, queries: torch.Tensor, cache: PagedKV,
                  table: torch.Tensor, lengths: torch.Tensor, compacting: bool,
                  given: PassStatistics | None = None) -> PassStatistics:
-    """The statistics of this step's queries [q, Hq, D] that `policy.pass_statistics` names, from the attention
-    operations of `kernel_dispatch` (Triton on CUDA: the fused kernels; PyTorch on CPU, after vLLM's own kernel),
-    run on the layer's lists as pseudo rows (one per KV head, `table` [H, W]).
+    """The statistics of this step's queries [q, Hq, D] that `policy.pass_statistics` names, measured on the layer's
+    lists as pseudo rows (one per KV head, `table` [H, W]): page by page on CPU (`kvserve/engine/page_scores.py`,
+    after vLLM's own kernel), with the fused Triton kernels of `kvserve.kernel_dispatch` on CUDA.
 
     Window sums are measured only at a compaction whose window lies inside this step (a prefill chunk of at least
     `window` queries, or a one-query window in decode without a logit scale); an older window is not in this pass,
     and the policy computes it from the stored window queries. Prefill first-logits are left to the policy (one
-    [q, Hq] product; the prefill kernel does not produce them). What `given` holds (the backend's own pass measured
-    it) is not measured again.
+    [q, Hq] product; the prefill kernel does not produce them). What `given` holds (the backend's own pass, or
+    `measure_decode_rows` for the whole batch, measured it) is not measured again.
     """
     given = given or PassStatistics()
     wanted = [name for name in policy.pass_statistics if getattr(given, name) is None]
     measured = replace(given)
-    num_queries, n, num_heads = queries.shape[0], obs.num_tokens, obs.num_heads
+    num_queries, num_heads = queries.shape[0], obs.num_heads
     window = policy.window_size() if compacting and "window_sums" in wanted else 0
     gain = policy.window_logit_scale(obs) if 0 < window <= num_queries else None
     if not wanted:
         return measured
+    if kernel_dispatch.use_triton(cache.keys.device):
+        return _measure_with_kernels(measured, wanted, obs, queries, cache, table, lengths, window, gain)
+    rows = pseudo_queries(queries, num_heads).view(num_heads, num_queries, -1, queries.shape[-1])
+    if num_queries == 1:  # decode: one product gives the column sums (= a one-query window's sums) and the logits
+        window_here = window == 1 and gain is None
+        if window_here and measured.column_sums is not None:
+            measured.window_sums = measured.column_sums
+            return measured
+        if "column_sums" not in wanted and "first_logits" not in wanted and not window_here:
+            return measured
+        sums, first = page_scores.query_sums(rows, cache, table, lengths, obs.scale,
+                                             first_logits="first_logits" in wanted)
+        if "column_sums" in wanted:
+            measured.column_sums = sums
+        if window_here:
+            measured.window_sums = sums
+        if first is not None:
+            measured.first_logits = first.reshape(1, -1)
+        return measured
+    if "column_sums" in wanted:
+        measured.column_sums, _ = page_scores.query_sums(rows, cache, table, lengths, obs.scale)
+    if 0 < window <= num_queries:  # the gain applies to the window rows
+        measured.window_sums, _ = page_scores.query_sums(rows[:, -window:], cache, table, lengths, obs.scale,
+                                                         logit_scale=gain)
+    return measured
+
+
+def measure_decode_rows(step: StepContext, layer_idx: int, query: torch.Tensor, cache: PagedKV,
+                        tables: dict[str, torch.Tensor], scale: float) -> dict[str, PassStatistics]:
+    """Column sums and first logits for every decoding request of the step that wants them, in one product over
+    all their lists (CPU): per request, what `measure_pass` would measure, without a Python pass per request."""
+    plans = [plan for plan in step.rows
+             if plan.failure is None and plan.state.gate is None and plan.query_end - plan.query_start == 1
+             and plan.req_id in tables
+             and {"column_sums", "first_logits"} & set(plan.state.policy.pass_statistics)]
+    if not plans or kernel_dispatch.use_triton(cache.keys.device):
+        return {}
+    num_heads = tables[plans[0].req_id].shape[0]
+    width = max(tables[plan.req_id].shape[1] for plan in plans)
+    all_tables = torch.cat([F.pad(tables[plan.req_id].long(), (0, width - tables[plan.req_id].shape[1]))
+                            for plan in plans])
+    lengths = [plan.lengths(layer_idx) for plan in plans]
+    rows = torch.cat([pseudo_queries(query[plan.query_start : plan.query_end], num_heads) for plan in plans])
+    want_first = any("first_logits" in plan.state.policy.pass_statistics for plan in plans)
+    if any("column_sums" in plan.state.policy.pass_statistics for plan in plans):
+        sums, first = page_scores.query_sums(rows[:, None], cache, all_tables, torch.cat(lengths), scale,
+                                             first_logits=want_first)
+    else:  # first logits alone (MAT): entry 0's key, not the whole list
+        sums, first = None, page_scores.first_logits(rows, cache, all_tables, scale)
+    measured = {}
+    for index, (plan, plan_lengths) in enumerate(zip(plans, lengths, strict=True)):
+        heads = slice(index * num_heads, (index + 1) * num_heads)
+        wanted = plan.state.policy.pass_statistics
+        measured[plan.req_id] = PassStatistics(
+            column_sums=sums[heads, : int(plan_lengths.max())] if "column_sums" in wanted else None,
+            first_logits=first[heads].reshape(1, -1) if "first_logits" in wanted else None)
+    return measured
+
+
+def _measure_with_kernels(measured: PassStatistics, wanted: list[str], obs: LayerObservation, queries: torch.Tensor,
+                          cache: PagedKV, table: torch.Tensor, lengths: torch.Tensor, window: int,
+                          gain: torch.Tensor | None) -> PassStatistics:
+    """`measure_pass` with the Triton kernels (CUDA tensors, or the interpreter where KVSERVE_KERNELS=triton)."""
+    num_queries, n, num_heads = queries.shape[0], obs.num_tokens, obs.num_heads
     device = cache.keys.device
     table = table.to(device=device, dtype=torch.int32)
     seq_lens = lengths.to(device=device, dtype=torch.int32)
     rows = pseudo_queries(queries.to(device), num_heads)
-    if num_queries == 1:  # decode: one launch gives the column sums (= a one-query window's sums) and the logits
+    if num_queries == 1:
         window_here = window == 1 and gain is None
         sums = torch.zeros(num_heads, 1, n, device=device) if "column_sums" in wanted or window_here else None
         first = torch.empty(num_heads, rows.shape[1], device=device) if "first_logits" in wanted else None

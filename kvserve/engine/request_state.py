@@ -18,6 +18,8 @@ from kvserve.engine.pages import HeadPages
 from kvserve.gates.module import GatePast
 from kvserve.policies import Policy
 
+POSITION_HEADROOM = 256  # decode steps whose positions are computed ahead
+
 
 @dataclass
 class LayerState:
@@ -30,6 +32,9 @@ class LayerState:
     # Attention-Gate: validity of each head's first entries within the prompt (later ones valid), the gate's past
     valid: torch.Tensor | None = None  # [H, v] bool
     gate_past: GatePast | None = None
+    # positions() for entries past the lists' current lengths too, valid until the next compaction
+    _positions: torch.Tensor | None = field(default=None, repr=False)
+    _positions_key: tuple = field(default=(None, None, None), repr=False)
 
     def counts(self, num_heads: int) -> torch.Tensor:
         """[H] entries of each head that the last compaction kept (0 before any)."""
@@ -43,6 +48,18 @@ class LayerState:
         """Logical positions of each head's list entries, [H, max(lengths)], -1 past a head's length. `since`: the
         request's logical tokens at the last compaction (entries appended after it follow in order)."""
         num_heads, width = lengths.shape[0], int(lengths.max())
+        key = self._positions_key
+        if (self._positions is None or self._positions.shape[1] < width or key[0] != since
+                or key[1] is not self.kept_positions or key[2] is not self.kept_counts):
+            # changes only at a compaction: computed once for the next POSITION_HEADROOM decode steps as well
+            self._positions = self._unmasked_positions(num_heads, width + POSITION_HEADROOM, since)
+            self._positions_key = (since, self.kept_positions, self.kept_counts)
+        positions = self._positions[:, :width].clone()
+        if bool((lengths != width).any()):
+            positions.masked_fill_(torch.arange(width)[None, :] >= lengths[:, None], -1)
+        return positions
+
+    def _unmasked_positions(self, num_heads: int, width: int, since: int) -> torch.Tensor:
         kept = self.counts(num_heads)
         slots = torch.arange(width)[None, :].expand(num_heads, -1)
         positions = since + slots - kept[:, None]
@@ -51,7 +68,7 @@ class LayerState:
             from_kept = slots[:, : head_kept.shape[1]] < kept[:, None]
             positions[:, : head_kept.shape[1]] = torch.where(from_kept, head_kept,
                                                              positions[:, : head_kept.shape[1]])
-        return positions.masked_fill(slots >= lengths[:, None], -1)
+        return positions
 
 
 @dataclass

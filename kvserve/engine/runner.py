@@ -213,7 +213,7 @@ def clear_step(runner) -> None:
         moves, released = lists.release_blocks()
         if moves:
             sources, destinations = (torch.tensor(ids) for ids in zip(*moves, strict=True))
-            book.pages[destinations] = book.pages[sources]
+            book.pages.index_copy_(0, destinations, book.pages.index_select(0, sources))
         state.since = plan.logical_len
         state.compactions += 1
         book.released[plan.req_id] = released

@@ -20,6 +20,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.request import Request
 
 from kvserve.config import KVConfig, KVConfigError, parse_kv_config
+from kvserve.engine import phases
 from kvserve.engine.block_manager import EvictingFullAttentionManager
 from kvserve.engine.plan import PLAN_ATTR, Compaction, compactions_of, failures_of, page_reports_of, with_evicted_count
 from kvserve.metrics import metrics
@@ -76,6 +77,12 @@ class EvictingScheduler(Scheduler):
             return KVConfig()
 
     def schedule(self, *args, **kwargs):
+        with phases.timed("schedule"):
+            output = self._schedule(*args, **kwargs)
+        phases.publish()
+        return output
+
+    def _schedule(self, *args, **kwargs):
         output = super().schedule(*args, **kwargs)
         plan: dict[str, Compaction] = {}
         decoding = 0

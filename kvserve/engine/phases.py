@@ -1,0 +1,50 @@
+"""Where the engine's time goes, by phase, as the Prometheus counter `kvserve:engine_seconds_total{phase}`.
+
+- `schedule`: the scheduler's `schedule()` (vLLM's plus kvserve's compaction plan);
+- `worker`: the worker's whole step (`execute_model` + `sample_tokens`); the phases below are inside it;
+- `attention`: vLLM's CPU attention ops (cache write and attention) through kvserve's backend;
+- `statistics`: what policies measure and accumulate after attention (scores, window queries, gates);
+- `compaction`: choosing the kept entries and moving them (`Policy.select` and the page moves);
+- `pages`: page-list bookkeeping before and after the forward (appends, tables, releasing blocks).
+
+The model's own layers are `worker` minus the other four. Times add up in plain floats during a step and are
+published once per step (`publish`), so timing a layer costs no more than a clock read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+PHASES = ("schedule", "worker", "attention", "statistics", "compaction", "pages")
+_pending = dict.fromkeys(PHASES, 0.0)
+
+
+def seconds(phase: str) -> float:
+    """Seconds added to `phase` since the last `publish`."""
+    return _pending[phase]
+
+
+def add(phase: str, elapsed: float) -> None:
+    _pending[phase] += elapsed
+
+
+@contextmanager
+def timed(phase: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _pending[phase] += time.perf_counter() - start
+
+
+def publish() -> None:
+    """Add the pending seconds to the counter and start again."""
+    from kvserve.metrics import metrics
+
+    counter = metrics().engine_seconds
+    for phase, seconds in _pending.items():
+        if seconds:
+            counter.labels(phase=phase).inc(seconds)
+            _pending[phase] = 0.0
