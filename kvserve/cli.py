@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
               "       kvserve bench {capacity,overhead} ... kvserve against vanilla vLLM, one run\n"
               "       kvserve bench load ...           mixed-policy load test of one server (loopback)\n"
               "       kvserve bench crash ...          kill a server's engine: time to failing /health and exit\n"
+              "       kvserve bench soak ...           engine memory over long evicting requests, per allocator\n"
               "       kvserve setup-model            convert the default model once and print its folder")
         return
     command, rest = argv[0], argv[1:]

@@ -81,3 +81,29 @@ def test_decode_heavy_preset_holds_two_requests_without_eviction_and_compresses_
     given = argparse.Namespace(**vars(args) | {"prompts": 4})
     apply_decode_heavy(given, ["--decode-heavy", "--prompts", "4"])
     assert given.prompts == 4  # a flag the user gave wins over the preset
+
+
+def test_soak_records_engine_memory_after_each_request(tmp_path, capsys):
+    out = tmp_path / "soak.json"
+    bench_main(["soak", "--requests", "2", "--prompt-tokens", str(PROMPT_TOKENS), "--max-tokens", "2",
+                "--budget", str(BUDGET), "--allocators", "glibc-threshold",
+                "--server-args=--block-size 32 --enforce-eager --dtype float32", "--out", str(out)])
+    [result] = json.loads(out.read_text())["results"]
+    assert result["allocator"] == "glibc-threshold" and len(result["seconds"]) == 2
+    assert len(result["rss_mb"]) == 3 and min(result["rss_mb"]) > 100  # a loaded model, measured each time
+    assert result["growth_after_first_mb"] == pytest.approx(result["rss_mb"][2] - result["rss_mb"][1])
+    assert "| glibc-threshold |" in capsys.readouterr().out
+
+
+def test_flame_summary_shares_samples_under_the_root_frame():
+    from kvserve.bench.flame import summarize
+
+    stacks = ["main (a.py:1);step (b.py:2);attention (c.py:3) 6",
+              "main (a.py:1);step (b.py:9);score (d.py:4);gather (d.py:8) 3",
+              "main (a.py:1);step (b.py:2) 1",
+              "main (a.py:1);load (e.py:1) 90"]  # outside the root: not counted
+    table = summarize(stacks, root="step")
+    assert table.startswith("10 samples under step")
+    assert "| 100.0% | 10.0% | `step (b.py)` |" in table  # line numbers merged, 1 sample of its own
+    assert "| 60.0% | 60.0% | `attention (c.py)` |" in table and "| 30.0% | 0.0% | `score (d.py)` |" in table
+    assert "load" not in table

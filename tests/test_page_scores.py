@@ -112,3 +112,39 @@ def test_compaction_matches_the_reference_bit_for_bit(dtype):
     compact_rows(cpu_views(pages), tables, keep, counts, stats=[stats])
     assert torch.equal(pages, want_pages)
     assert torch.equal(stats, want_stats)
+
+
+def test_one_product_for_all_decoding_requests_equals_each_request_alone():
+    """`measure_decode_rows` measures every decoding request of a layer at once (lists of different lengths, policies
+    wanting different statistics); each request gets what `measure_pass` measures for it alone."""
+    from kvserve.config import parse_kv_config
+    from kvserve.engine import eviction
+    from kvserve.engine.pages import HeadPages, PageLayout
+    from kvserve.engine.request_state import RequestState
+    from kvserve.engine.step import RowPlan, StepContext
+
+    heads = 3
+    layout = PageLayout(num_layers=1, num_blocks=8, num_heads=heads, block_size=BLOCK)
+    cache = cpu_views(torch.randn(layout.num_blocks * heads, 1, BLOCK, 2 * DIM))
+    plans = []
+    for row, (policy, blocks, tokens) in enumerate([("h2o", [1, 4], 50), ("mat", [6], 20), ("ems", [2, 3, 7], 70)]):
+        config = parse_kv_config({"kv_policy": policy, "kv_budget": 64}, defaults={})
+        state = RequestState(config=config, policy=config.make_policy(), pages=HeadPages(layout))
+        state.pages.add_blocks(blocks)
+        state.pages.append(tokens)
+        plans.append(RowPlan(req_id=str(row), state=state, row=row, query_start=row, query_end=row + 1,
+                             logical_len=tokens, compaction=None))
+    query = torch.randn(len(plans), heads * GROUP, DIM)
+    tables = {plan.req_id: plan.table(0) for plan in plans}
+    batched = eviction.measure_decode_rows(StepContext(pages=None, rows=plans), 0, query, cache, tables, DIM**-0.5)
+    assert set(batched) == {"0", "1", "2"}
+    for plan in plans:
+        lengths = plan.lengths(0)
+        obs = eviction._observe(plan, plan.state.layer(0), 0, cache, lengths, DIM**-0.5)
+        alone = eviction.measure_pass(plan.state.policy, obs, query[plan.query_start : plan.query_end], cache,
+                                      tables[plan.req_id], lengths, compacting=False)
+        for name in ("column_sums", "first_logits"):
+            want, got = getattr(alone, name), getattr(batched[plan.req_id], name)
+            assert (want is None) == (got is None) == (name not in plan.state.policy.pass_statistics)
+            if want is not None:
+                torch.testing.assert_close(got, want, **PROB_TOL)

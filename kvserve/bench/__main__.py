@@ -157,6 +157,10 @@ def main(argv: list[str] | None = None) -> None:
         from kvserve.bench.load import main as load_main
 
         return load_main(argv[1:])
+    if argv[:1] == ["soak"]:  # kvserve/bench/soak.py
+        from kvserve.bench.soak import main as soak_main
+
+        return soak_main(argv[1:])
     if argv[:1] == ["crash"]:  # kvserve/bench/crash.py
         from kvserve.bench.crash import main as crash_main
 

@@ -20,7 +20,7 @@ from kvserve import kernel_dispatch
 from kvserve.engine import page_scores, phases
 from kvserve.engine.cache_layout import PagedKV, compact_lists, read_lists, write_lists
 from kvserve.engine.gated import gated_layer_step
-from kvserve.engine.request_state import LayerState
+from kvserve.engine.request_state import LayerState, QueryWindow
 from kvserve.engine.step import RowPlan, StepContext
 from kvserve.metrics import metrics
 from kvserve.policies import LayerObservation, Policy
@@ -93,12 +93,9 @@ def _evict(plan: RowPlan, layer_idx: int, query: torch.Tensor, cache: PagedKV, t
 
 
 def _record_window(layer: LayerState, queries: torch.Tensor, plan: RowPlan, window: int) -> None:
-    queries = queries[-window:].detach().clone()
-    positions = plan.query_positions()[-window:]
-    if layer.window_queries is not None and queries.shape[0] < window:
-        queries = torch.cat([layer.window_queries, queries])[-window:]
-        positions = torch.cat([layer.window_positions, positions])[-window:]
-    layer.window_queries, layer.window_positions = queries, positions
+    if layer.window is None or layer.window.size != window:
+        layer.window = QueryWindow(window)
+    layer.window.record(queries, plan.logical_len - queries.shape[0])
 
 
 def _observe(plan: RowPlan, layer: LayerState, layer_idx: int, cache: PagedKV, lengths: torch.Tensor,

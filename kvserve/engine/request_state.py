@@ -21,12 +21,55 @@ from kvserve.policies import Policy
 POSITION_HEADROOM = 256  # decode steps whose positions are computed ahead
 
 
+class QueryWindow:
+    """The last `size` queries of one layer ([size, Hq, D]) and their logical positions, as a ring: a decode step's
+    query is one row copy, not a new tensor per (request, layer, step). Read oldest first."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._queries: torch.Tensor | None = None
+        self._positions = torch.empty(size, dtype=torch.long)
+        self._next = 0  # the row the next query goes to
+        self._filled = 0
+
+    def record(self, queries: torch.Tensor, first_position: int) -> None:
+        """Append queries [q, Hq, D] at positions first_position .. first_position + q - 1."""
+        count = queries.shape[0]
+        if self._queries is None:
+            self._queries = torch.empty(self.size, *queries.shape[1:], dtype=queries.dtype)
+        if count == 1:
+            self._queries[self._next] = queries[0]
+            self._positions[self._next] = first_position
+        elif count >= self.size:
+            self._queries.copy_(queries[-self.size :])
+            self._positions.copy_(torch.arange(first_position + count - self.size, first_position + count))
+            self._next, self._filled = 0, self.size
+            return
+        else:
+            rows = (self._next + torch.arange(count)) % self.size
+            self._queries.index_copy_(0, rows, queries)
+            self._positions.index_copy_(0, rows, torch.arange(first_position, first_position + count))
+        self._next = (self._next + count) % self.size
+        self._filled = min(self.size, self._filled + count)
+
+    def queries(self) -> torch.Tensor:
+        """[w, Hq, D] oldest first (w = queries seen, at most size); a copy."""
+        return self._ordered(self._queries)
+
+    def positions(self) -> torch.Tensor:
+        return self._ordered(self._positions)
+
+    def _ordered(self, ring: torch.Tensor) -> torch.Tensor:
+        if self._filled < self.size:  # not wrapped yet: rows 0 .. filled-1 in order
+            return ring[: self._filled].clone()
+        return torch.cat([ring[self._next :], ring[: self._next]])
+
+
 @dataclass
 class LayerState:
     kept_positions: torch.Tensor | None = None  # [H, m] positions of list entries 0..m-1 after the last compaction
     kept_counts: torch.Tensor | None = None  # [H] entries each head kept (ragged), None: all m; padding is -1
-    window_queries: torch.Tensor | None = None  # [w, num_q_heads, D]
-    window_positions: torch.Tensor | None = None  # [w]
+    window: QueryWindow | None = None  # the most recent queries, for policies that read a window
     stats: dict[str, torch.Tensor] = field(default_factory=dict)  # per-entry running statistics, [H, m] each
     last_keep: torch.Tensor | None = None  # [H, B] list indices chosen at the last compaction (introspection)
     # Attention-Gate: validity of each head's first entries within the prompt (later ones valid), the gate's past
@@ -35,6 +78,14 @@ class LayerState:
     # positions() for entries past the lists' current lengths too, valid until the next compaction
     _positions: torch.Tensor | None = field(default=None, repr=False)
     _positions_key: tuple = field(default=(None, None, None), repr=False)
+
+    @property
+    def window_queries(self) -> torch.Tensor | None:
+        return self.window.queries() if self.window is not None else None
+
+    @property
+    def window_positions(self) -> torch.Tensor | None:
+        return self.window.positions() if self.window is not None else None
 
     def counts(self, num_heads: int) -> torch.Tensor:
         """[H] entries of each head that the last compaction kept (0 before any)."""

@@ -74,7 +74,7 @@ class EvictionBook:
         state = self.requests.pop(req_id, None)
         if state is not None:
             for layer in state.layers.values():
-                layer.window_queries = layer.window_positions = None
+                layer.window = None
             self.recent[req_id] = state
             while len(self.recent) > RECENT_LIMIT:
                 self.recent.popitem(last=False)

@@ -1,0 +1,86 @@
+"""`python -m kvserve.bench.step_profile POLICY`: one in-process engine, N long prompts at once, every engine step
+timed; prints the median decode step, the compaction histogram's mean and the engine's phases
+(`kvserve:engine_seconds_total`). Run it under py-spy for a flame graph of one decode step and one compaction:
+
+    py-spy record -r 100 --nonblocking --format raw -o h2o.txt -- \\
+        python -m kvserve.bench.step_profile h2o --budget 1190 --prompts 4 --prompt-tokens 1000 --max-tokens 64
+    python -m kvserve.bench.flame h2o.txt --root LLMEngine.step
+
+`--vanilla` runs the same with vLLM's plugins off (no kvserve), for the ratio. Not a benchmark against vanilla by
+itself: compare runs on the same machine only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("policy", help="kv_policy of every request (full: scoring off)")
+    parser.add_argument("--budget", type=int, default=None)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=1000)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--vanilla", action="store_true", help="vLLM without kvserve (VLLM_PLUGINS=none)")
+    args = parser.parse_args(argv)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    if args.vanilla:
+        os.environ["VLLM_PLUGINS"] = "none"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvserve.eval.haystack import haystack
+    from kvserve.model import ensure_default_model
+
+    llm = LLM(model=str(ensure_default_model()), dtype=args.dtype, enforce_eager=True, block_size=args.block_size,
+              max_model_len=args.prompt_tokens + args.max_tokens + args.block_size, max_num_batched_tokens=2048,
+              seed=0)
+    tokenizer = llm.get_tokenizer()
+    prompts = [TokensPrompt(prompt_token_ids=haystack(tokenizer, args.prompt_tokens, seed=300 + i))
+               for i in range(args.prompts + 1)]
+    kv = {} if args.vanilla else {"kv_policy": args.policy, **({"kv_budget": args.budget} if args.budget else {})}
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, extra_args=kv), use_tqdm=False)  # warm-up
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, extra_args=kv)
+    engine = llm.llm_engine
+    for number, prompt in enumerate(prompts[1:]):
+        engine.add_request(f"profile-{number}", prompt, params)
+    if not args.vanilla:
+        from kvserve.metrics import metrics
+
+        phase_counter = metrics().engine_seconds
+        histogram = metrics().compaction_seconds.labels(policy=args.policy)
+        before = {p: phase_counter.labels(phase=p)._value.get() for p in PHASES}
+        compactions_before, compaction_sum_before = _count(histogram), histogram._sum.get()
+    steps = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - start)
+    decode = steps[-(args.max_tokens - 1):]  # every request decodes together after the prefill steps
+    result = {"policy": "vanilla" if args.vanilla else args.policy, "budget": args.budget, "steps": len(steps),
+              "total_s": round(sum(steps), 2), "median_decode_step_ms": round(1000 * statistics.median(decode), 1)}
+    if not args.vanilla:
+        result["phases_s"] = {p: round(phase_counter.labels(phase=p)._value.get() - before[p], 3) for p in PHASES}
+        count = _count(histogram) - compactions_before
+        result["compactions"] = count
+        result["mean_compaction_step_ms"] = round(1000 * (histogram._sum.get() - compaction_sum_before) / count, 1) \
+            if count else None
+    print(json.dumps(result), flush=True)
+
+
+def _count(histogram) -> float:
+    return sum(bucket.get() for bucket in histogram._buckets)
+
+
+PHASES = ("schedule", "worker", "attention", "statistics", "compaction", "pages")
+
+if __name__ == "__main__":
+    main()
