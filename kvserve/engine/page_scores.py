@@ -78,15 +78,17 @@ def query_sums(queries: torch.Tensor, cache: PagedKV, tables: torch.Tensor, leng
     for start in range(0, num_queries, QUERY_CHUNK):
         part = queries[:, start : start + QUERY_CHUNK].float()
         chunk = part.shape[1]
-        logits = torch.matmul(part.reshape(num_rows, 1, chunk * group, dim), keys)  # [R, C, cG, bs]
-        logits = logits.transpose(1, 2).reshape(num_rows, chunk * group, count * block_size).mul_(scale)
+        sees = own[:, start : start + chunk]  # [R, c]
+        visible = -(-(int(sees.max()) + 1) // block_size)  # pages any query of the chunk sees (causal)
+        logits = torch.matmul(part.reshape(num_rows, 1, chunk * group, dim), keys[:, :visible])  # [R, V, cG, bs]
+        logits = logits.transpose(1, 2).reshape(num_rows, chunk * group, visible * block_size).mul_(scale)
         if first_logits:
             firsts.append(logits[:, :, 0].clone())
         if logit_scale is not None:
             logits.mul_(logit_scale[:, start : start + chunk].float().repeat_interleave(group, dim=1)[..., None])
-        sees = own[:, start : start + chunk].repeat_interleave(group, dim=1)[..., None]  # [R, cG, 1]
-        logits.masked_fill_(slots > sees, float("-inf"))
-        total += torch.softmax(logits, dim=-1).sum(dim=1)
+        sees = sees.repeat_interleave(group, dim=1)[..., None]  # [R, cG, 1]
+        logits.masked_fill_(slots[: visible * block_size] > sees, float("-inf"))
+        total[:, : visible * block_size] += torch.softmax(logits, dim=-1).sum(dim=1)
     return total[:, :width], (torch.cat(firsts, dim=1) if first_logits else None)
 
 
