@@ -33,24 +33,28 @@ def test_capacity_command_compares_vanilla_and_kvserve(tmp_path, capsys):
     out = tmp_path / "capacity.json"
     plot = tmp_path / "capacity.png"
     bench_main(["capacity", *TINY, "--num-blocks", "24", "--budgets", str(BUDGET), "--out", str(out),
-                "--plot", str(plot)])
+                "--plot", str(plot), "--ceiling"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     results = json.loads(out.read_text())["results"]
-    vanilla, kvserve = results
+    vanilla, ceiling, kvserve = results
     assert (vanilla["server"], kvserve["server"], kvserve["budget"]) == ("vanilla", "kvserve", BUDGET)
+    # the ceiling: vanilla with a pool for every request never preempts (the running peak is sampled every 0.1 s,
+    # too coarse for this tiny workload to compare)
+    assert ceiling["server"] == "vanilla-unlimited" and ceiling["preemptions"] == 0
+    assert ceiling["pool_limit"] == PROMPTS
     for result in results:
         assert result["requests"] == PROMPTS
         assert result["output_tokens_per_s"] * result["wall_s"] == pytest.approx(PROMPTS * MAX_TOKENS)
         assert 1 <= result["peak_running"] <= PROMPTS
     # a 300-token prompt at budget 64: one compaction per request, none in 4 decode steps; vanilla never evicts
-    assert vanilla["blocks_freed"] == 0 and vanilla["compactions"] == 0
+    assert vanilla["blocks_freed"] == 0 and vanilla["compactions"] == 0 and not ceiling["compactions"]
     assert kvserve["compactions"] == PROMPTS and kvserve["blocks_freed"] > 0
     assert sum(kvserve["compaction_histogram"].values()) == PROMPTS
     # where kvserve's engine time went: the phases inside the worker's step add up to at most the step
     phases = kvserve["phase_seconds"]
     assert phases["worker"] > 0 and phases["compaction"] > 0 and phases["statistics"] > 0 and phases["attention"] > 0
     assert sum(phases[p] for p in ("attention", "statistics", "compaction", "pages")) < phases["worker"]
-    assert not any(vanilla["phase_seconds"].values())  # vanilla has no kvserve series
+    assert not any(vanilla["phase_seconds"].values()) and not any(ceiling["phase_seconds"].values())
     printed = capsys.readouterr().out
     assert "Engine time by phase" in printed
     assert "Ratios kvserve / vanilla" in printed and f"| {PROMPT_TOKENS / BUDGET:.1f} |" in printed
@@ -107,3 +111,18 @@ def test_flame_summary_shares_samples_under_the_root_frame():
     assert "| 100.0% | 10.0% | `step (b.py)` |" in table  # line numbers merged, 1 sample of its own
     assert "| 60.0% | 60.0% | `attention (c.py)` |" in table and "| 30.0% | 0.0% | `score (d.py)` |" in table
     assert "load" not in table
+
+
+def test_capacity_limits_count_whole_blocks_held_while_decoding():
+    import argparse
+
+    from kvserve.bench.__main__ import add_capacity_limits
+
+    args = argparse.Namespace(command="capacity", num_blocks=28, block_size=128, prompts=16, prompt_tokens=1500,
+                              max_tokens=256)
+    results = [{"server": "vanilla", "budget": None, "peak_running": 2},
+               *({"server": "kvserve", "budget": b, "peak_running": 0} for b in (375, 188, 94))]
+    add_capacity_limits(results, args)
+    # vanilla: 1,756 tokens = 14 blocks -> 2 fit; evicting: B + one block of new tokens, in whole blocks
+    assert [r["pool_limit"] for r in results] == [2, 28 // 4, 28 // 3, 28 // 2]
+    assert [r["theoretical"] for r in results] == pytest.approx([2, 2 * 1500 / 375, 2 * 1500 / 188, 16])

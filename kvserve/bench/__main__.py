@@ -46,20 +46,21 @@ def prompts(count: int, tokens: int, model: str) -> list[list[int]]:
     return [haystack(tokenizer, tokens, seed=1000 + number) for number in range(count)]
 
 
-def run(kind_settings: dict[str, list[Setting]], engine_args: list[str], env: dict, workload: dict,
+def run(servers: list[tuple[str, str, list[str], list[Setting]]], env: dict, workload: dict,
         log_dir: Path) -> list[dict]:
-    """Each server kind in turn (vanilla first), every setting of it on the same workload; one result each."""
+    """Each server (label, kind, engine flags, settings) in turn, vanilla first, every setting of it on the same
+    workload; one result each, its `server` the label."""
     results = []
-    for kind, kind_settings_list in kind_settings.items():
-        with running_server(kind, workload["model"], engine_args, log_dir / f"{kind}.log", env) as url:
+    for label, kind, engine_args, settings in servers:
+        with running_server(kind, workload["model"], engine_args, log_dir / f"{label}.log", env) as url:
             # warm-up on a prompt outside the workload: a workload prompt would sit in vanilla's prefix cache
             run_workload(url, SERVED_NAME, [workload["warmup"]], 2, Setting("full", None))
-            for setting in kind_settings_list:
+            for setting in settings:
                 result = run_workload(url, SERVED_NAME, workload["prompts"], workload["max_tokens"], setting)
-                result.update(server=kind, policy=setting.policy, budget=setting.budget,
+                result.update(server=label, policy=setting.policy, budget=setting.budget,
                               evict_every_chunk=setting.evict_every_chunk)
                 results.append(result)
-                print(f"{kind} {setting.policy} {setting.budget or '-'}: " + ", ".join(
+                print(f"{label} {setting.policy} {setting.budget or '-'}: " + ", ".join(
                     f"{c}={result[c]:.3g}" for c in COLUMNS), flush=True)
     return results
 
@@ -76,20 +77,22 @@ def report(results: list[dict], prompt_tokens: int) -> str:
                      + f" | {r['preemptions']:.0f} | {r['blocks_freed']:.0f} | {r['compactions']:.0f}"
                      + f" | {mean_ms:.1f} |")
     lines += ["", "Ratios kvserve / vanilla (time columns: lower is better; theoretical = prompt tokens / budget):", ""]
-    header = "| policy | budget | " + " | ".join(COLUMNS) + " | theoretical | peak running / pool's limit |"
+    header = ("| policy | budget | " + " | ".join(COLUMNS)
+              + " | theoretical | peak running / theoretical / pool's limit |")
     lines += [header, "|---" * (header.count("|") - 1) + "|"]
     for r in results:
         if r["server"] == "vanilla":
             continue
         theoretical = f"{prompt_tokens / r['budget']:.1f}" if r["budget"] and r["budget"] < prompt_tokens else "-"
-        lines.append(f"| {r['policy']} | {r['budget'] or '-'} | "
+        name = r["policy"] if r["server"] == "kvserve" else f"{r['server']} ({r['policy']})"
+        lines.append(f"| {name} | {r['budget'] or '-'} | "
                      + " | ".join(f"{r[c] / vanilla[c]:.2f}" if vanilla[c] else "-" for c in COLUMNS)
-                     + f" | {theoretical} | {r['peak_running']:.0f} / {r.get('peak_theoretical', '-')} |")
+                     + f" | {theoretical} | {r['peak_running']:.0f} / {r['theoretical']:.0f} / {r['pool_limit']} |")
     lines += ["", "Engine time by phase, seconds (share of the run's wall time; model = worker minus the rest):", ""]
     header = "| policy | budget | wall | worker | model | attention | statistics | compaction | pages | schedule |"
     lines += [header, "|---" * (header.count("|") - 1) + "|"]
     for r in results:
-        if r["server"] == "vanilla":
+        if r["server"] != "kvserve":
             continue
         phase = r["phase_seconds"]
         model = phase["worker"] - sum(phase[p] for p in ("attention", "statistics", "compaction", "pages"))
@@ -106,6 +109,29 @@ def report(results: list[dict], prompt_tokens: int) -> str:
     return "\n".join(lines)
 
 
+def add_capacity_limits(results: list[dict], args: argparse.Namespace) -> None:
+    """Per result, `pool_limit`: how many requests the pool holds while they decode, each at the most it holds then
+    (vanilla: prompt + output; evicting: B + one block, as the scheduler compacts back to B once a block of new
+    tokens has grown, whole blocks counted); and `theoretical`: vanilla's peak times the compression, both capped at
+    the number of requests."""
+    vanilla = next(r for r in results if r["server"] == "vanilla")
+    pool_tokens = args.num_blocks * args.block_size if args.command == "capacity" else None
+    for result in results:
+        if result["server"] == CEILING:
+            result["pool_limit"] = result["theoretical"] = args.prompts
+            continue
+        budget = result["budget"] if result["server"] == "kvserve" else None
+        if budget and budget < args.prompt_tokens + args.max_tokens:
+            held, compression = budget + min(args.block_size, args.max_tokens), args.prompt_tokens / budget
+        else:
+            held, compression = args.prompt_tokens + args.max_tokens, 1.0
+        blocks = -(-held // args.block_size)
+        result["pool_limit"] = min(args.prompts, pool_tokens // (blocks * args.block_size)) if pool_tokens \
+            else args.prompts
+        result["theoretical"] = min(args.prompts, vanilla["peak_running"] * compression)
+
+
+CEILING = "vanilla-unlimited"  # vanilla with a pool that holds every request at once: the machine's compute bound
 DECODE_HEAVY = {"prompts": 16, "prompt_tokens": 1500, "max_tokens": 256, "block_size": 128, "compressions": (4, 8, 16)}
 
 
@@ -136,8 +162,12 @@ def plot(results: list[dict], prompt_tokens: int, path: str) -> None:
         throughput.plot(ratio, [r["output_tokens_per_s"] / vanilla["output_tokens_per_s"] for r in rows], "o-",
                         label=policy)
         concurrency.plot(ratio, [r["peak_running"] for r in rows], "o-", label=f"{policy} measured")
-        concurrency.plot(ratio, [r["peak_theoretical"] for r in rows], "x--", label=f"{policy} pool's limit")
+        concurrency.plot(ratio, [r["theoretical"] for r in rows], "x--", label=f"{policy} theoretical")
+        concurrency.plot(ratio, [r["pool_limit"] for r in rows], "+:", label=f"{policy} pool's limit")
     throughput.axhline(1.0, color="grey", linestyle=":", label="vanilla")
+    for ceiling in (r for r in results if r["server"] == CEILING):
+        throughput.axhline(ceiling["output_tokens_per_s"] / vanilla["output_tokens_per_s"], color="black",
+                           linestyle="--", label="vanilla, unlimited pool")
     concurrency.axhline(vanilla["peak_running"], color="grey", linestyle=":", label="vanilla")
     for axes, title in ((throughput, "output tokens/s vs vanilla"), (concurrency, "peak requests running")):
         axes.set_xscale("log", base=2)
@@ -188,10 +218,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="capacity preset: 16 prompts of 1,500 tokens, 256 output tokens each, a pool that holds "
                              "2 of them without eviction, budgets compressing 4x, 8x and 16x (other flags still apply "
                              "when given explicitly)")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="capacity: also run vanilla with a pool that holds every request (what this machine "
+                             "computes when memory is no limit: the bound on any eviction's gain)")
     parser.add_argument("--plot", default=None, help="capacity: PNG of throughput and peak concurrency vs budget")
     args = parser.parse_args(argv)
     if args.decode_heavy:
         apply_decode_heavy(args, argv)
+        args.ceiling = True
 
     policies = args.policy.split(",")
     max_model_len = args.prompt_tokens + args.max_tokens + args.block_size
@@ -212,14 +246,16 @@ def main(argv: list[str] | None = None) -> None:
                 "max_tokens": args.max_tokens}
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as log_dir:
         env = {"VLLM_CPU_KVCACHE_SPACE": args.kv_space_gib, "KVSERVE_ATTENTION": args.attention}  # vanilla: no plugin
-        results = run({"vanilla": [Setting("full", None)], "kvserve": kvserve_settings}, engine_args, env, workload,
-                      Path(log_dir))
-    pool_tokens = args.num_blocks * args.block_size if args.command == "capacity" else None
-    for result in results:  # how many requests the pool holds at once, each at its full length after eviction
-        held = args.prompt_tokens if result["server"] == "vanilla" or not result["budget"] else result["budget"]
-        per_request = -(-(min(held, args.prompt_tokens) + args.max_tokens) // args.block_size) * args.block_size
-        result["peak_theoretical"] = (min(args.prompts, pool_tokens // per_request) if pool_tokens
-                                      else args.prompts)
+        servers = [("vanilla", "vanilla", engine_args, [Setting("full", None)])]
+        if args.command == "capacity" and args.ceiling:
+            unlimited = args.prompts * -(-(args.prompt_tokens + args.max_tokens) // args.block_size)
+            ceiling_args = [*engine_args[: engine_args.index("--num-gpu-blocks-override")],
+                            "--num-gpu-blocks-override", str(unlimited),
+                            *engine_args[engine_args.index("--num-gpu-blocks-override") + 2 :]]
+            servers.append((CEILING, "vanilla", ceiling_args, [Setting("full", None)]))
+        servers.append(("kvserve", "kvserve", engine_args, kvserve_settings))
+        results = run(servers, env, workload, Path(log_dir))
+    add_capacity_limits(results, args)
     print()
     print(report(results, args.prompt_tokens))
     if args.plot:
