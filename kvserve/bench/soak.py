@@ -2,7 +2,8 @@
 
 Starts `kvserve serve` once per allocator (`KVSERVE_ALLOCATOR`: tcmalloc where installed; glibc with kvserve's fixed
 mmap threshold; glibc at the threshold its adaptive default climbs to), sends the same long h2o requests one after
-another, and records the engine-core process's resident memory (RSS; it hosts the worker on CPU) after each. A
+another, and records the model worker process's resident memory (RSS; vLLM 0.32 runs it as `VLLM::Worker`, beside
+`VLLM::EngineCore`) after each. A
 fragmenting heap shows as RSS growing request after request; a healthy one rises during the first requests and then
 stays flat.
 
@@ -19,11 +20,12 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from kvserve.allocator import ALLOCATOR_ENV, find_tcmalloc
-from kvserve.bench.crash import engine_process
 from kvserve.bench.servers import running_server_process
 
+WORKER_PROCESS = "VLLM::Worker"
 SERVED_NAME = "soak"
 # glibc-32mib: the threshold glibc's adaptive default climbs to (its maximum on 64-bit), i.e. vLLM's setting after
 # the first large temporaries
@@ -32,13 +34,21 @@ ALLOCATORS = {"tcmalloc": {ALLOCATOR_ENV: "tcmalloc"},
               "glibc-32mib": {ALLOCATOR_ENV: "glibc", "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}}
 
 
+def worker_process(server_pid: int) -> psutil.Process:
+    """The server's model worker process (vLLM sets its title to VLLM::Worker)."""
+    for child in psutil.Process(server_pid).children(recursive=True):
+        if WORKER_PROCESS in child.name() or WORKER_PROCESS in " ".join(child.cmdline()):
+            return child
+    raise RuntimeError(f"no {WORKER_PROCESS} process under server pid {server_pid}")
+
+
 def soak(allocator: str, args: argparse.Namespace, prompts: list[list[int]], log_dir: Path) -> dict:
     env = {"VLLM_CPU_KVCACHE_SPACE": "2", **ALLOCATORS[allocator]}
     engine_args = ["--served-model-name", SERVED_NAME, "--max-model-len", str(args.prompt_tokens + 64),
                    *shlex.split(args.server_args)]
     with running_server_process("kvserve", args.model, engine_args, log_dir / f"{allocator}.log", env) as (proc, url):
-        engine = engine_process(proc.pid)
-        rss_mb = [engine.memory_info().rss / 2**20]
+        worker = worker_process(proc.pid)
+        rss_mb = [worker.memory_info().rss / 2**20]
         seconds = []
         for prompt in prompts:
             start = time.perf_counter()
@@ -47,8 +57,8 @@ def soak(allocator: str, args: argparse.Namespace, prompts: list[list[int]], log
                 "ignore_eos": True, "kv_policy": args.policy, "kv_budget": args.budget})
             response.raise_for_status()
             seconds.append(time.perf_counter() - start)
-            rss_mb.append(engine.memory_info().rss / 2**20)
-            print(f"{allocator}: request {len(seconds)}: {seconds[-1]:.1f} s, engine RSS {rss_mb[-1]:.0f} MB",
+            rss_mb.append(worker.memory_info().rss / 2**20)
+            print(f"{allocator}: request {len(seconds)}: {seconds[-1]:.1f} s, worker RSS {rss_mb[-1]:.0f} MB",
                   flush=True)
     return {"allocator": allocator, "rss_mb": rss_mb, "seconds": seconds,
             "growth_after_first_mb": rss_mb[-1] - rss_mb[1]}
@@ -79,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = make_prompts(args.requests, args.prompt_tokens, args.model)
     with tempfile.TemporaryDirectory(prefix="kvserve-soak-") as log_dir:
         results = [soak(name, args, prompts, Path(log_dir)) for name in names]
-    print("\n| allocator | engine RSS MB at start, then after each request | growth after the first request MB |"
+    print("\n| allocator | worker RSS MB at start, then after each request | growth after the first request MB |"
           " mean s per request |\n|---|---|---|---|")
     for r in results:
         print(f"| {r['allocator']} | {', '.join(f'{v:.0f}' for v in r['rss_mb'])} | {r['growth_after_first_mb']:.0f}"
