@@ -114,16 +114,13 @@ def test_compaction_matches_the_reference_bit_for_bit(dtype):
     assert torch.equal(stats, want_stats)
 
 
-def test_one_product_for_all_decoding_requests_equals_each_request_alone():
-    """`measure_decode_rows` measures every decoding request of a layer at once (lists of different lengths, policies
-    wanting different statistics); each request gets what `measure_pass` measures for it alone."""
+def decoding_plans(heads: int = 3):
+    """Three evicting requests decoding one token each in one layer (h2o, mat, ems), over a page view."""
     from kvserve.config import parse_kv_config
-    from kvserve.engine import eviction
     from kvserve.engine.pages import HeadPages, PageLayout
     from kvserve.engine.request_state import RequestState
-    from kvserve.engine.step import RowPlan, StepContext
+    from kvserve.engine.step import RowPlan
 
-    heads = 3
     layout = PageLayout(num_layers=1, num_blocks=8, num_heads=heads, block_size=BLOCK)
     cache = cpu_views(torch.randn(layout.num_blocks * heads, 1, BLOCK, 2 * DIM))
     plans = []
@@ -135,6 +132,43 @@ def test_one_product_for_all_decoding_requests_equals_each_request_alone():
         plans.append(RowPlan(req_id=str(row), state=state, row=row, query_start=row, query_end=row + 1,
                              logical_len=tokens, compaction=None))
     query = torch.randn(len(plans), heads * GROUP, DIM)
+    return plans, cache, query
+
+
+def test_a_failing_batched_pass_falls_back_to_each_request_alone(monkeypatch):
+    from kvserve.engine import eviction
+    from kvserve.engine.step import StepContext
+
+    def run_step() -> list:
+        torch.manual_seed(5)  # the same requests, cache and queries each time
+        plans, cache, query = decoding_plans()
+        tables = {plan.req_id: plan.table(0) for plan in plans}
+        eviction.after_attention(StepContext(pages=None, rows=plans), 0, query, cache, tables, DIM**-0.5,
+                                 torch.empty_like(query))
+        return plans
+
+    batched = run_step()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("batched pass broke")
+
+    monkeypatch.setattr(eviction, "measure_decode_rows", broken)
+    alone = run_step()
+    assert all(plan.failure is None for plan in alone)  # nobody failed, the engine went on
+    for with_batch, without in zip(batched, alone, strict=True):
+        want, got = with_batch.state.layer(0).stats, without.state.layer(0).stats
+        assert want.keys() == got.keys() and want
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], **PROB_TOL)
+
+
+def test_one_product_for_all_decoding_requests_equals_each_request_alone():
+    """`measure_decode_rows` measures every decoding request of a layer at once (lists of different lengths, policies
+    wanting different statistics); each request gets what `measure_pass` measures for it alone."""
+    from kvserve.engine import eviction
+    from kvserve.engine.step import StepContext
+
+    plans, cache, query = decoding_plans()
     tables = {plan.req_id: plan.table(0) for plan in plans}
     batched = eviction.measure_decode_rows(StepContext(pages=None, rows=plans), 0, query, cache, tables, DIM**-0.5)
     assert set(batched) == {"0", "1", "2"}

@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.plot:
         plot(results, args.prompt_tokens, args.plot)
     if args.out:
-        Path(args.out).write_text(json.dumps({"command": args.command, "args": vars(args), "results": results},
+        recorded = {**vars(args), "model": Path(args.model).name}  # no machine paths in published results
+        Path(args.out).write_text(json.dumps({"command": args.command, "args": recorded, "results": results},
                                              indent=1))
 
 

@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {r['allocator']} | {', '.join(f'{v:.0f}' for v in r['rss_mb'])} | {r['growth_after_first_mb']:.0f}"
               f" | {sum(r['seconds']) / len(r['seconds']):.1f} |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        recorded = {**vars(args), "model": Path(args.model).name}  # no machine paths in published results
+        Path(args.out).write_text(json.dumps({"args": recorded, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

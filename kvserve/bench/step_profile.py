@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     for number, prompt in enumerate(prompts[1:]):
         engine.add_request(f"profile-{number}", prompt, params)
     if not args.vanilla:
+        from kvserve.engine.phases import PHASES
         from kvserve.metrics import metrics
 
         phase_counter = metrics().engine_seconds
@@ -79,8 +80,6 @@ def main(argv: list[str] | None = None) -> None:
 def _count(histogram) -> float:
     return sum(bucket.get() for bucket in histogram._buckets)
 
-
-PHASES = ("schedule", "worker", "attention", "statistics", "compaction", "pages")
 
 if __name__ == "__main__":
     main()

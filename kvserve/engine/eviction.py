@@ -38,7 +38,11 @@ def after_attention(step: StepContext, layer_idx: int, query: torch.Tensor, cach
     layer_start, compaction_before = time.perf_counter(), phases.seconds("compaction")
     if cache is not None and measured is None:  # every decoding request's statistics in one product
         start = time.perf_counter()
-        measured = measure_decode_rows(step, layer_idx, query, cache, tables, scale)
+        try:
+            measured = measure_decode_rows(step, layer_idx, query, cache, tables, scale)
+        except Exception:  # never the engine: each request then measures alone, and only a failing one fails
+            logger.exception("kvserve: batched decode statistics failed; measuring each request alone")
+            measured = {}
         if measured:
             share = (time.perf_counter() - start) / len(measured)
             for plan in step.rows:
