@@ -15,8 +15,6 @@ compacted lists.
 
 from __future__ import annotations
 
-import time
-
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
@@ -63,21 +61,20 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         layer_idx = layer_index(layer)
         pages = step.pages
         tokens = pages.num_tokens
-        start = time.perf_counter()
-        rows = pseudo_queries(query[:tokens], self.num_kv_heads)
-        out_rows = torch.empty_like(rows)
-        page_keys, page_values = split_pages(pages)
-        ops.cpu_attention_with_kv_cache(
-            query=rows, key_cache=page_keys, value_cache=page_values, output=out_rows,
-            query_start_loc=pages.query_start_loc, seq_lens=pages.seq_lens[layer_idx], scale=self.scale,
-            causal=True, alibi_slopes=None, sliding_window=-1, block_table=pages.tables[layer_idx],
-            softcap=self.logits_soft_cap,
-            scheduler_metadata=pages.metadata(layer_idx, self._metadata_builder(layer, query, pages)),
-            s_aux=None, dynamic_causal=None, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-            kv_cache_dtype=self.kv_cache_dtype)
-        output[:tokens] = out_rows.view(self.num_kv_heads, tokens, -1, self.head_size).transpose(0, 1).reshape(
-            output[:tokens].shape)
-        phases.add("attention", time.perf_counter() - start)
+        with phases.timed("attention"):
+            rows = pseudo_queries(query[:tokens], self.num_kv_heads)
+            out_rows = torch.empty_like(rows)
+            page_keys, page_values = split_pages(pages)
+            ops.cpu_attention_with_kv_cache(
+                query=rows, key_cache=page_keys, value_cache=page_values, output=out_rows,
+                query_start_loc=pages.query_start_loc, seq_lens=pages.seq_lens[layer_idx], scale=self.scale,
+                causal=True, alibi_slopes=None, sliding_window=-1, block_table=pages.tables[layer_idx],
+                softcap=self.logits_soft_cap,
+                scheduler_metadata=pages.metadata(layer_idx, self._metadata_builder(layer, query, pages)),
+                s_aux=None, dynamic_causal=None, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+                kv_cache_dtype=self.kv_cache_dtype)
+            output[:tokens] = out_rows.view(self.num_kv_heads, tokens, -1, self.head_size).transpose(0, 1).reshape(
+                output[:tokens].shape)
         if step.rows:
             self._evict(step, layer, layer_idx, query, output)
         return output

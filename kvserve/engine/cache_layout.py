@@ -14,7 +14,7 @@ Every backend hands kvserve's scoring the same form, `PagedKV`: keys and values 
 - CPU with AMX tiles, bf16 (ISA "amx"): within a block and head, keys are stored as
   `[block_size / 16, head_size / 2, 16, 2]` (16-token tiles, pairs of dimensions side by side per token) and values as
   `[head_size / 16, block_size / 2, 16, 2]` (16-dimension tiles, pairs of tokens side by side). No strided view
-  addresses an entry there, so the blocks an evicting request needs are copied out into views (`stage_blocks`) and
+  addresses an entry there, so the blocks an evicting request needs are copied out into views (`stage_pages`) and
   written back after a compaction.
   `tests/test_cache_layout.py` checks both directions against vLLM's own write op.
 """

@@ -49,12 +49,16 @@ def value_pages(cache: PagedKV, ids: torch.Tensor) -> torch.Tensor:
     return view.index_select(0, ids.reshape(-1)).view(*ids.shape, *view.shape[1:])
 
 
-def read_rows(cache: PagedKV, tables: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Entries 0 .. width-1 of each row: keys and values [R, width, D] (whole pages, then trimmed)."""
-    ids = _pages(tables, width, cache.block_size)
+def _page_entries(cache: PagedKV, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries of pages `ids` [R, C] in list order: keys and values [R, C * bs, D] (copies)."""
     rows, count = ids.shape
     keys = key_pages(cache, ids).transpose(2, 3).reshape(rows, count * cache.block_size, -1)
-    values = value_pages(cache, ids).reshape(rows, count * cache.block_size, -1)
+    return keys, value_pages(cache, ids).reshape(rows, count * cache.block_size, -1)
+
+
+def read_rows(cache: PagedKV, tables: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entries 0 .. width-1 of each row: keys and values [R, width, D] (whole pages, then trimmed)."""
+    keys, values = _page_entries(cache, _pages(tables, width, cache.block_size))
     return keys[:, :width], values[:, :width]
 
 
@@ -113,8 +117,7 @@ def compact_rows(cache: PagedKV, tables: torch.Tensor, keep_indices: torch.Tenso
     source_keys, source_values = entries if entries is not None else read_rows(cache, tables, int(keep.max()) + 1)
     ids = _pages(tables, width, cache.block_size)
     count, block_size = ids.shape[1], cache.block_size
-    keys = key_pages(cache, ids).transpose(2, 3).reshape(num_rows, count * block_size, -1)
-    values = value_pages(cache, ids).reshape(num_rows, count * block_size, -1)
+    keys, values = _page_entries(cache, ids)  # the destination pages as they are
     index = keep[..., None].expand(-1, -1, keys.shape[-1])
     mask = moving[..., None]
     keys[:, :width] = torch.where(mask, source_keys.gather(1, index), keys[:, :width])
