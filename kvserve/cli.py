@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,7 +26,8 @@ BUILTIN_DEFAULTS = {"kv_policy": "snapkv", "kv_budget": 1024}
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve serve", description=__doc__,
+    parser = argparse.ArgumentParser(prog="kvserve serve", description=__doc__, add_help=False,
+                                     usage="kvserve serve [MODEL] [kvserve flags] [vLLM flags]",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kv-config", type=Path, help="YAML file of kv_* defaults (see configs/)")
     for key in sorted(set(GENERAL_KEYS) | knob_keys()):
@@ -56,18 +58,68 @@ def server_defaults(args: argparse.Namespace) -> dict:
     return defaults
 
 
+def _flag_value(args: list[str], *names: str) -> str | None:
+    """The value of a vLLM flag given as `--flag V` or `--flag=V` (the last one wins, as in argparse)."""
+    value = None
+    for index, arg in enumerate(args):
+        for name in names:
+            if arg == name and index + 1 < len(args):
+                value = args[index + 1]
+            elif arg.startswith(name + "="):
+                value = arg.split("=", 1)[1]
+    return value
+
+
+def _has_flag(args: list[str], name: str) -> bool:
+    return any(arg == name or arg.startswith(name + "=") for arg in args)
+
+
+def print_help() -> None:
+    """kvserve's own flags first, then vLLM's (every flag kvserve does not own goes to vLLM unchanged)."""
+    _serve_parser().print_help()
+    print("\nvLLM's flags (python -m vllm.entrypoints.openai.api_server --help):\n", flush=True)
+    subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--help"], check=False)
+
+
+def parallel_env(vllm_args: list[str], env: dict) -> dict[str, str]:
+    """Settings a parallel layout needs: kvserve refuses tensor parallelism at start-up (see
+    `parallelism_refusal`); under pipeline parallelism vLLM's CPU workers each need CPUs of their own, and vLLM
+    only finds them by itself on a machine with a NUMA node per worker, so kvserve splits this process's CPUs."""
+    from kvserve.engine.scheduler import parallelism_refusal
+
+    tensor = int(_flag_value(vllm_args, "--tensor-parallel-size", "-tp") or 1)
+    refusal = parallelism_refusal(tensor, int(_flag_value(vllm_args, "--decode-context-parallel-size", "-dcp") or 1))
+    if refusal is not None:
+        raise SystemExit(f"kvserve: {refusal}")
+    stages = int(_flag_value(vllm_args, "--pipeline-parallel-size", "-pp") or 1)
+    if stages == 1 or "VLLM_CPU_OMP_THREADS_BIND" in env:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < stages:
+        raise SystemExit(f"kvserve: --pipeline-parallel-size {stages} needs a CPU per stage; this process may use "
+                         f"{len(cpus)}")
+    share = len(cpus) // stages
+    groups = [cpus[stage * share : (stage + 1) * share] for stage in range(stages)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(str(cpu) for cpu in group) for group in groups)}
+
+
 def serve(argv: list[str]) -> None:
+    if "-h" in argv or "--help" in argv:
+        print_help()
+        return
     # MODEL is positional and first (as in `vllm serve`); it is taken before parsing, because a parser that allows a
     # positional would swallow the value of an unknown vLLM flag such as `--port 8000`.
     model = argv[0] if argv and not argv[0].startswith("-") else None
     args, vllm_args = _serve_parser().parse_known_args(argv[1:] if model else argv)
     defaults = server_defaults(args)
-    if "--model" in vllm_args or any(a.startswith("--model=") for a in vllm_args):
+    if _has_flag(vllm_args, "--model"):
         model_args: list[str] = []  # the user named it vLLM's way
     elif model is None:
-        from kvserve.model import ensure_default_model
+        from kvserve.model import DEFAULT_MODEL_NAME, ensure_default_model
 
         model_args = ["--model", str(ensure_default_model())]
+        if not _has_flag(vllm_args, "--served-model-name"):  # clients name it, not the cache folder it lives in
+            vllm_args = [*vllm_args, "--served-model-name", DEFAULT_MODEL_NAME]
     else:
         model_args = ["--model", model]
     if not has_dtype_flag(vllm_args):
@@ -75,6 +127,9 @@ def serve(argv: list[str]) -> None:
         vllm_args = [*vllm_args, "--dtype", dtype]
         print(f"kvserve: --dtype {dtype}: {why} (pass --dtype to choose)", file=sys.stderr, flush=True)
     env = os.environ
+    for key, value in parallel_env(vllm_args, env).items():
+        env[key] = value
+        print(f"kvserve: {key}={value} (one CPU group per pipeline stage)", file=sys.stderr, flush=True)
     env[DEFAULTS_ENV] = json.dumps(defaults)
     # kvserve's metrics live in the engine-core process; multiprocess mode brings them to the API server's /metrics.
     env.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="kvserve-prom-"))

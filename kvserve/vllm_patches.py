@@ -9,7 +9,9 @@ Named integration points (vLLM 0.32.0):
 3. `GPUModelRunner._update_states` (CPU runner inherits it): shrink block tables of requests compacted last step.
 4. `GPUModelRunner._prepare_inputs`: map positions to cache slots for compacted requests; publish the step context.
 5. `GPUModelRunner.execute_model` / `sample_tokens`: clear the step context afterwards, so no dummy/profile run sees a
-   stale one; put requests whose policy raised on the step's output, for the scheduler to fail them.
+   stale one; give back emptied blocks (under pipeline parallelism, after the stages passed their page counts down
+   the pipeline: `kvserve/engine/stages.py`); put requests whose policy raised, and compacted requests' page
+   reports, on the step's output for the scheduler.
 6. `InputProcessor._validate_params`: reject invalid `kv_*` settings with vLLM's validation error (HTTP 400),
    before a request reaches the engine.
 7. `AsyncLLM.generate` and `OutputProcessor.process_outputs` (API server): record each engine request's running
@@ -27,6 +29,10 @@ Named integration points (vLLM 0.32.0):
 10. `launchers.api_server.entry.serve_http` and `AsyncLLM.shutdown` (API server): when the engine dies (a crash
    nobody asked for, not a SIGTERM), vLLM fails `/health` and stops the HTTP server, but the process then exits 0,
    so a supervisor's restart-on-failure policy would not restart it. kvserve makes that exit status 1.
+11. `GPUModelRunner.sync_and_gather_intermediate_tensors` (pipeline parallelism): a later pipeline stage copies the
+   activations it receives into a buffer that only vLLM's warm-up run allocates, and on CPU with `--enforce-eager`
+   (no compilation) there is no warm-up run, so upstream vLLM 0.32 fails the first request on stage 2 with a bare
+   AssertionError. kvserve allocates the buffer the way the warm-up would, on first use.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ def apply() -> None:
     _patch_scheduler_choice()
     _patch_model_runner()
     _patch_seeded_sampling()
+    _patch_pipeline_buffers()
     _patch_input_validation()
     _patch_api_server()
     _applied = True
@@ -138,9 +145,11 @@ def _patch_model_runner() -> None:
             with phases.timed("worker"):
                 try:
                     output = execute_model(self, scheduler_output, *args, **kwargs)
-                finally:
-                    with phases.timed("pages"):
-                        hooks.clear_step(self)
+                except BaseException:
+                    hooks.drop_step()
+                    raise
+                with phases.timed("pages"):
+                    hooks.clear_step(self)
         finally:
             phases.publish()
         return hooks.attach_failures(self, output)
@@ -196,6 +205,21 @@ def _patch_seeded_sampling() -> None:
 
     GPUModelRunner._sample = _sample
     GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
+
+
+def _patch_pipeline_buffers() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner.sync_and_gather_intermediate_tensors
+
+    @functools.wraps(original)
+    def sync_and_gather_intermediate_tensors(self, *args, **kwargs):
+        if self.intermediate_tensors is None:  # what `_dummy_run` allocates on a non-first stage
+            self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+                batch_size=self.max_num_tokens, dtype=self.model_config.dtype, device=self.device)
+        return original(self, *args, **kwargs)
+
+    GPUModelRunner.sync_and_gather_intermediate_tensors = sync_and_gather_intermediate_tensors
 
 
 def _patch_input_validation() -> None:

@@ -121,13 +121,13 @@ SERVER_CHUNK = 128  # prefill chunk of the HTTP server: perplexity tests need ev
 def server(tmp_path_factory):
     """ONE real `kvserve serve` for the HTTP tests (started the way the benchmark starts its servers)."""
     from kvserve.bench.servers import running_server
-    from kvserve.model import ensure_default_model
 
-    args = ["--max-model-len", "2048", "--block-size", "32", "--enforce-eager", "--served-model-name", "smollm",
+    args = ["--max-model-len", "2048", "--block-size", "32", "--enforce-eager",
             "--dtype", "float32",  # vLLM on CPU would serve this fp32 checkpoint in bf16; references are fp32
             "--max-num-batched-tokens", str(SERVER_CHUNK)]
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    with running_server("kvserve", str(ensure_default_model()), args, log_path,
+    # no MODEL: the default model, served under its own name (what `make serve` does)
+    with running_server("kvserve", None, args, log_path,
                         env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
         yield base
 

@@ -8,6 +8,8 @@ from kvserve.model import ensure_default_model
 
 BLOCK_SIZE = 32
 NUM_BLOCKS = 80  # a small pool (2,560 tokens): capacity and preemption tests need it to run out
+# What `kvserve serve` without MODEL calls the default model (the name clients send, not the folder it lives in).
+SERVED_MODEL = "SmolLM2-135M-Instruct"
 CHUNK_WHEN_SHARED = 128  # a prompt is prefilled in one chunk when alone, in 128-token chunks beside another request
 
 

@@ -27,7 +27,15 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvserve.engine.eviction import pseudo_queries
-from kvserve.engine.pages import HeadPages, PageLayout, cdiv, check_cache_contract, page_view, pages_needed
+from kvserve.engine.pages import (
+    HeadPages,
+    PageLayout,
+    blocks_to_release,
+    cdiv,
+    check_cache_contract,
+    page_view,
+    pages_needed,
+)
 
 AMX = torch.cpu._is_amx_tile_supported()
 ISAS = [pytest.param("vec", torch.float32, id="vec-fp32"), pytest.param("vec", torch.bfloat16, id="vec-bf16"),
@@ -253,3 +261,41 @@ def test_lists_that_keep_the_same_count_use_vllms_own_slots_and_free_tail_blocks
         lists.shrink(layer, np.array([12, 12, 12]))
     moves, released = lists.release_blocks()
     assert moves == [] and released == [30, 12] and lists.blocks == [9, 4]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pipeline_stages_give_back_the_same_blocks_and_keep_their_entries(seed):
+    """Two pipeline stages hold different layers' pages in the same blocks: the blocks chosen from both stages'
+    counts are empty on both after each moves its pages, each keeps what its lists held, and every stage fits."""
+    rng = random.Random(seed)
+    stages = [PageLayout(num_layers=layers, num_blocks=64, num_heads=3, block_size=8) for layers in (3, 2)]
+    free_blocks = list(range(1, 64))
+    lists = [HeadPages(layout) for layout in stages]
+    contents: list[dict[int, tuple[int, int, int]]] = [{}, {}]
+    for _ in range(25):
+        tokens = rng.choice([1, 5, 8, 19])
+        blocks = max(cdiv(stage.pages_in_use + pages_needed(stage.free_slot_counts(), tokens),
+                          stage.layout.pages_per_block) for stage in lists)
+        grant = [free_blocks.pop(rng.randrange(len(free_blocks))) for _ in range(blocks - len(lists[0].blocks))]
+        for stage, content in zip(lists, contents, strict=True):
+            stage.add_blocks(grant)
+            old = stage.page_counts()
+            stage.append(tokens)
+            for lay, h in np.argwhere(stage.page_counts() > old):
+                for i in range(old[lay, h], stage.page_counts()[lay, h]):
+                    content[int(stage.table[lay, h, i])] = (int(lay), int(h), int(i))
+        if rng.random() < 0.5:
+            continue
+        for stage in lists:  # ragged counts, different on each stage
+            for layer in range(stage.layout.num_layers):
+                stage.shrink(layer, np.array([rng.randint(0, int(n)) for n in stage.lens[layer]]))
+        released = blocks_to_release(list(lists[0].blocks), [
+            (stage.pages_in_use, stage.layout.pages_per_block, stage.live_pages()) for stage in lists])
+        for stage, content in zip(lists, contents, strict=True):
+            for source, destination in stage.release(released):
+                content[destination] = content.pop(source)
+            assert stage.blocks == lists[0].blocks and not set(released) & set(stage.blocks)
+            _check(stage, content)
+        assert len(lists[0].blocks) == max(cdiv(stage.pages_in_use, stage.layout.pages_per_block) for stage in lists)
+        free_blocks += released
+    assert len(free_blocks) + len(lists[0].blocks) == 63  # nothing leaked

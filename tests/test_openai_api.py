@@ -6,8 +6,9 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from engine_settings import SERVED_MODEL
 
-MODEL = "smollm"
+MODEL = SERVED_MODEL
 EVICT = {"x-kv-policy": "snapkv", "x-kv-budget": "64"}
 
 

@@ -12,7 +12,7 @@ import uuid
 
 import httpx
 import pytest
-from engine_settings import CHUNK_WHEN_SHARED, SEEDED_SAMPLING, seeded_prompt
+from engine_settings import CHUNK_WHEN_SHARED, SEEDED_SAMPLING, SERVED_MODEL, seeded_prompt
 
 from kvserve.eval.haystack import haystack
 from kvserve.vllm_patches import _discarded_cpu_generators
@@ -73,7 +73,7 @@ def test_seed_gives_the_same_text_in_one_chunk_and_in_many(engine, discarded_see
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_seeded_request_on_a_chunked_server_is_reproducible(server, long_prompt, path):
     """The HTTP server prefills in 128-token chunks, so the 300-token prompt is chunked: this crashed the engine."""
-    body = {"model": "smollm", "max_tokens": 12, "seed": 1, "temperature": 0.8, "ignore_eos": True}
+    body = {"model": SERVED_MODEL, "max_tokens": 12, "seed": 1, "temperature": 0.8, "ignore_eos": True}
     if path.endswith("chat/completions"):
         body["messages"] = [{"role": "user", "content": long_prompt}]
     else:

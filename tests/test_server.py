@@ -7,6 +7,7 @@ import re
 
 import httpx
 import pytest
+from engine_settings import SERVED_MODEL
 
 from kvserve.model import ensure_default_model
 
@@ -24,7 +25,7 @@ def metric(base: str, name: str, labels: str = "", missing: float | None = None)
 
 
 def complete(base: str, prompt: str, headers: dict | None = None, **body):
-    payload = {"model": "smollm", "prompt": prompt, "max_tokens": 8, "temperature": 0, **body}
+    payload = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, **body}
     return httpx.post(base + "/v1/completions", json=payload, headers=headers or {}, timeout=120)
 
 
@@ -87,7 +88,7 @@ def test_server_default_applies_without_headers(server):
 
 
 def test_streaming_chat_with_eviction(server, long_prompt):
-    payload = {"model": "smollm", "messages": [{"role": "user", "content": long_prompt + " Summarise."}],
+    payload = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": long_prompt + " Summarise."}],
                "max_tokens": 40, "temperature": 0, "stream": True}
     with httpx.stream("POST", server + "/v1/chat/completions", json=payload, timeout=120,
                       headers={"x-kv-policy": "snapkv", "x-kv-budget": "128"}) as response:
@@ -124,7 +125,7 @@ def test_invalid_settings_get_400_naming_the_field(server, headers, body, field)
 
 
 def test_duplicate_header_is_rejected(server):
-    payload = b'{"model": "smollm", "prompt": "Hi", "max_tokens": 2}'
+    payload = b'{"model": SERVED_MODEL, "prompt": "Hi", "max_tokens": 2}'
     headers = [("content-type", "application/json"), ("x-kv-budget", "64"), ("x-kv-budget", "128")]
     response = httpx.post(server + "/v1/completions", content=payload, headers=headers)
     assert response.status_code == 400 and response.json()["error"]["param"] == "x-kv-budget"
@@ -185,7 +186,7 @@ def test_usage_reports_the_tokens_eviction_removed(server, long_prompt):
     counted = metric(server, "kvserve:tokens_evicted_total", labels) - before
     assert usage["kv_tokens_evicted"] == counted == usage["prompt_tokens"] - 64
 
-    payload = {"model": "smollm", "prompt": long_prompt, "max_tokens": 8, "temperature": 0, "stream": True,
+    payload = {"model": SERVED_MODEL, "prompt": long_prompt, "max_tokens": 8, "temperature": 0, "stream": True,
                "stream_options": {"include_usage": True}}
     with httpx.stream("POST", server + "/v1/completions", json=payload, headers=evict, timeout=120) as response:
         chunks = [json.loads(line[6:]) for line in response.iter_lines()
@@ -193,7 +194,7 @@ def test_usage_reports_the_tokens_eviction_removed(server, long_prompt):
     [streamed_usage] = [chunk["usage"] for chunk in chunks if chunk.get("usage")]
     assert streamed_usage["kv_tokens_evicted"] == counted
 
-    chat = {"model": "smollm", "messages": [{"role": "user", "content": long_prompt}], "max_tokens": 4,
+    chat = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": long_prompt}], "max_tokens": 4,
             "temperature": 0}
     chat_usage = httpx.post(server + "/v1/chat/completions", json=chat, headers=evict, timeout=120).json()["usage"]
     assert chat_usage["kv_tokens_evicted"] == chat_usage["prompt_tokens"] - 64
@@ -215,7 +216,7 @@ def test_usage_reports_the_tokens_eviction_removed(server, long_prompt):
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_streamed_request_over_max_model_len_is_a_400_not_an_error_event(server, path):
-    body = {"model": "smollm", "max_tokens": 4, "stream": True,
+    body = {"model": SERVED_MODEL, "max_tokens": 4, "stream": True,
             **({"prompt": "Hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]})}
     response = httpx.post(server + path, json=body, headers={"x-kv-policy": "snapkv", "x-kv-budget": "4096"},
                           timeout=60)

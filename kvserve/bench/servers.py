@@ -23,8 +23,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def server_command(kind: str, model: str, port: int, args: list[str]) -> list[str]:
-    common = ["--model", model, "--host", "127.0.0.1", "--port", str(port), *args]
+def server_command(kind: str, model: str | None, port: int, args: list[str]) -> list[str]:
+    """The command line of a server; `model=None` (kvserve only) serves the default model the way `kvserve serve`
+    does without MODEL (converted once, served as SmolLM2-135M-Instruct)."""
+    if model is None and kind != "kvserve":
+        raise ValueError("only kvserve serves a default model; name the model for vanilla vLLM")
+    common = [*(["--model", model] if model else []), "--host", "127.0.0.1", "--port", str(port), *args]
     if kind == "vanilla":
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *common]
     if kind == "kvserve":
@@ -33,7 +37,7 @@ def server_command(kind: str, model: str, port: int, args: list[str]) -> list[st
 
 
 @contextmanager
-def running_server(kind: str, model: str, args: list[str], log_path: Path, env: dict | None = None,
+def running_server(kind: str, model: str | None, args: list[str], log_path: Path, env: dict | None = None,
                    startup_timeout: float = 600) -> Iterator[str]:
     """Yields the base URL; stops the server on exit. Vanilla runs with vLLM's plugins off (`VLLM_PLUGINS=none`)."""
     with running_server_process(kind, model, args, log_path, env, startup_timeout) as (_, base):
@@ -41,7 +45,7 @@ def running_server(kind: str, model: str, args: list[str], log_path: Path, env: 
 
 
 @contextmanager
-def running_server_process(kind: str, model: str, args: list[str], log_path: Path, env: dict | None = None,
+def running_server_process(kind: str, model: str | None, args: list[str], log_path: Path, env: dict | None = None,
                            startup_timeout: float = 600) -> Iterator[tuple[subprocess.Popen, str]]:
     """`running_server`, also yielding the API server's process (tests that kill its engine need it)."""
     port = free_port()

@@ -46,7 +46,7 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         with phases.timed("attention"):
             ops.cpu_attn_reshape_and_cache(key[:tokens].reshape(-1, 1, self.head_size),
                                            value[:tokens].reshape(-1, 1, self.head_size), page_keys, page_values,
-                                           pages.slots[layer_index(layer)], layer.isa,
+                                           pages.slots[layer_index(layer, pages.layout)], layer.isa,
                                            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
                                            kv_cache_dtype=self.kv_cache_dtype)
 
@@ -58,8 +58,8 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
                                    output_block_scale)
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by kvserve's attention")
-        layer_idx = layer_index(layer)
         pages = step.pages
+        layer_idx = layer_index(layer, pages.layout)
         tokens = pages.num_tokens
         with phases.timed("attention"):
             rows = pseudo_queries(query[:tokens], self.num_kv_heads)

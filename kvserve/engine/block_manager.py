@@ -4,8 +4,10 @@ vLLM sizes allocations in blocks from logical token counts (`num_computed_tokens
 has compacted, its (layer, KV head) lists hold fewer entries than it has tokens, each list its own count, and a
 block is just `L * H` pages any list may use (`kvserve/engine/pages.py`). So for such a request the manager
 replaces the token count by the token equivalent of its pages: `cdiv(pages + need, L * H)` blocks, where `need` is
-exactly the pages the new tokens will take (from the worker's last `PageReport`). Admission, preemption and
-`vllm:kv_cache_usage_perc` then follow what the request really holds, up to one block of rounding.
+exactly the pages the new tokens will take (from the worker's last `PageReport`). Under pipeline parallelism each
+stage holds its own layers' pages in the same blocks, so the request needs the most blocks any stage needs.
+Admission, preemption and `vllm:kv_cache_usage_perc` then follow what the request really holds, up to one block of
+rounding.
 """
 
 from __future__ import annotations
@@ -21,18 +23,29 @@ from kvserve.engine.plan import PageReport
 
 class EvictingFullAttentionManager(FullAttentionManager):
     def init_eviction_state(self, pages_per_block: int) -> None:
-        self.pages_per_block = pages_per_block  # layers x KV heads
+        self.pages_per_block = pages_per_block  # layers x KV heads, all pipeline stages together
         self.reports: dict[str, PageReport] = {}  # request id -> its lists at its last compaction
         self.evicting: set[str] = set()  # requests that evict: never read or publish prefix-cache blocks
         self.admission_cap: dict[str, int] = {}  # per-chunk evicting requests: most entries they ever hold
 
     def pages_held(self, request_id: str, num_tokens: int) -> int | None:
-        """Pages a compacted request's lists hold once they cover `num_tokens` logical tokens (None: never
-        compacted, all lists hold every token)."""
+        """Pages a compacted request's lists hold once they cover `num_tokens` logical tokens, over all stages
+        (None: never compacted, all lists hold every token)."""
         report = self.reports.get(request_id)
         if report is None:
             return None
-        return report.pages + pages_needed(report.free_slots, max(num_tokens - report.logical_tokens, 0))
+        new_tokens = max(num_tokens - report.logical_tokens, 0)
+        return sum(stage.pages + pages_needed(stage.free_slots, new_tokens) for stage in report.stages)
+
+    def blocks_held(self, request_id: str, num_tokens: int) -> int | None:
+        """Blocks a compacted request needs once its lists cover `num_tokens` logical tokens: the most any stage
+        needs for its pages (None: never compacted)."""
+        report = self.reports.get(request_id)
+        if report is None:
+            return None
+        new_tokens = max(num_tokens - report.logical_tokens, 0)
+        return max(cdiv(stage.pages + pages_needed(stage.free_slots, new_tokens), stage.pages_per_block)
+                   for stage in report.stages)
 
     def longest_list(self, request_id: str, num_tokens: int) -> int:
         """Entries in the request's longest list once it covers `num_tokens` logical tokens."""
@@ -47,8 +60,8 @@ class EvictingFullAttentionManager(FullAttentionManager):
         return report.logical_tokens - round(report.entries / self.pages_per_block)
 
     def _page_tokens(self, request_id: str, num_tokens: int) -> int:
-        pages = self.pages_held(request_id, num_tokens)
-        return num_tokens if pages is None else cdiv(pages, self.pages_per_block) * self.block_size
+        blocks = self.blocks_held(request_id, num_tokens)
+        return num_tokens if blocks is None else blocks * self.block_size
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: Sequence,
                                    total_computed_tokens: int, num_local_computed_tokens: int,

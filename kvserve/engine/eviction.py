@@ -116,7 +116,7 @@ def _observe(plan: RowPlan, layer: LayerState, layer_idx: int, cache: PagedKV, l
         stats[name] = (torch.zeros(num_heads, n, device=cache.keys.device) if old is None
                        else F.pad(old, (0, n - old.shape[1])))
     ragged = bool((lengths != n).any())
-    return LayerObservation(layer_idx=layer_idx, keys=keys, values=values,
+    return LayerObservation(layer_idx=layer_idx + plan.state.pages.layout.first_layer, keys=keys, values=values,
                             positions=layer.positions(lengths, plan.state.since), scale=scale,
                             window_queries=layer.window_queries, window_positions=layer.window_positions,
                             stats=stats, budget=plan.compaction.keep_tokens if plan.compaction else 0,

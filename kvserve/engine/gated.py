@@ -55,9 +55,10 @@ def gated_layer_step(plan, layer, layer_idx: int, queries: torch.Tensor, output:
     valid = valid_mask(layer, lengths)
     in_prompt = query_positions < runtime.prompt_len
     if bool(in_prompt[0]):  # a prompt chunk: the gate judges its tokens (every list got them appended)
-        flags, layer.gate_past = state.policy.gate_flags(runtime.gates[layer_idx], queries, query_positions,
+        model_layer = layer_idx + state.pages.layout.first_layer  # the gates are trained per model layer
+        flags, layer.gate_past = state.policy.gate_flags(runtime.gates[model_layer], queries, query_positions,
                                                           runtime.rope_theta, layer.gate_past)
-        _count_gate_decisions(layer_idx, flags[:, in_prompt])
+        _count_gate_decisions(model_layer, flags[:, in_prompt])
         # after a preemption the recompute chunk also holds generated tokens: never gated, always kept
         fresh = torch.arange(queries.shape[0])[None, :] + (lengths[:, None] - queries.shape[0])
         valid.scatter_(1, fresh, flags | ~in_prompt)
@@ -81,9 +82,9 @@ def gated_layer_step(plan, layer, layer_idx: int, queries: torch.Tensor, output:
     state.pages.shrink(layer_idx, counts.numpy())
 
 
-def _count_gate_decisions(layer_idx: int, flags: torch.Tensor) -> None:
+def _count_gate_decisions(model_layer: int, flags: torch.Tensor) -> None:
     series = metrics()
-    if layer_idx == 0:
+    if model_layer == 0:  # one count per token: only the stage that holds layer 0 counts
         series.gate_tokens_judged.inc(flags.shape[1])
     for head, kept in enumerate(flags.sum(dim=1).tolist()):
-        series.gate_tokens_kept.labels(layer=str(layer_idx), kv_head=str(head)).inc(kept)
+        series.gate_tokens_kept.labels(layer=str(model_layer), kv_head=str(head)).inc(kept)

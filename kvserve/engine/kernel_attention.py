@@ -46,7 +46,7 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
             return
         pages = step.pages
         tokens = pages.num_tokens
-        slots = pages.slots[layer_index(layer)]
+        slots = pages.slots[layer_index(layer, pages.layout)]
         written = slots >= 0  # padded tokens carry slot -1
         write_slots(flash_views(pages.pages, self.head_size), slots[written],
                     key[:tokens].reshape(-1, 1, self.head_size)[written],
@@ -60,8 +60,8 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
         if attn_metadata is None or step is None:  # warm-up or a dummy run: nothing reads this output
             output.zero_()
             return output
-        layer_idx = layer_index(layer)
         pages = step.pages
+        layer_idx = layer_index(layer, pages.layout)
         tokens, num_reqs, heads = pages.num_tokens, pages.num_reqs, self.num_kv_heads
         cache = flash_views(pages.pages, self.head_size)
         rows = pseudo_queries(query[:tokens], heads)

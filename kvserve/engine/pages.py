@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.engine.plan import StagePages
+
 
 def cdiv(a, b):
     return -(-a // b)
@@ -31,6 +33,8 @@ class PageLayout:
     num_blocks: int
     num_heads: int  # KV heads per layer
     block_size: int
+    # The model layer of this worker's first cache layer: a pipeline stage holds layers first_layer .. + num_layers.
+    first_layer: int = 0
 
     @property
     def pages_per_block(self) -> int:
@@ -43,9 +47,9 @@ class PageLayout:
         return (page // self.num_heads) % self.num_blocks
 
 
-def check_cache_contract(kv_caches: list[torch.Tensor]) -> PageLayout:
-    """The layout the page view relies on, checked on the worker's real KV-cache tensors (in layer order), or a
-    RuntimeError that says which part of the contract this engine breaks."""
+def check_cache_contract(kv_caches: list[torch.Tensor], first_layer: int = 0) -> PageLayout:
+    """The layout the page view relies on, checked on the worker's real KV-cache tensors (in layer order, model
+    layers `first_layer ..`), or a RuntimeError that says which part of the contract this engine breaks."""
     if not kv_caches:
         raise RuntimeError("kvserve head pages: the engine has no KV cache")
     first = kv_caches[0]
@@ -70,7 +74,7 @@ def check_cache_contract(kv_caches: list[torch.Tensor]) -> PageLayout:
     if problems:
         raise RuntimeError("kvserve head pages need vLLM's CPU cache as one layer-outermost buffer (LBHNC); this "
                            "engine's cache is not: " + "; ".join(problems[:3]))
-    return PageLayout(len(kv_caches), num_blocks, num_heads, block_size)
+    return PageLayout(len(kv_caches), num_blocks, num_heads, block_size, first_layer)
 
 
 def page_view(kv_caches: list[torch.Tensor], layout: PageLayout) -> torch.Tensor:
@@ -158,16 +162,33 @@ class HeadPages:
                 self.table[layer, head, index] = 0
         self.lens[layer] = counts
 
+    def live_pages(self) -> np.ndarray:
+        """Pages in use per block (in `blocks` order)."""
+        return self.used.sum(axis=(1, 2))
+
+    def stage_pages(self) -> StagePages:
+        """These lists as one stage's part of the request's page report."""
+        return StagePages(pages=self.pages_in_use, free_slots=self.free_slot_counts(),
+                          pages_per_block=self.layout.pages_per_block, longest=int(self.lens.max(initial=0)),
+                          entries=int(self.lens.sum()))
+
     def release_blocks(self) -> tuple[list[tuple[int, int]], list[int]]:
-        """Give back every block the lists can do without: keep the `cdiv(pages, L * H)` blocks with the most live
-        pages, move the live pages of the others into free pages of those. Returns (page moves (src, dst), the
-        released vLLM block ids); the caller copies the pages before anything reads them."""
-        target = cdiv(self.pages_in_use, self.layout.pages_per_block)
-        if len(self.blocks) <= target:
-            return [], []
-        live = self.used.sum(axis=(1, 2))
-        order = np.argsort(-live, kind="stable")  # fullest first, earlier blocks on ties
-        kept, released = sorted(order[:target].tolist()), sorted(order[target:].tolist())
+        """Give back every block the lists can do without (one worker holds every layer): see `blocks_to_release`.
+        Returns (page moves (src, dst), the released vLLM block ids)."""
+        released = blocks_to_release(self.blocks, [(self.pages_in_use, self.layout.pages_per_block,
+                                                    self.live_pages())])
+        return self.release(released), released
+
+    def release(self, released_ids: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
+        """Give back the vLLM blocks `released_ids`: move the live pages they hold into free pages of the others.
+        Returns the page moves (src, dst); the caller copies the pages before anything reads them."""
+        if not released_ids:
+            return []
+        gone = set(released_ids)
+        kept = [index for index, block in enumerate(self.blocks) if block not in gone]
+        released = [index for index, block in enumerate(self.blocks) if block in gone]
+        if len(released) != len(gone):
+            raise RuntimeError("kvserve: asked to give back blocks the request's page lists do not hold")
         moves = []
         valid = np.arange(self.table.shape[2]) < self.page_counts()[:, :, None]
         for block in released:
@@ -178,10 +199,9 @@ class HeadPages:
                 layer, head, index = np.argwhere((self.table == source) & valid)[0]
                 self.table[layer, head, index] = destination
                 moves.append((source, destination))
-        released_ids = [self.blocks[block] for block in released]
         self.blocks = [self.blocks[block] for block in kept]
         self.used = self.used[kept]
-        return moves, released_ids
+        return moves
 
     def _take_in(self, blocks: list[int], layer: int, head: int) -> int:
         """A free page among `blocks` (indices), its own column first."""
@@ -202,6 +222,19 @@ class HeadPages:
         bs = self.layout.block_size
         free = (-self.lens) % bs
         return tuple(int(c) for c in np.bincount(free.reshape(-1), minlength=bs))
+
+
+def blocks_to_release(block_ids: list[int], stages: list[tuple[int, int, np.ndarray]]) -> list[int]:
+    """The blocks a request can give back, from each stage's (pages in use, pages per block, live pages per block):
+    it keeps the most blocks any stage needs, `max cdiv(pages, pages per block)`, choosing those with the most live
+    pages over all stages (earlier blocks on ties), so the fewest pages move; every stage then moves its live pages
+    out of the others. One worker without pipeline parallelism is a single stage."""
+    target = max(cdiv(pages, per_block) for pages, per_block, _ in stages)
+    if len(block_ids) <= target:
+        return []
+    live = sum(np.asarray(per_block_live) for _, _, per_block_live in stages)
+    order = np.argsort(-live, kind="stable")  # fullest first, earlier blocks on ties
+    return [block_ids[index] for index in sorted(order[target:].tolist())]
 
 
 def pages_needed(free_slot_counts: tuple[int, ...], tokens: int) -> int:

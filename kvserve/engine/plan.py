@@ -1,7 +1,10 @@
-"""The message from scheduler to worker: which requests compact after this step's forward, and to how many entries.
+"""The messages between scheduler and workers (and between pipeline stages): which requests compact after this
+step's forward and to how many entries; what their page lists hold afterwards; which blocks they gave back.
 
-It rides on vLLM's `SchedulerOutput` as the attribute `kvserve_compactions` (extra attributes survive the trip from
-engine core to worker; on CPU, scheduling is synchronous, so schedule -> execute -> update stay in lockstep).
+Scheduler -> worker messages ride on vLLM's `SchedulerOutput` as extra attributes (they survive the trip from engine
+core to worker); worker -> scheduler ones on the `ModelRunnerOutput`. Scheduling is synchronous, and under pipeline
+parallelism an evicting request is never in two batches at once, so for each request schedule -> execute -> update
+stay in lockstep.
 """
 
 from __future__ import annotations
@@ -49,18 +52,54 @@ PAGES_ATTR = "kvserve_pages"
 
 
 @dataclass(frozen=True)
-class PageReport:
-    """An evicting request's page lists after a compaction, as the worker left them: what the scheduler needs to
-    charge it blocks (`pages` now, and how many pages any number of new tokens will take) and which of its vLLM
-    blocks the worker emptied and gave back."""
+class StagePages:
+    """One worker's part of a request's page lists (a pipeline stage holds some layers; without pipeline
+    parallelism the one worker holds them all)."""
 
-    logical_tokens: int  # tokens the request had computed when the report was made
     pages: int  # pages in its lists
     free_slots: tuple[int, ...]  # lists with f free slots in their last page, f = 0 .. block_size - 1
+    pages_per_block: int  # its layers x KV heads: the pages one vLLM block holds on this worker
     longest: int  # entries in its longest list
-    entries: int  # entries over all lists
+    entries: int  # entries over all its lists
+
+
+@dataclass(frozen=True)
+class PageReport:
+    """An evicting request's page lists after a compaction, as the workers left them: what the scheduler needs to
+    charge it blocks (each stage's pages now, and how many pages any number of new tokens will take there) and which
+    of its vLLM blocks the workers emptied and gave back."""
+
+    logical_tokens: int  # tokens the request had computed when the report was made
+    stages: tuple[StagePages, ...]  # one per pipeline stage, first to last
     released_block_ids: tuple[int, ...]
+
+    @property
+    def longest(self) -> int:
+        return max(stage.longest for stage in self.stages)
+
+    @property
+    def entries(self) -> int:
+        return sum(stage.entries for stage in self.stages)
 
 
 def page_reports_of(model_runner_output) -> dict[str, PageReport]:
     return getattr(model_runner_output, PAGES_ATTR, None) or {}
+
+
+@dataclass(frozen=True)
+class StageRelease:
+    """Pipeline parallelism: what one stage tells the last one about a request it compacted, so that every stage
+    gives back the SAME blocks (a vLLM block spans all layers, so it is free only when every stage emptied it)."""
+
+    pages: StagePages
+    block_ids: tuple[int, ...]  # the request's vLLM blocks, in order
+    live_pages: tuple[int, ...]  # pages in use on this stage, per block
+
+
+# Attribute of a SchedulerOutput (pipeline parallelism only): {req_id: block ids} the last stage gave back after the
+# request's last compaction; every earlier stage moves its live pages out of them before this step runs.
+RELEASES_ATTR = "kvserve_releases"
+
+
+def releases_of(scheduler_output: object) -> dict[str, tuple[int, ...]]:
+    return getattr(scheduler_output, RELEASES_ATTR, None) or {}

@@ -13,12 +13,22 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
+from vllm.model_executor.models.utils import extract_layer_index
 
 from kvserve.config import KVConfigError, parse_kv_config
 from kvserve.engine.eviction import record_times
-from kvserve.engine.pages import HeadPages, PageLayout, check_cache_contract, page_view
-from kvserve.engine.plan import FAILURES_ATTR, PAGES_ATTR, PageReport, compactions_of
+from kvserve.engine.pages import HeadPages, PageLayout, blocks_to_release, check_cache_contract, page_view
+from kvserve.engine.plan import (
+    FAILURES_ATTR,
+    PAGES_ATTR,
+    PageReport,
+    StagePages,
+    StageRelease,
+    compactions_of,
+    releases_of,
+)
 from kvserve.engine.request_state import GateRuntime, RequestState
+from kvserve.engine.stages import StageLink, pipeline_group
 from kvserve.engine.step import RowPlan, StepContext, StepPages, current_step, set_step
 
 RECENT_LIMIT = 32
@@ -38,11 +48,22 @@ class EvictionBook:
         self.reports: dict[str, PageReport] = {}  # req id -> its lists after a compaction, until the scheduler hears
         self.layout: PageLayout | None = None
         self.pages: torch.Tensor | None = None  # the page view of the whole KV buffer
+        self.link: StageLink | None = None  # pipeline parallelism: this stage's link to its neighbours
+        self.pipeline_checked = False
+
+    def pipeline_link(self) -> StageLink | None:
+        if not self.pipeline_checked:
+            group = pipeline_group()
+            self.link = None if group is None else StageLink(group)
+            self.pipeline_checked = True
+        return self.link
 
     def attach_cache(self, runner) -> None:
         """Check the KV cache against the page contract (once, at the first step) and view it as pages."""
         if self.layout is None:
-            self.layout = check_cache_contract(list(runner.kv_caches))
+            layer_names = [name for group in runner.kv_cache_config.kv_cache_groups for name in group.layer_names]
+            first_layer = min(extract_layer_index(name) for name in layer_names)  # > 0 on a later pipeline stage
+            self.layout = check_cache_contract(list(runner.kv_caches), first_layer)
             self.pages = page_view(list(runner.kv_caches), self.layout)
 
     def state_for(self, req_id: str, runner) -> RequestState | None:
@@ -101,10 +122,18 @@ def book_of(runner) -> EvictionBook:
 
 
 def before_update_states(runner, scheduler_output) -> None:
-    """Drop the blocks given back last step from vLLM's view of each request, before vLLM appends this step's."""
+    """Drop the blocks given back last step from vLLM's view of each request, before vLLM appends this step's (on an
+    earlier pipeline stage, first move the live pages out of the blocks the last stage gave back)."""
     book = book_of(runner)
     for req_id in scheduler_output.finished_req_ids:
         book.forget(req_id)
+    link = book.pipeline_link()
+    if link is not None and not link.is_last:
+        for req_id, released in releases_of(scheduler_output).items():
+            state = book.requests.get(req_id)
+            if state is not None:
+                _move_pages(book, state.pages.release(released))
+                book.released[req_id] = list(released)
     for req_id, released in book.released.items():
         req_state = runner.requests.get(req_id)
         if req_state is None:
@@ -196,30 +225,72 @@ def _step_pages(runner, book: EvictionBook, num_reqs: int, num_tokens: int, rows
                      same_lens=not rows or bool((seq_lens == seq_lens[0]).all()))
 
 
+def drop_step() -> None:
+    """The forward raised: forget the step (the engine reports the error)."""
+    set_step(None)
+
+
 def clear_step(runner) -> None:
     """After the forward: requests whose policy raised go to the scheduler; those that compacted give back the
-    blocks their lists no longer need (moving the few live pages out of the emptiest blocks first)."""
+    blocks their lists no longer need (moving the few live pages out of the emptiest blocks first). Under pipeline
+    parallelism the stages first pass their counts down the pipeline (`kvserve/engine/stages.py`)."""
     step = current_step()
     set_step(None)
-    if step is None or not step.rows:
+    if step is None:  # no forward ran
         return
-    record_times(step)
     book = book_of(runner)
-    book.failures.update(step.failures())
-    for plan in step.rows:
-        if plan.compaction is None or plan.failure is not None:
-            continue
-        state, lists = plan.state, plan.state.pages
-        moves, released = lists.release_blocks()
-        if moves:
-            sources, destinations = (torch.tensor(ids) for ids in zip(*moves, strict=True))
-            book.pages.index_copy_(0, destinations, book.pages.index_select(0, sources))
-        state.since = plan.logical_len
-        state.compactions += 1
-        book.released[plan.req_id] = released
-        book.reports[plan.req_id] = PageReport(
-            logical_tokens=plan.logical_len, pages=lists.pages_in_use, free_slots=lists.free_slot_counts(),
-            longest=int(lists.lens.max()), entries=int(lists.lens.sum()), released_block_ids=tuple(released))
+    if step.rows:
+        record_times(step)
+        book.failures.update(step.failures())
+    compacted = [plan for plan in step.rows if plan.compaction is not None and plan.failure is None]
+    link = book.pipeline_link()
+    if link is None:
+        for plan in compacted:
+            moves, released = plan.state.pages.release_blocks()
+            _move_pages(book, moves)
+            _release_and_report(book, plan, [plan.state.pages.stage_pages()], released)
+        return
+    message = link.receive()
+    for plan in compacted:
+        lists = plan.state.pages
+        message.releases.setdefault(plan.req_id, []).append(
+            StageRelease(pages=lists.stage_pages(), block_ids=tuple(lists.blocks),
+                         live_pages=tuple(int(n) for n in lists.live_pages())))
+    if not link.is_last:
+        message.failures.update(book.failures)  # only the last stage's output reaches the scheduler
+        book.failures.clear()
+        link.send(message)
+        for plan in compacted:
+            plan.state.since = plan.logical_len
+            plan.state.compactions += 1
+        return
+    book.failures.update(message.failures)
+    for plan in compacted:
+        stages = message.releases[plan.req_id]
+        if plan.req_id in book.failures or len(stages) != link.group.world_size:
+            continue  # it failed on some stage: the scheduler frees all its blocks
+        if any(stage.block_ids != stages[-1].block_ids for stage in stages):
+            raise RuntimeError(f"kvserve: pipeline stages disagree on request {plan.req_id}'s blocks")
+        released = blocks_to_release(list(stages[-1].block_ids), [
+            (stage.pages.pages, stage.pages.pages_per_block, stage.live_pages) for stage in stages])
+        lists = plan.state.pages
+        _move_pages(book, lists.release(released))
+        _release_and_report(book, plan, [stage.pages for stage in stages], released)
+
+
+def _move_pages(book: EvictionBook, moves: list[tuple[int, int]]) -> None:
+    if moves:
+        sources, destinations = (torch.tensor(ids) for ids in zip(*moves, strict=True))
+        book.pages.index_copy_(0, destinations, book.pages.index_select(0, sources))
+
+
+def _release_and_report(book: EvictionBook, plan: RowPlan, stages: list[StagePages], released: list[int]) -> None:
+    state = plan.state
+    state.since = plan.logical_len
+    state.compactions += 1
+    book.released[plan.req_id] = released
+    book.reports[plan.req_id] = PageReport(logical_tokens=plan.logical_len, stages=tuple(stages),
+                                           released_block_ids=tuple(released))
 
 
 def attach_failures(runner, output):

@@ -10,6 +10,12 @@ After the step ran, the worker reports the request's page lists and the blocks i
 Each (layer, KV head) list has its own count; "the cache" in these rules is the longest list. A ragged policy
 (Attention-Gate) decides its counts in the worker: its prompt always compacts, each head to at most B (or to what its
 gate kept, without a budget); during decoding the B + bs rule applies only when a budget was given.
+
+Pipeline parallelism (`--pipeline-parallel-size`): every stage gets the same plan and compacts its own layers; the
+last stage decides which blocks the request gives back (`kvserve/engine/stages.py`) and reports; the next schedule
+tells the earlier stages (`kvserve_releases`). vLLM keeps several batches in flight to fill the pipeline; an
+evicting request joins a new batch only once its last one is back, so its plan always starts from the cache its
+last report described.
 """
 
 from __future__ import annotations
@@ -22,15 +28,44 @@ from vllm.v1.request import Request
 from kvserve.config import KVConfig, KVConfigError, parse_kv_config
 from kvserve.engine import phases
 from kvserve.engine.block_manager import EvictingFullAttentionManager
-from kvserve.engine.plan import PLAN_ATTR, Compaction, compactions_of, failures_of, page_reports_of, with_evicted_count
+from kvserve.engine.plan import (
+    PLAN_ATTR,
+    RELEASES_ATTR,
+    Compaction,
+    compactions_of,
+    failures_of,
+    page_reports_of,
+    with_evicted_count,
+)
 from kvserve.metrics import metrics
 
 logger = init_logger(__name__)
 
 
+def parallelism_refusal(tensor_parallel_size: int, decode_context_parallel_size: int = 1) -> str | None:
+    """Why kvserve cannot serve this parallel layout correctly, or None. Pipeline and data parallelism work: each
+    stage evicts its own layers and passes its page counts down the pipeline (`kvserve/engine/stages.py`); each
+    data-parallel engine is a whole kvserve engine. Under tensor parallelism every rank would evict its own KV
+    heads in the same blocks, but only rank 0's page report reaches the scheduler and the ranks would not agree on
+    the blocks to give back, so it is refused rather than served with leaked or overwritten pages."""
+    if tensor_parallel_size > 1:
+        return (f"kvserve eviction does not support tensor parallelism (--tensor-parallel-size "
+                f"{tensor_parallel_size}): each rank would evict its own KV heads, but the ranks do not yet agree on "
+                "the blocks to give back. Use --pipeline-parallel-size to split the model, or run vanilla vLLM "
+                "(VLLM_PLUGINS without 'kvserve').")
+    if decode_context_parallel_size > 1:
+        return (f"kvserve eviction does not support decode context parallelism (--decode-context-parallel-size "
+                f"{decode_context_parallel_size}): its KV cache is split by token across ranks.")
+    return None
+
+
 class EvictingScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        parallel = self.vllm_config.parallel_config
+        refusal = parallelism_refusal(parallel.tensor_parallel_size, parallel.decode_context_parallel_size)
+        if refusal is not None:
+            raise RuntimeError(refusal)
         if self.vllm_config.speculative_config is not None:
             raise RuntimeError("kvserve eviction does not support speculative decoding (drafts would be compacted)")
         managers = self.kv_cache_manager.coordinator.single_type_managers
@@ -41,13 +76,19 @@ class EvictingScheduler(Scheduler):
             )
         # The manager is built deep inside KVCacheManager; swap its class rather than re-implementing the factory.
         group = self.kv_cache_config.kv_cache_groups[0]  # one full-attention group, checked above
-        self.pages_per_block = len(group.layer_names) * group.kv_cache_spec.num_kv_heads
+        self.pipeline_stages = self.vllm_config.parallel_config.pipeline_parallel_size
+        # the scheduler's cache config is the first stage's: under pipeline parallelism it names that stage's layers
+        layers = (len(group.layer_names) if self.pipeline_stages == 1
+                  else self.vllm_config.model_config.get_total_num_hidden_layers())
+        self.pages_per_block = layers * group.kv_cache_spec.num_kv_heads
         managers[0].__class__ = EvictingFullAttentionManager
         managers[0].init_eviction_state(self.pages_per_block)
         self.evicting_manager: EvictingFullAttentionManager = managers[0]
         self.kv_configs: dict[str, KVConfig] = {}
         self.reported_evicted: dict[str, int] = {}  # req id -> the evicted count its outputs last carried
-        self.bytes_per_block = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+        self.bytes_per_block = group.kv_cache_spec.page_size_bytes * layers
+        self.in_flight: set[str] = set()  # evicting requests in a batch whose output has not come back
+        self.releases: dict[str, tuple[int, ...]] = {}  # blocks given back, for the earlier pipeline stages
         # Capacity statistics: most requests in the running queue, and most requests decoding in one step (a
         # request decoding holds its whole cache; running ones may still be prefilling and get preempted).
         self.peak_running = 0
@@ -83,7 +124,7 @@ class EvictingScheduler(Scheduler):
         return output
 
     def _schedule(self, *args, **kwargs):
-        output = super().schedule(*args, **kwargs)
+        output = self._schedule_without_in_flight(*args, **kwargs)
         plan: dict[str, Compaction] = {}
         decoding = 0
         for req_id, num_new in output.num_scheduled_tokens.items():
@@ -99,9 +140,30 @@ class EvictingScheduler(Scheduler):
             if keep is not None:
                 plan[req_id] = Compaction(keep_tokens=keep, logical_tokens=logical, cached_tokens=cached)
         setattr(output, PLAN_ATTR, plan)
+        self.in_flight.update(req_id for req_id in output.num_scheduled_tokens if req_id in self.kv_configs)
+        if self.pipeline_stages > 1:
+            running = {request.request_id for request in self.running}
+            setattr(output, RELEASES_ATTR, {req_id: blocks for req_id, blocks in self.releases.items()
+                                            if req_id in running})
+            self.releases = {}
         self.peak_running = max(self.peak_running, len(self.running))
         self.peak_decoding = max(self.peak_decoding, decoding)
         return output
+
+    def _schedule_without_in_flight(self, *args, **kwargs):
+        """vLLM's schedule, with the evicting requests that are in an unfinished batch out of its sight: vLLM keeps
+        up to `pipeline_parallel_size` batches in flight and would give such a request its next prefill chunk before
+        the last one's page report is back. (Without pipeline parallelism no batch is in flight here.)"""
+        held_back = [request for request in self.running if request.request_id in self.in_flight]
+        if not held_back:
+            return super().schedule(*args, **kwargs)
+        self.running = [request for request in self.running if request.request_id not in self.in_flight]
+        self.max_num_running_reqs -= len(held_back)  # they still count against --max-num-seqs
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            self.max_num_running_reqs += len(held_back)
+            self.running = held_back + self.running
 
     def _keep_tokens(self, config: KVConfig, cached: int, is_decode: bool, prompt_done: bool) -> int | None:
         """The entries a request compacts to after this step, or None if it does not compact now."""
@@ -132,8 +194,11 @@ class EvictingScheduler(Scheduler):
                 continue
             evicted_before = manager.evicted_tokens(req_id)
             freed = manager.apply_report(req_id, report)
+            if self.pipeline_stages > 1 and report.released_block_ids:
+                self.releases[req_id] = report.released_block_ids
             evicted = manager.evicted_tokens(req_id) - evicted_before
             metrics().record_compaction(self.kv_configs[req_id].policy, evicted, freed, self.bytes_per_block)
+        self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         result = super().update_from_output(scheduler_output, model_runner_output)
         self._report_evicted_counts(result, failures)
         metrics().evicted_requests.set(len(manager.reports))
@@ -178,6 +243,8 @@ class EvictingScheduler(Scheduler):
             kept = request.num_computed_tokens - evicted
             metrics().kept_ratio.labels(policy=config.policy).observe(kept / request.num_computed_tokens)
         self.evicting_manager.forget(request.request_id)
+        self.in_flight.discard(request.request_id)
+        self.releases.pop(request.request_id, None)
         kv_transfer_params, ec_transfer_params = super()._free_request(request, *args, **kwargs)
         # The finished request's output carries the count to the front end (the response's usage block).
         self.reported_evicted.pop(request.request_id, None)

@@ -23,12 +23,13 @@ from kvserve.engine.plan import Compaction
 from kvserve.engine.request_state import RequestState
 
 
-def layer_index(layer) -> int:
-    """The model layer an attention layer belongs to, parsed from its name once and kept on it."""
+def layer_index(layer, layout: PageLayout) -> int:
+    """The position of an attention layer's cache in this worker's page view: its model layer (parsed from its name
+    once and kept on it) less the first layer this worker holds (a later pipeline stage starts past 0)."""
     index = getattr(layer, "_kvserve_layer_idx", None)
     if index is None:
         index = layer._kvserve_layer_idx = extract_layer_index(layer.layer_name)
-    return index
+    return index - layout.first_layer
 
 
 def refuse_unpaged_features(impl, mode: str, kv_sharing_target_layer_name: str | None) -> None:

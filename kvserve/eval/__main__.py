@@ -1,4 +1,9 @@
-"""`python -m kvserve.eval {tasks,ppl,passkey} ...` (also `kvserve eval ...`): quality of eviction settings.
+"""`python -m kvserve.eval {ruler,tasks,ppl,passkey} ...` (also `kvserve eval ...`): quality of eviction settings.
+
+    # RULER through lm-evaluation-harness (pip install 'kvserve[ruler]'); the server needs
+    # --max-model-len >= the longest length
+    python -m kvserve.eval ruler --url http://127.0.0.1:8000 --policies full,snapkv,streamingllm \
+        --budgets 128,256,512 --lengths 1024,2048,4096 --samples 4 --out ruler.jsonl
 
     # task accuracy, policies x budgets, two servers sharing the work, plots into docs/plots/
     python -m kvserve.eval tasks --url http://127.0.0.1:8000,http://127.0.0.1:8001 \\
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 
 from kvserve.eval.client import Server, settings
+from kvserve.eval.ruler import DEFAULT_TASKS, RULER_TASKS
 from kvserve.eval.tasks import TASKS
 
 
@@ -39,11 +45,43 @@ def _ints(text: str) -> list[int]:
     return [int(item) for item in text.split(",") if item]
 
 
+def _ruler(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from kvserve.eval import quality
+    from kvserve.eval.report import plot_vs_budget
+    from kvserve.eval.ruler import RulerRun, harness_missing, run_settings
+
+    missing = harness_missing()
+    if missing:
+        parser.error(missing)
+    unknown = [task for task in args.tasks.split(",") if task not in RULER_TASKS]
+    if unknown:
+        parser.error(f"--tasks: {', '.join(unknown)} not among the harness's offline RULER tasks "
+                     f"({', '.join(RULER_TASKS)})")
+    if "," in args.url:
+        parser.error("--url: ruler uses one server (the harness keeps --concurrency requests in flight)")
+    run = RulerRun(server=Server(args.url, args.model), tokenizer=args.tokenizer, tasks=tuple(args.tasks.split(",")),
+                   lengths=tuple(_ints(args.lengths)), samples=args.samples, out=args.out,
+                   concurrency=args.concurrency)
+    rows = run_settings(run, settings(args.policies.split(","), _ints(args.budgets)), progress=not args.quiet)
+    print(f"RULER (lm-evaluation-harness), {args.samples} samples per task and length, lengths {args.lengths}",
+          quality.summary_table(rows), "", quality.summary_table(rows, column="length"), "",
+          quality.matrix_table(rows), "", quality.best_per_budget(rows), sep="\n")
+    if args.plot:
+        values = {key: mean for key, (mean, _) in quality.mean_scores(rows, ("policy", "budget")).items()}
+        plot_vs_budget(values, "mean RULER score", args.plot, f"RULER {args.tasks} at {args.lengths} tokens")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kvserve eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    tasks = commands.add_parser("tasks", help="needle, multi-needle, variable tracking and passkey accuracy")
+    ruler = commands.add_parser("ruler", help="RULER tasks through lm-evaluation-harness (kvserve[ruler])")
+    _common(ruler)
+    ruler.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help=f"any of {', '.join(RULER_TASKS)}")
+    ruler.add_argument("--lengths", default="1024,2048,4096", help="RULER sequence lengths (prompt + answer)")
+    ruler.add_argument("--samples", type=int, default=4, help="samples per task and length (the harness's limit)")
+    ruler.add_argument("--concurrency", type=int, default=1, help="requests the harness keeps in flight")
+    tasks = commands.add_parser("tasks", help="multi-value, multi-query and passkey accuracy over pydoc prose")
     _common(tasks)
     tasks.add_argument("--tasks", default=",".join(TASKS), help=f"any of {', '.join(TASKS)}")
     tasks.add_argument("--lengths", default="1000,2000,4000", help="prompt lengths in tokens")
@@ -62,6 +100,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "ruler":
+        _ruler(parser, args)
+        return
     from transformers import AutoTokenizer
 
     from kvserve.eval.report import plot_vs_budget

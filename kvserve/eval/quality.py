@@ -93,12 +93,13 @@ def mean_scores(rows: list[dict], by: tuple[str, ...]) -> dict[tuple, tuple[floa
     return {key: (sum(values) / len(values), len(values)) for key, values in groups.items()}
 
 
-def summary_table(rows: list[dict]) -> str:
-    """Mean score per setting and task (columns), plus the mean over tasks; budgets as rows of each policy."""
-    tasks = list(dict.fromkeys(r["task"] for r in rows))
-    by_task = mean_scores(rows, ("policy", "budget", "task"))
+def summary_table(rows: list[dict], column: str = "task") -> str:
+    """Mean score per setting and task (or another row field: `column`), plus the overall mean; budgets as rows of
+    each policy."""
+    tasks = list(dict.fromkeys(r[column] for r in rows))
+    by_task = mean_scores(rows, ("policy", "budget", column))
     overall = mean_scores(rows, ("policy", "budget"))
-    lines = ["| policy | budget | " + " | ".join(tasks) + " | mean | n |", "|---" * (len(tasks) + 4) + "|"]
+    lines = ["| policy | budget | " + " | ".join(map(str, tasks)) + " | mean | n |", "|---" * (len(tasks) + 4) + "|"]
     for (policy, budget), (mean, count) in sorted(overall.items(), key=_setting_order):
         cells = [f"{by_task[(policy, budget, t)][0]:.2f}" if (policy, budget, t) in by_task else "-" for t in tasks]
         lines.append(f"| {policy} | {budget or '-'} | " + " | ".join(cells) + f" | {mean:.2f} | {count} |")

@@ -42,7 +42,7 @@ class PassStatistics:
 
 @dataclass
 class LayerObservation:
-    layer_idx: int
+    layer_idx: int  # the model layer (0 = the first), on any pipeline stage
     keys: torch.Tensor  # [H, n, D] cached keys (post-RoPE), in cache order (= position order per head)
     values: torch.Tensor  # [H, n, D]
     positions: torch.Tensor  # [H, n] logical token positions of the cached entries
