@@ -18,8 +18,9 @@ from pathlib import Path
 import yaml
 
 from kvserve.allocator import allocator_env
-from kvserve.config import DEFAULTS_ENV, GENERAL_KEYS, KVConfigError, knob_keys, parse_kv_config
+from kvserve.config import DEFAULTS_ENV, KEY_PREFIX, KVConfigError, parse_kv_config
 from kvserve.cpu_dtype import default_dtype, has_dtype_flag
+from kvserve.policies import POLICY_NAMES
 
 # Eviction is on by default: SnapKV keeping 1,024 tokens per layer and KV head (configs/default.yaml says the same).
 BUILTIN_DEFAULTS = {"kv_policy": "snapkv", "kv_budget": 1024}
@@ -29,15 +30,34 @@ def _serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve serve", description=__doc__, add_help=False,
                                      usage="kvserve serve [MODEL] [kvserve flags] [vLLM flags]",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kv-config", type=Path, help="YAML file of kv_* defaults (see configs/)")
-    for key in sorted(set(GENERAL_KEYS) | knob_keys()):
-        flag = "--" + key.replace("_", "-")
-        if key == "kv_evict_every_chunk":
-            parser.add_argument(flag, dest=key, action="store_true", default=None,
-                                help="evict after every prefill chunk (bounds a long prompt's cache)")
-        else:
-            parser.add_argument(flag, dest=key, default=None, help=f"server default for {key}")
+    general = parser.add_argument_group("server-wide eviction defaults (each request may override them)")
+    general.add_argument("--kv-config", type=Path, help="YAML file of kv_* defaults (see configs/)")
+    general.add_argument("--kv-policy", dest="kv_policy", default=None,
+                         help=f"eviction policy: {', '.join(POLICY_NAMES)} (default snapkv with --kv-budget 1024)")
+    general.add_argument("--kv-budget", dest="kv_budget", default=None,
+                         help="entries each (layer, KV head) keeps: B")
+    general.add_argument("--kv-evict-every-chunk", dest="kv_evict_every_chunk", action="store_true", default=None,
+                         help="evict after every prefill chunk (bounds a long prompt's cache)")
+    knobs = parser.add_argument_group("policy settings (each applies to the policies that declare it)")
+    for key, (help_text, _) in sorted(_knob_help().items()):
+        knobs.add_argument("--" + key.replace("_", "-"), dest=key, default=None, help=help_text)
     return parser
+
+
+def _knob_help() -> dict[str, tuple[str, list[str]]]:
+    """kv_<knob> -> (what it means to each policy declaring it; those policies). CAOTE variants (`<base>+caote`)
+    take their base policy's settings and are not listed again."""
+    from kvserve.policies import POLICIES
+
+    meanings: dict[str, dict[str, list[str]]] = {}
+    for policy, cls in sorted(POLICIES.items()):
+        if "+" in policy:
+            continue
+        for name, knob in cls.knobs.items():
+            meanings.setdefault(KEY_PREFIX + name, {}).setdefault(knob.help, []).append(policy)
+    return {key: ("; ".join(f"{', '.join(owners)}: {text}" for text, owners in by_help.items()),
+                  sorted(owner for owners in by_help.values() for owner in owners))
+            for key, by_help in meanings.items()}
 
 
 def server_defaults(args: argparse.Namespace) -> dict:

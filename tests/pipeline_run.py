@@ -11,21 +11,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-PIPELINE_STAGES = int(os.environ.get("KVSERVE_TEST_STAGES", "2"))
-
-
-def stage_cpus() -> str:
-    """One CPU per stage (`VLLM_CPU_OMP_THREADS_BIND`, stages separated by `|`): vLLM binds each CPU worker to a
-    NUMA node of its own unless told which CPUs to use, and these machines have one node."""
-    cpus = sorted(os.sched_getaffinity(0))
-    return "|".join(str(cpu) for cpu in cpus[:PIPELINE_STAGES])
+PIPELINE_STAGES = 2
 
 
 if __name__ == "__main__":
     from engine_settings import EQUIVALENCE_MAX_TOKENS, engine_kwargs, equivalence_prompts, in_process_env
 
+    from kvserve.cli import parallel_env
+
     in_process_env()
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", stage_cpus())
+    os.environ.update(parallel_env(["--pipeline-parallel-size", str(PIPELINE_STAGES)], os.environ))  # as kvserve serve
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

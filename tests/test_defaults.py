@@ -62,3 +62,33 @@ def test_serve_preloads_tcmalloc_when_installed_else_caps_glibcs_mmap_threshold(
     assert "LD_PRELOAD" not in env and "MALLOC_MMAP_THRESHOLD_" in env
     with pytest.raises(SystemExit, match="not installed"):
         serve_command(monkeypatch, [], tcmalloc=None, env={allocator.ALLOCATOR_ENV: "tcmalloc"})
+
+
+def test_default_model_is_served_by_its_name_unless_told(monkeypatch, tmp_path):
+    import kvserve.model
+
+    monkeypatch.setattr(kvserve.model, "ensure_default_model", lambda: tmp_path / "cache" / "SmolLM2-135M-Instruct")
+    monkeypatch.setattr(cli.os, "environ", {})  # serve() sets the server's environment in its own process
+    monkeypatch.setattr(cli.os, "execve", lambda path, command, environ: captured.update(command=command))
+    captured: dict = {}
+    cli.serve(["--port", "8000", "--dtype", "float32"])
+    command = captured["command"]
+    assert command[command.index("--model") + 1] == str(tmp_path / "cache" / "SmolLM2-135M-Instruct")
+    assert command[command.index("--served-model-name") + 1] == "SmolLM2-135M-Instruct"
+    cli.serve(["--served-model-name", "mine", "--dtype", "float32"])
+    assert [arg for arg in captured["command"] if arg == "--served-model-name"] == ["--served-model-name"]
+    assert "mine" in captured["command"]
+    cli.serve(["/models/other", "--dtype", "float32"])  # a model the user names keeps vLLM's naming
+    assert "--served-model-name" not in captured["command"]
+
+
+def test_serve_help_lists_kvserves_flags_before_vllms():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", "--help"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = done.stdout
+    assert "--kv-policy" in text and "--max-model-len" in text  # kvserve's, then vLLM's own help
+    assert text.index("--kv-policy") < text.index("--kv-budget") < text.index("--max-model-len")

@@ -24,7 +24,7 @@ def harness_missing() -> str | None:
     """Why the harness cannot run here, or None."""
     from importlib.util import find_spec
 
-    missing = [name for name in ("lm_eval", "wonderwords", "nltk") if find_spec(name) is None]
+    missing = [name for name in ("lm_eval", "tenacity", "wonderwords", "nltk") if find_spec(name) is None]
     if missing:
         return (f"lm-evaluation-harness's RULER tasks need {', '.join(missing)}: pip install 'kvserve[ruler]' "
                 "(lm-eval, wonderwords, nltk)")

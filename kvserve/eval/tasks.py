@@ -1,4 +1,8 @@
-"""Long-context tasks in the style of RULER, generated deterministically from a seed over `pydoc_data` prose.
+"""Long-context tasks in the style of RULER ("RULER: What's the Real Context Size of Your Long-Context Language
+Models?", arXiv:2404.06654) that lm-evaluation-harness cannot run offline, generated deterministically from a seed
+over `pydoc_data` prose. RULER's single-needle, multi-key and variable-tracking tasks run through the harness itself
+(`kvserve eval ruler`, `kvserve/eval/ruler.py`); the harness's multi-value and multi-query tasks hide their needles
+in the Paul Graham essays, which it downloads from the Hugging Face hub, and it has no passkey task.
 
 Each task hides facts ("needles") at chosen depths of a haystack of about `length` tokens and ends the prompt with a
 question and the start of the answer, so a completion model answers in its first few tokens. Scoring is RULER's
@@ -6,12 +10,8 @@ question and the start of the answer, so a completion model answers in its first
 
 Tasks (names as the CLI takes them):
 - `passkey`: a 5-digit pass key repeated twice in one sentence pair (the classic test; same prompt as issue 2's).
-- `niah_single`: one "special magic number" for a key word.
-- `niah_multikey`: four needles with different key words; the question asks for one of them.
 - `niah_multivalue`: four numbers for the same key word; all four are asked for.
 - `niah_multiquery`: four needles with different keys; two of them are asked for.
-- `variable_tracking`: a chain of assignments VAR A = 12345, VAR B = VAR A, ... spread through the text; the answer
-  is every variable that holds the value.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ KEY_WORDS = (
     "pepper", "raven", "sapphire", "thistle", "umbrella", "velvet", "willow", "zephyr", "anchor", "biscuit",
     "cobalt", "dolphin", "ember", "fjord", "granite", "hazel", "iris", "jasmine", "kettle", "lilac",
 )
-VARIABLE_NAMES = ("QXR", "BLT", "MZK", "WPD", "HJN", "TRV", "KSE", "FYO", "LUC", "GDA", "NPX", "VOB")
 
 
 @dataclass(frozen=True)
@@ -87,32 +86,15 @@ def _niah(tokenizer, length: int, rng: random.Random, seed: int, num_keys: int, 
         needles += [_needle(key, value) for value in answers[key]]
     depths = [rng.uniform(0.05, 0.95) for _ in needles]
     queried = keys[:asked]
-    if values_per_key > 1:
+    if values_per_key > 1:  # multi-value: every value of one key
         question = (f"\nWhat are all the special magic numbers for {queried[0]} mentioned in the provided text? "
                     f"The special magic numbers for {queried[0]} mentioned in the provided text are")
-    elif asked > 1:
+    else:  # multi-query: the values of several keys
         names = ", ".join(queried[:-1]) + f" and {queried[-1]}"
         question = (f"\nWhat are the special magic numbers for {names} mentioned in the provided text? "
                     f"The special magic numbers for {names} mentioned in the provided text are")
-    else:
-        question = (f"\nWhat is the special magic number for {queried[0]} mentioned in the provided text? "
-                    f"The special magic number for {queried[0]} mentioned in the provided text is")
     references = tuple(value for key in queried for value in answers[key])
     return _embed(tokenizer, length, needles, depths, NIAH_INTRO, question, seed), references, depths[0]
-
-
-def _variable_tracking(tokenizer, length: int, rng: random.Random, seed: int,
-                       hops: int = 4) -> tuple[str, tuple[str, ...], float]:
-    names = rng.sample(VARIABLE_NAMES, hops + 1)
-    value = str(rng.randrange(10000, 100000))
-    statements = [f" VAR {names[0]} = {value}. "] + [f" VAR {names[i]} = VAR {names[i - 1]}. "
-                                                      for i in range(1, hops + 1)]
-    depths = sorted(rng.uniform(0.05, 0.95) for _ in statements)  # the chain is in reading order
-    intro = "Memorize and track the chain of variable assignments hidden in the following text.\n"
-    question = (f"\nQuestion: Find all variables that are assigned the value {value} in the text above. "
-                f"Answer: According to the chain of variable assignments in the text above, {hops + 1} variables "
-                f"are assigned the value {value}, they are:")
-    return _embed(tokenizer, length, statements, depths, intro, question, seed), tuple(names), depths[0]
 
 
 def _passkey(tokenizer, length: int, rng: random.Random, seed: int) -> tuple[str, tuple[str, ...], float]:
@@ -124,11 +106,8 @@ def _passkey(tokenizer, length: int, rng: random.Random, seed: int) -> tuple[str
 Builder = Callable[[object, int, random.Random, int], tuple[str, tuple[str, ...], float]]
 TASKS: dict[str, tuple[Builder, int]] = {  # name -> (builder, max answer tokens)
     "passkey": (_passkey, 12),
-    "niah_single": (lambda tok, n, rng, seed: _niah(tok, n, rng, seed, 1, 1, 1), 16),
-    "niah_multikey": (lambda tok, n, rng, seed: _niah(tok, n, rng, seed, 4, 1, 1), 16),
     "niah_multivalue": (lambda tok, n, rng, seed: _niah(tok, n, rng, seed, 1, 4, 1), 48),
     "niah_multiquery": (lambda tok, n, rng, seed: _niah(tok, n, rng, seed, 4, 1, 2), 32),
-    "variable_tracking": (_variable_tracking, 24),
 }
 
 

@@ -1,0 +1,81 @@
+"""vLLM's own scale-out with kvserve: pipeline parallelism (2 stages, each a worker process evicting its own layers)
+gives the single-process engine's greedy tokens and evicted counts, and returns every block; tensor parallelism is
+refused at start-up with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from engine_settings import EQUIVALENCE_MAX_TOKENS, equivalence_prompts
+
+from kvserve.cli import parallel_env
+from kvserve.engine.scheduler import parallelism_refusal
+
+TESTS = Path(__file__).parent
+
+# One setting per way a stage's lists change: a window policy, accumulated statistics, a ragged gate (heads keep
+# different counts, so pages move between blocks), layer-dependent choices (MAT's shallow layers sit on stage 1),
+# and eviction after every prefill chunk.
+SETTINGS = [
+    {"kv_policy": "full"},
+    {"kv_policy": "snapkv", "kv_budget": 64},
+    {"kv_policy": "h2o", "kv_budget": 64},
+    {"kv_policy": "attention_gate"},
+    {"kv_policy": "mat", "kv_budget": 64},
+    {"kv_policy": "streamingllm", "kv_budget": 64, "kv_evict_every_chunk": True},
+]
+
+
+@pytest.fixture(scope="module")
+def pipeline_results(tmp_path_factory):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("pipeline parallelism on CPU needs a CPU per stage; this process may use one")
+    folder = tmp_path_factory.mktemp("pipeline")
+    settings, out, log = folder / "settings.json", folder / "out.json", folder / "run.log"
+    settings.write_text(json.dumps(SETTINGS))
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_PLUGINS"}
+    with open(log, "w") as log_file:
+        done = subprocess.run([sys.executable, str(TESTS / "pipeline_run.py"), str(settings), str(out)], env=env,
+                              stdout=log_file, stderr=subprocess.STDOUT, timeout=900)
+    assert done.returncode == 0, log.read_text()[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_pipeline_stages_give_the_single_process_tokens_and_return_every_block(engine, pipeline_results):
+    assert pipeline_results["scheduler"] == "EvictingScheduler"
+    assert pipeline_results["batch_queue"] == 2  # vLLM keeps two batches in flight to fill the pipeline
+    prompts = equivalence_prompts(engine.tokenizer)
+    for result in pipeline_results["results"]:
+        kv = result["kv"]
+        outputs = engine.generate(prompts, EQUIVALENCE_MAX_TOKENS, kv=kv)
+        assert result["outputs"] == [list(o.outputs[0].token_ids) for o in outputs], kv
+        assert result["evicted"] == [o.kv_transfer_params["kv_tokens_evicted"] for o in outputs], kv
+        assert result["free_blocks"] == pipeline_results["total_blocks"], kv  # the pool is full again
+    evicting = [result for result in pipeline_results["results"] if result["kv"]["kv_policy"] != "full"]
+    assert all(max(result["evicted"]) > 0 for result in evicting)
+
+
+def test_tensor_parallelism_is_refused_with_the_reason():
+    assert parallelism_refusal(1) is None
+    assert "tensor parallelism" in parallelism_refusal(2)
+    assert "decode context parallelism" in parallelism_refusal(1, decode_context_parallel_size=2)
+    with pytest.raises(SystemExit, match="tensor parallelism"):
+        parallel_env(["--tensor-parallel-size", "2"], {})
+    with pytest.raises(SystemExit, match="tensor parallelism"):
+        parallel_env(["-tp=2"], {})
+
+
+def test_pipeline_stages_get_cpus_of_their_own():
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU: no split to check")
+    bind = parallel_env(["--pipeline-parallel-size", "2"], {})["VLLM_CPU_OMP_THREADS_BIND"]
+    groups = [[int(cpu) for cpu in group.split(",")] for group in bind.split("|")]
+    assert len(groups) == 2 and not set(groups[0]) & set(groups[1]) and set(groups[0] + groups[1]) <= set(cpus)
+    assert parallel_env(["-pp", "2"], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) == {}  # the user's choice stands
+    assert parallel_env([], {}) == {}
