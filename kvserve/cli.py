@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: kvserve serve [MODEL] [--kv-policy P --kv-budget B ...] [vllm flags]\n"
-              "       kvserve eval {tasks,ppl,passkey} ...  quality of eviction settings through a server\n"
+              "       kvserve eval {ruler,tasks,ppl,passkey} ...  quality of eviction settings through a server\n"
               "       kvserve bench {capacity,overhead} ... kvserve against vanilla vLLM, one run\n"
               "       kvserve bench load ...           mixed-policy load test of one server (loopback)\n"
               "       kvserve bench crash ...          kill a server's engine: time to failing /health and exit\n"

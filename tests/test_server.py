@@ -133,7 +133,7 @@ def test_duplicate_header_is_rejected(server):
 
 def test_pool_is_full_again_after_all_requests(server):
     assert httpx.get(server + "/health").status_code == 200
-    assert metric(server, "vllm:kv_cache_usage_perc", '{engine="0",model_name="smollm"}') == 0.0
+    assert metric(server, "vllm:kv_cache_usage_perc", f'{{engine="0",model_name="{SERVED_MODEL}"}}') == 0.0
     assert metric(server, "kvserve:requests_with_evicted_cache") == 0.0
 
 
