@@ -110,7 +110,7 @@ def parallel_env(vllm_args: list[str], env: dict) -> dict[str, str]:
     tensor = int(_flag_value(vllm_args, "--tensor-parallel-size", "-tp") or 1)
     refusal = parallelism_refusal(tensor, int(_flag_value(vllm_args, "--decode-context-parallel-size", "-dcp") or 1))
     if refusal is not None:
-        raise SystemExit(f"kvserve: {refusal}")
+        raise SystemExit(refusal)  # it names kvserve already
     stages = int(_flag_value(vllm_args, "--pipeline-parallel-size", "-pp") or 1)
     if stages == 1 or "VLLM_CPU_OMP_THREADS_BIND" in env:
         return {}
