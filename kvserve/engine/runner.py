@@ -261,8 +261,7 @@ def clear_step(runner) -> None:
         book.failures.clear()
         link.send(message)
         for plan in compacted:
-            plan.state.since = plan.logical_len
-            plan.state.compactions += 1
+            _mark_compacted(plan)
         return
     book.failures.update(message.failures)
     for plan in compacted:
@@ -284,10 +283,13 @@ def _move_pages(book: EvictionBook, moves: list[tuple[int, int]]) -> None:
         book.pages.index_copy_(0, destinations, book.pages.index_select(0, sources))
 
 
+def _mark_compacted(plan: RowPlan) -> None:
+    plan.state.since = plan.logical_len  # entries appended after this compaction have positions from here on
+    plan.state.compactions += 1
+
+
 def _release_and_report(book: EvictionBook, plan: RowPlan, stages: list[StagePages], released: list[int]) -> None:
-    state = plan.state
-    state.since = plan.logical_len
-    state.compactions += 1
+    _mark_compacted(plan)
     book.released[plan.req_id] = released
     book.reports[plan.req_id] = PageReport(logical_tokens=plan.logical_len, stages=tuple(stages),
                                            released_block_ids=tuple(released))
