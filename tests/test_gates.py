@@ -1,4 +1,5 @@
-"""Attention-Gate (seed 000): the masked attention of Eq. 4/7, the straight-through estimator, training, RoPE helpers,
+"""Attention-Gate ("In-context KV-Cache Eviction for LLMs via Attention-Gate", Zeng et al. 2024, arXiv:2410.12876): the
+masked attention of Eq. 4/7, the straight-through estimator, training, RoPE helpers,
 the gate file and registry, and chunked (causal) gate evaluation. CPU only, tiny random shapes; one test loads the
 real default model (skipped when it is not set up)."""
 

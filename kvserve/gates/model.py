@@ -1,9 +1,10 @@
 """A plain PyTorch Llama forward over a Hugging Face checkpoint, with Attention-Gates: training and the offline
 reference for the served `attention_gate` policy. No vLLM, no transformers model code: every operation is here.
 
-Attention follows seed 000, Eq. 4/7: query s sees key t if t = s, or t < s and t's keep flag is 1 for that KV head.
-The mask is applied multiplicatively to exp(scores), so the keep flags can carry a straight-through gradient
-(forward: exact 0/1 masking; backward: d/d flag of the normalised weights), with no large additive constants.
+Attention follows "In-context KV-Cache Eviction for LLMs via Attention-Gate", Zeng et al. 2024, arXiv:2410.12876, Eq.
+4/7: query s sees key t if t = s, or t < s and t's keep flag is 1 for that KV head. The mask is applied multiplicatively
+to exp(scores), so the keep flags can carry a straight-through gradient (forward: exact 0/1 masking; backward: d/d flag
+of the normalised weights), with no large additive constants.
 """
 
 from __future__ import annotations
@@ -131,9 +132,10 @@ class PlainLlama(torch.nn.Module):
 
     @torch.no_grad()
     def greedy(self, prompt_ids: list[int], max_tokens: int, gates=None) -> tuple[list[int], list[torch.Tensor]]:
-        """Greedy decoding, the gate judging prompt tokens only (decode-time tokens are always kept, seed 000).
-        Returns the tokens and each layer's prompt keep flags [n_prompt, H_kv]. Recomputes the whole sequence per
-        token (the gate is causal, so prompt flags do not change): slow, but it shares no code with serving."""
+        """Greedy decoding, the gate judging prompt tokens only (decode-time tokens are always kept, as in the
+        Attention-Gate paper). Returns the tokens and each layer's prompt keep flags [n_prompt, H_kv]. Recomputes the
+        whole sequence per token (the gate is causal, so prompt flags do not change): slow, but it shares no code with
+        serving."""
         tokens = list(prompt_ids)
         flags: list[torch.Tensor] = []
         for _ in range(max_tokens):

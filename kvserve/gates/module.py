@@ -1,4 +1,5 @@
-"""The gate: AG(X) = G(MHA'(X) + gamma, tau), one small causal attention per layer (seed 000, Eq. 5-6).
+"""The gate: AG(X) = G(MHA'(X) + gamma, tau), one small causal attention per layer ("In-context KV-Cache Eviction for
+LLMs via Attention-Gate", Zeng et al. 2024, arXiv:2410.12876, Eq. 5-6).
 
 Input: the layer's queries BEFORE RoPE, flattened over heads ([n, num_q_heads * head_dim]). That is X W_q, a linear
 image of the normalised hidden states X the paper feeds the gate (for the default model W_q is square, 576 x 576), and
@@ -33,7 +34,7 @@ class GateHyper:
     heads: int = 2
     head_dim: int = 16
     tau: float = 0.5  # keep a token if sigmoid(logit + gamma) > tau
-    gamma: float = 2.0  # initial bias towards keeping (seed 000, CPT setting)
+    gamma: float = 2.0  # initial bias towards keeping (Attention-Gate paper, CPT setting)
 
 
 class AttentionGate(nn.Module):
@@ -78,7 +79,7 @@ class AttentionGate(nn.Module):
 
 
 def straight_through(probability: torch.Tensor, tau: float) -> torch.Tensor:
-    """Hard 0/1 flags forward, the sigmoid's gradient backward (seed 000, section 3.4)."""
+    """Hard 0/1 flags forward, the sigmoid's gradient backward (Attention-Gate paper, section 3.4)."""
     hard = (probability > tau).to(probability.dtype)
     # (p - p.detach()) is exactly 0, so the forward value is exactly 0/1 ((hard + p) - p can round to 1 - ulp)
     return hard + (probability - probability.detach())

@@ -1,4 +1,5 @@
-"""Train a model's Attention-Gates by continual pre-training (seed 000, section 3.4): the base model is frozen and only
+"""Train a model's Attention-Gates by continual pre-training ("In-context KV-Cache Eviction for LLMs via
+Attention-Gate", Zeng et al. 2024, arXiv:2410.12876, section 3.4): the base model is frozen and only
 the GateSet learns, with loss = LM loss + alpha * |mean(flags) - beta|.
 
 The flags are straight-through (hard 0/1 forward, the sigmoid's gradient backward), so the eviction term's forward
@@ -246,7 +247,7 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
              "keep": round(final_held_out["keep"], 4), "train_keep": round(final_train["keep"], 4),
              "keep_by_layer": final_held_out["keep_by_layer"],
              "keep_by_layer_head": final_held_out["keep_by_layer_head"]}
-    recipe = {"method": "Attention-Gate continual pre-training (seed 000): base model frozen, gates only; "
+    recipe = {"method": "Attention-Gate continual pre-training (arXiv:2410.12876): base model frozen, gates only; "
                         "loss = LM + alpha*|mean(straight-through flags) - beta|",
               "model": args.model.name, "data": corpus.description(),
               "sample": f"{args.seq_len}-token windows at seeded random offsets of the train stream, "

@@ -1,4 +1,5 @@
-"""AhaKV (seed 001): accumulated attention without H2O's position bias, plus a value-norm prior.
+"""AhaKV ("AhaKV: Adaptive Holistic Attention-Driven KV Cache Eviction for Efficient Inference of Large Language
+Models", Gu et al. 2025, arXiv:2506.03762): accumulated attention without H2O's position bias, plus a value-norm prior.
 
 1. Recent accumulation: only the last `recent` queries' rows are summed, so every key gets the same number of terms.
 2. Step-gain softmax: those rows use logits sharpened by lambda' = sqrt(2 ln(i / k)) (i = keys the row sees,

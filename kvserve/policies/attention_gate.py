@@ -1,4 +1,5 @@
-"""Attention-Gate (seed 000): a trained gate per layer flags, per prompt token and KV head, whether its K/V is kept.
+"""Attention-Gate ("In-context KV-Cache Eviction for LLMs via Attention-Gate", Zeng et al. 2024, arXiv:2410.12876): a
+trained gate per layer flags, per prompt token and KV head, whether its K/V is kept.
 
 Unlike the other policies it does not rank entries against a budget: each head keeps what its gate flags, so heads
 keep different counts (ragged). The engine stores each head's kept entries at the front of its own page list (one

@@ -1,4 +1,5 @@
-"""CAOTE / FastCAOTE (seed 004): turn any base score into the attention-output error of evicting each entry.
+"""CAOTE / FastCAOTE ("CAOTE: KV Caching through Attention Output Error based Token Eviction", Goel et al. 2025,
+arXiv:2504.14051): turn any base score into the attention-output error of evicting each entry.
 
 With the base scores normalised, h = s / sum(s), and X = sum_i h_i v_i, evicting entry j changes the output by
     c_j = h_j / (1 - h_j) * || X - v_j ||          (CAOTE, Eq. 21)

@@ -1,4 +1,5 @@
-"""EMS (seed 002): Global-Local scores, then evict-then-merge per head with a zero class.
+"""EMS ("EMS: Adaptive Evict-then-Merge Strategy for Head-wise KV Cache Compression Based on Global-Local Importance",
+Li et al. 2024, arXiv:2412.08521): Global-Local scores, then evict-then-merge per head with a zero class.
 
 Score: s_gl = max(s_glo * sum(s_loc) / sum(s_glo), s_loc), mean-pooled, where s_glo accumulates attention over all
 queries (as H2O) and s_loc sums the last `window` queries (as SnapKV).

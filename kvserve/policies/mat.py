@@ -1,4 +1,5 @@
-"""MAT (seed 003): shallow layers keep sinks + a window; deep layers keep the first token, a window and the
+"""MAT ("MAT: Unlocking KV Cache Efficiency via Managing Anchor Tokens", ACL ARR 2025 submission, OpenReview 0nGPjXF5rH
+(no arXiv version)): shallow layers keep sinks + a window; deep layers keep the first token, a window and the
 "anchor" tokens, chosen by the LOWEST logit from their own query to the first key (anchors attend to each other
 with low logits).
 
