@@ -39,14 +39,14 @@ def _serve_parser() -> argparse.ArgumentParser:
     general.add_argument("--kv-evict-every-chunk", dest="kv_evict_every_chunk", action="store_true", default=None,
                          help="evict after every prefill chunk (bounds a long prompt's cache)")
     knobs = parser.add_argument_group("policy settings (each applies to the policies that declare it)")
-    for key, (help_text, _) in sorted(_knob_help().items()):
+    for key, help_text in sorted(_knob_help().items()):
         knobs.add_argument("--" + key.replace("_", "-"), dest=key, default=None, help=help_text)
     return parser
 
 
-def _knob_help() -> dict[str, tuple[str, list[str]]]:
-    """kv_<knob> -> (what it means to each policy declaring it; those policies). CAOTE variants (`<base>+caote`)
-    take their base policy's settings and are not listed again."""
+def _knob_help() -> dict[str, str]:
+    """kv_<knob> -> what it means to each policy declaring it. CAOTE variants (`<base>+caote`) take their base
+    policy's settings and are not listed again."""
     from kvserve.policies import POLICIES
 
     meanings: dict[str, dict[str, list[str]]] = {}
@@ -55,8 +55,7 @@ def _knob_help() -> dict[str, tuple[str, list[str]]]:
             continue
         for name, knob in cls.knobs.items():
             meanings.setdefault(KEY_PREFIX + name, {}).setdefault(knob.help, []).append(policy)
-    return {key: ("; ".join(f"{', '.join(owners)}: {text}" for text, owners in by_help.items()),
-                  sorted(owner for owners in by_help.values() for owner in owners))
+    return {key: "; ".join(f"{', '.join(owners)}: {text}" for text, owners in by_help.items())
             for key, by_help in meanings.items()}
 
 

@@ -31,21 +31,23 @@ class EvictingFullAttentionManager(FullAttentionManager):
     def pages_held(self, request_id: str, num_tokens: int) -> int | None:
         """Pages a compacted request's lists hold once they cover `num_tokens` logical tokens, over all stages
         (None: never compacted, all lists hold every token)."""
-        report = self.reports.get(request_id)
-        if report is None:
-            return None
-        new_tokens = max(num_tokens - report.logical_tokens, 0)
-        return sum(stage.pages + pages_needed(stage.free_slots, new_tokens) for stage in report.stages)
+        stages = self._stage_pages(request_id, num_tokens)
+        return None if stages is None else sum(pages for pages, _ in stages)
 
     def blocks_held(self, request_id: str, num_tokens: int) -> int | None:
         """Blocks a compacted request needs once its lists cover `num_tokens` logical tokens: the most any stage
         needs for its pages (None: never compacted)."""
+        stages = self._stage_pages(request_id, num_tokens)
+        return None if stages is None else max(cdiv(pages, per_block) for pages, per_block in stages)
+
+    def _stage_pages(self, request_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Per pipeline stage: (pages its lists hold once they cover `num_tokens` logical tokens, pages per block)."""
         report = self.reports.get(request_id)
         if report is None:
             return None
         new_tokens = max(num_tokens - report.logical_tokens, 0)
-        return max(cdiv(stage.pages + pages_needed(stage.free_slots, new_tokens), stage.pages_per_block)
-                   for stage in report.stages)
+        return [(stage.pages + pages_needed(stage.free_slots, new_tokens), stage.pages_per_block)
+                for stage in report.stages]
 
     def longest_list(self, request_id: str, num_tokens: int) -> int:
         """Entries in the request's longest list once it covers `num_tokens` logical tokens."""
