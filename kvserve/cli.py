@@ -18,8 +18,9 @@ from pathlib import Path
 import yaml
 
 from kvserve.allocator import allocator_env
-from kvserve.config import DEFAULTS_ENV, KEY_PREFIX, KVConfigError, parse_kv_config
+from kvserve.config import DEFAULTS_ENV, parse_kv_config
 from kvserve.cpu_dtype import default_dtype, has_dtype_flag
+from kvserve.errors import InvalidSetting
 from kvserve.policies import POLICY_NAMES
 
 # Eviction is on by default: SnapKV keeping 1,024 tokens per layer and KV head (configs/default.yaml says the same).
@@ -53,13 +54,14 @@ def _knob_help() -> dict[str, str]:
     for policy, cls in sorted(POLICIES.items()):
         if "+" in policy:
             continue
-        for name, knob in cls.knobs.items():
-            meanings.setdefault(KEY_PREFIX + name, {}).setdefault(knob.help, []).append(policy)
+        for setting in cls.knobs().values():
+            meanings.setdefault(setting.key, {}).setdefault(setting.help, []).append(policy)
     return {key: "; ".join(f"{', '.join(owners)}: {text}" for text, owners in by_help.items())
             for key, by_help in meanings.items()}
 
 
-def server_defaults(args: argparse.Namespace) -> dict:
+def defaults_from_args(args: argparse.Namespace) -> dict:
+    """The server-wide kv_* defaults from --kv-config and --kv-* flags (flags win), checked before vLLM starts."""
     defaults: dict = {}
     if args.kv_config is not None:
         loaded = yaml.safe_load(args.kv_config.read_text()) or {}
@@ -72,7 +74,7 @@ def server_defaults(args: argparse.Namespace) -> dict:
         defaults = dict(BUILTIN_DEFAULTS)
     try:
         parse_kv_config(defaults, defaults={})  # fail at start-up, not on the first request
-    except KVConfigError as exc:
+    except InvalidSetting as exc:
         raise SystemExit(f"kvserve: invalid server default {exc}") from exc
     return defaults
 
@@ -130,7 +132,7 @@ def serve(argv: list[str]) -> None:
     # positional would swallow the value of an unknown vLLM flag such as `--port 8000`.
     model = argv[0] if argv and not argv[0].startswith("-") else None
     args, vllm_args = _serve_parser().parse_known_args(argv[1:] if model else argv)
-    defaults = server_defaults(args)
+    defaults = defaults_from_args(args)
     if _has_flag(vllm_args, "--model"):
         model_args: list[str] = []  # the user named it vLLM's way
     elif model is None:

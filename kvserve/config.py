@@ -12,21 +12,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.errors import InvalidSetting
 from kvserve.policies import POLICIES, POLICY_NAMES, Policy
+from kvserve.policies.knobs import KEY_PREFIX, parse_bool, parse_int
 
 # Server-wide defaults travel to every vLLM process (API server, engine core, worker) in this variable.
 DEFAULTS_ENV = "KVSERVE_DEFAULTS"
-KEY_PREFIX = "kv_"
 GENERAL_KEYS = ("kv_policy", "kv_budget", "kv_evict_every_chunk")
-
-
-class KVConfigError(ValueError):
-    """An invalid eviction setting; `field` is the request key at fault."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -34,7 +26,7 @@ class KVConfig:
     policy: str = "full"
     budget: int | None = None
     evict_every_chunk: bool = False
-    knobs: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
+    knobs: tuple[tuple[str, Any], ...] = field(default_factory=tuple)  # (field name, value) of the policy's knobs
 
     @property
     def evicts(self) -> bool:
@@ -43,58 +35,28 @@ class KVConfig:
     @property
     def ragged(self) -> bool:
         """The policy decides per head how many entries to keep (Attention-Gate); the budget, if any, caps them."""
-        return self.evicts and POLICIES[self.policy].budget_optional
+        return self.evicts and POLICIES[self.policy].ragged
 
     def make_policy(self) -> Policy:
         return POLICIES[self.policy](**dict(self.knobs))
 
-    def as_xargs(self) -> dict[str, Any]:
-        """The request keys that reproduce this config (used for defaults and response headers)."""
-        out: dict[str, Any] = {"kv_policy": self.policy}
-        if self.budget is not None:
-            out["kv_budget"] = self.budget
-        if self.evict_every_chunk:
-            out["kv_evict_every_chunk"] = True
-        out.update({KEY_PREFIX + name: value for name, value in self.knobs})
-        return out
-
 
 def knob_keys() -> set[str]:
-    return {KEY_PREFIX + name for cls in POLICIES.values() for name in cls.knobs}
+    """Every policy's knob keys (`kv_window`, ...)."""
+    return {setting.key for cls in POLICIES.values() for setting in cls.knobs().values()}
 
 
-def _parse_int(key: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise KVConfigError(key, f"must be an integer, got {value!r}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-        return int(value.strip())
-    raise KVConfigError(key, f"must be an integer, got {value!r}")
-
-
-def _parse_bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
-        return value.strip().lower() in ("true", "1", "yes")
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise KVConfigError(key, f"must be true or false, got {value!r}")
-
-
-def server_defaults() -> dict[str, Any]:
+def env_defaults() -> dict[str, Any]:
+    """The server-wide defaults `kvserve serve` put in DEFAULTS_ENV for this process ({} outside a server)."""
     raw = os.environ.get(DEFAULTS_ENV)
     if not raw:
         return {}
     try:
         defaults = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise KVConfigError(DEFAULTS_ENV, f"is not valid JSON: {exc}") from exc
+        raise InvalidSetting(DEFAULTS_ENV, f"is not valid JSON: {exc}") from exc
     if not isinstance(defaults, dict):
-        raise KVConfigError(DEFAULTS_ENV, "must be a JSON object")
+        raise InvalidSetting(DEFAULTS_ENV, "must be a JSON object")
     return defaults
 
 
@@ -104,49 +66,47 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
     Request keys that do not fit the chosen policy are errors; default knobs that belong to another policy are
     dropped (a server default for StreamingLLM's sinks must not break a request that asks for SnapKV).
     """
-    defaults = server_defaults() if defaults is None else defaults
+    defaults = env_defaults() if defaults is None else defaults
     request = {k: v for k, v in (request_args or {}).items() if k.startswith(KEY_PREFIX)}
     allowed = set(GENERAL_KEYS) | knob_keys()
     for key in request:
         if key not in allowed:
-            raise KVConfigError(key, f"unknown eviction setting; allowed keys: {', '.join(sorted(allowed))}")
+            raise InvalidSetting(key, f"unknown eviction setting; allowed keys: {', '.join(sorted(allowed))}")
 
     policy = request.get("kv_policy", defaults.get("kv_policy", "full"))
     if not isinstance(policy, str) or policy not in POLICY_NAMES:
-        raise KVConfigError("kv_policy", _unsupported_combination(policy)
+        raise InvalidSetting("kv_policy", _unsupported_combination(policy)
                             or f"unknown policy {policy!r}; allowed: {', '.join(POLICY_NAMES)}")
     if policy == "full":
         stray = [k for k in request if k not in ("kv_policy",)]
         if stray:
-            raise KVConfigError(stray[0], "has no effect with kv_policy=full (no eviction)")
+            raise InvalidSetting(stray[0], "has no effect with kv_policy=full (no eviction)")
         return KVConfig()
 
     cls = POLICIES[policy]
-    foreign = [k for k in request if k in knob_keys() and k[len(KEY_PREFIX) :] not in cls.knobs]
+    declared = {setting.key: name for name, setting in cls.knobs().items()}
+    foreign = [k for k in request if k in knob_keys() and k not in declared]
     if foreign:
-        raise KVConfigError(foreign[0], f"is not a setting of {policy}; its settings: {_knob_list(cls)}")
-
-    knobs: dict[str, Any] = {}
-    for name, knob in cls.knobs.items():
-        key = KEY_PREFIX + name
-        raw = request.get(key, defaults.get(key, knob.default))
-        knobs[name] = _parse_knob(key, raw, knob)
+        raise InvalidSetting(foreign[0], f"is not a setting of {policy}; its settings: {_knob_list(cls)}")
+    # the policy's own fields parse and check each value; an error names the request key
+    policy_obj = cls(**{name: request.get(key, defaults.get(key, cls.knobs()[name].default))
+                        for key, name in declared.items()})
 
     budget: int | None = None
     if "kv_budget" in request or "kv_budget" in defaults:
-        budget = _parse_int("kv_budget", request.get("kv_budget", defaults.get("kv_budget")))
-    elif not cls.budget_optional:
-        raise KVConfigError("kv_budget", f"is required with kv_policy={policy} (tokens kept per layer and KV head)")
-    policy_obj = cls(**knobs)
+        budget = parse_int("kv_budget", request.get("kv_budget", defaults.get("kv_budget")))
+    elif not cls.ragged:
+        raise InvalidSetting("kv_budget", f"is required with kv_policy={policy} (tokens kept per layer and KV head)")
     protected = policy_obj.protected_tokens()
     if budget is not None and budget <= protected:
-        raise KVConfigError(
+        raise InvalidSetting(
             "kv_budget", f"must be greater than the {protected} tokens {policy} always keeps, got {budget}"
         )
-    every_chunk = _parse_bool(
+    every_chunk = parse_bool(
         "kv_evict_every_chunk", request.get("kv_evict_every_chunk", defaults.get("kv_evict_every_chunk", False))
     )
-    return KVConfig(policy=policy, budget=budget, evict_every_chunk=every_chunk, knobs=tuple(knobs.items()))
+    knobs = tuple((name, getattr(policy_obj, name)) for name in cls.knobs())
+    return KVConfig(policy=policy, budget=budget, evict_every_chunk=every_chunk, knobs=knobs)
 
 
 def _unsupported_combination(policy: Any) -> str | None:
@@ -164,35 +124,8 @@ def _unsupported_combination(policy: Any) -> str | None:
             f"{base} cannot be rescored ({why}); {meta} applies to: {', '.join(rescorable)}")
 
 
-def _parse_float(key: str, value: Any) -> float:
-    if isinstance(value, bool):
-        raise KVConfigError(key, f"must be a number, got {value!r}")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise KVConfigError(key, f"must be a number, got {value!r}") from None
-    if number != number or number in (float("inf"), float("-inf")):
-        raise KVConfigError(key, f"must be a finite number, got {value!r}")
-    return number
-
-
-def _parse_knob(key: str, raw: Any, knob: Any) -> Any:
-    if knob.kind in (int, float):
-        value = _parse_int(key, raw) if knob.kind is int else _parse_float(key, raw)
-        if knob.minimum is not None and value < knob.minimum:
-            raise KVConfigError(key, f"must be >= {knob.minimum}, got {value}")
-        if knob.maximum is not None and value > knob.maximum:
-            raise KVConfigError(key, f"must be <= {knob.maximum}, got {value}")
-        if knob.odd and value % 2 == 0:
-            raise KVConfigError(key, f"must be odd, got {value}")
-        return value
-    if not isinstance(raw, str) or (knob.choices and raw not in knob.choices):
-        raise KVConfigError(key, f"must be one of {', '.join(knob.choices or ())}, got {raw!r}")
-    return raw
-
-
 def _knob_list(cls: type[Policy]) -> str:
-    return ", ".join(KEY_PREFIX + name for name in cls.knobs) or "(none)"
+    return ", ".join(setting.key for setting in cls.knobs().values()) or "(none)"
 
 
 def check_against_model(config: KVConfig, model: str, max_model_len: int) -> None:
@@ -202,11 +135,11 @@ def check_against_model(config: KVConfig, model: str, max_model_len: int) -> Non
     input validation (offline use)."""
     if config.evicts and config.budget is not None and config.budget > max_model_len:
         # a budget no sequence can reach is a mistake, not a way to turn eviction off (policy full does that)
-        raise KVConfigError("kv_budget", f"{config.budget} is above max_model_len ({max_model_len})")
+        raise InvalidSetting("kv_budget", f"{config.budget} is above max_model_len ({max_model_len})")
     if config.policy == "attention_gate":
         from kvserve.gates.registry import NoGateError, gate_entry
 
         try:
             gate_entry(model)
         except NoGateError as exc:
-            raise KVConfigError("kv_policy", str(exc)) from exc
+            raise InvalidSetting("kv_policy", str(exc)) from exc

@@ -227,7 +227,8 @@ def _patch_input_validation() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from kvserve.config import KVConfigError, check_against_model, parse_kv_config
+    from kvserve.config import check_against_model, parse_kv_config
+    from kvserve.errors import InvalidSetting
 
     original = InputProcessor._validate_params
 
@@ -237,7 +238,7 @@ def _patch_input_validation() -> None:
             try:
                 config = parse_kv_config(params.extra_args)
                 check_against_model(config, self.model_config.model, self.model_config.max_model_len)
-            except KVConfigError as exc:
+            except InvalidSetting as exc:
                 raise VLLMValidationError(str(exc), parameter=exc.field) from exc
         return original(self, params, *args, **kwargs)
 

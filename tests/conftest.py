@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from engine_settings import engine_kwargs, in_process_env  # noqa: E402
+from engine_settings import engine_kwargs, find_state, in_process_env, keep_finished_states  # noqa: E402
 
 TESTS = Path(__file__).parent
 
@@ -59,6 +59,7 @@ class Engine:
         self.runner = core.model_executor.driver_worker.worker.model_runner
         self.tokenizer = self.llm.get_tokenizer()
         self.pool = self.scheduler.kv_cache_manager.block_pool
+        self.finished_states = keep_finished_states(self.runner)
 
     def free_blocks(self) -> int:
         return self.pool.get_num_free_blocks()
@@ -72,12 +73,7 @@ class Engine:
 
     def eviction_state(self, request_id: str):
         """The worker's eviction state of a request (by its external id), live or recently finished."""
-        book = self.runner.kvserve
-        for table in (book.requests, book.recent):
-            for internal_id, state in table.items():
-                if internal_id == request_id or internal_id.startswith(f"{request_id}-"):
-                    return state
-        raise KeyError(request_id)
+        return find_state((self.runner.kvserve.requests, self.finished_states), request_id)
 
 
 @pytest.fixture(scope="session")

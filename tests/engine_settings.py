@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 
 from kvserve.model import ensure_default_model
 
@@ -25,6 +26,36 @@ def engine_kwargs() -> dict:
         num_gpu_blocks_override=NUM_BLOCKS,
         seed=0,
     )
+
+
+def keep_finished_states(runner, limit: int = 32) -> OrderedDict:
+    """The eviction state of the last `limit` finished requests, by internal request id, as the worker forgets them
+    (the engine itself keeps none): tests compare what a finished request kept against references."""
+    from kvserve.engine.runner import book_of
+
+    book = book_of(runner)
+    finished: OrderedDict = OrderedDict()
+    forget = book.forget
+
+    def forget_and_keep(req_id: str) -> None:
+        state = book.requests.get(req_id)
+        forget(req_id)
+        if state is not None:
+            finished[req_id] = state
+            while len(finished) > limit:
+                finished.popitem(last=False)
+
+    book.forget = forget_and_keep
+    return finished
+
+
+def find_state(tables, request_id: str):
+    """A request's eviction state by its external id (vLLM's internal id may add a suffix) in any of `tables`."""
+    for table in tables:
+        for internal_id, state in table.items():
+            if internal_id == request_id or internal_id.startswith(f"{request_id}-"):
+                return state
+    raise KeyError(request_id)
 
 
 def in_process_env() -> None:

@@ -14,9 +14,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-KERNEL_POLICIES = ["h2o", "tova", "snapkv", "ahakv", "mat", "ems", "streamingllm", "h2o+caote"]
+from kvserve.policies import POLICIES, representative_policies  # noqa: E402
+
+# every registered policy that ranks entries against a budget (Attention-Gate's gated path is tested elsewhere)
+KERNEL_POLICIES = representative_policies(ragged=False)
 KERNEL_BUDGET, KERNEL_MAX_TOKENS = 96, 40  # a prefill compaction, then one in decode (cache 96 -> 128 -> 96)
-TRITON_POLICIES = ["h2o", "snapkv", "mat"]
+# Triton's interpreter is slow: one policy per statistic the attention pass measures
+TRITON_POLICIES = [next(name for name in KERNEL_POLICIES if statistic in POLICIES[name].pass_statistics)
+                   for statistic in ("column_sums", "window_sums", "first_logits")]
 TRITON_PROMPT, TRITON_BUDGET, TRITON_MAX_TOKENS = 80, 48, 6
 
 
@@ -40,14 +45,9 @@ def run_batch(llm, prompts, kv_settings, max_tokens):
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
 
-def kept_positions(runner, request_id: str) -> list:
-    """Every layer's kept positions [H, B] of a finished request, by layer index."""
-    book = runner.kvserve
-    for table in (book.requests, book.recent):
-        for internal_id, state in table.items():
-            if internal_id == request_id or internal_id.startswith(f"{request_id}-"):
-                return [state.layers[i].kept_positions.tolist() for i in sorted(state.layers)]
-    raise KeyError(request_id)
+def kept_positions(state) -> list:
+    """Every layer's kept positions [H, B] of a request's eviction state, by layer index."""
+    return [state.layers[i].kept_positions.tolist() for i in sorted(state.layers)]
 
 
 def count_kernel_launches() -> dict[str, int]:
@@ -76,7 +76,14 @@ if __name__ == "__main__":
         os.environ["KVSERVE_KERNELS"] = "triton"
         os.environ["TRITON_INTERPRET"] = "1"  # vLLM on CPU: CPU tensors, so Triton's interpreter runs the kernels
         import triton.language  # noqa: F401 - before vLLM's import fixes Triton's library functions as compiled
-    from engine_settings import EQUIVALENCE_MAX_TOKENS, engine_kwargs, equivalence_prompts, in_process_env
+    from engine_settings import (
+        EQUIVALENCE_MAX_TOKENS,
+        engine_kwargs,
+        equivalence_prompts,
+        find_state,
+        in_process_env,
+        keep_finished_states,
+    )
 
     in_process_env()
     from vllm import LLM
@@ -84,6 +91,7 @@ if __name__ == "__main__":
     llm = LLM(**engine_kwargs())
     core = llm.llm_engine.engine_core.engine_core
     runner = core.model_executor.driver_worker.worker.model_runner
+    finished = keep_finished_states(runner)
     pool = core.scheduler.kv_cache_manager.block_pool
     tokenizer = llm.get_tokenizer()
     launches = count_kernel_launches() if triton_kernels else {}
@@ -96,7 +104,7 @@ if __name__ == "__main__":
         "impls": sorted({type(module.impl).__name__ for module in runner.model.modules() if hasattr(module, "impl")}),
         "plain": [list(o.outputs[0].token_ids) for o in plain],
         "tokens": [list(o.outputs[0].token_ids) for o in evicting],
-        "kept": [kept_positions(runner, o.request_id) for o in evicting],
+        "kept": [kept_positions(find_state([runner.kvserve.requests, finished], o.request_id)) for o in evicting],
     }
     run_batch(llm, [[1, 2, 3]], [None], 1)  # one more step lets the worker drop the finished requests' state
     result["free_blocks"] = [free_before, pool.get_num_free_blocks()]

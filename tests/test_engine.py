@@ -20,7 +20,7 @@ from kvserve.metrics import metrics
 from kvserve.policies import POLICIES, POLICY_NAMES
 
 # Policies that keep exactly the budget; Attention-Gate decides its own ragged counts (test_attention_gate_engine.py)
-BUDGETED = [name for name in POLICY_NAMES if name == "full" or not POLICIES[name].budget_optional]
+BUDGETED = [name for name in POLICY_NAMES if name == "full" or not POLICIES[name].ragged]
 
 
 def cdiv(a: int, b: int) -> int:

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from kvserve.gates.data import Corpus
 from kvserve.gates.gateset import GateSet, file_sha256
 from kvserve.gates.model import PlainLlama, gate_keep_matrix, masked_softmax
-from kvserve.gates.module import AttentionGate, GateHyper, rotate, straight_through, unrotate
+from kvserve.gates.module import GateHyper, LayerGate, rotate, straight_through, unrotate
 from kvserve.gates.registry import REGISTRY_ENV, gate_entry, load_gates
 
 REAL_MODEL = Path("~/.cache/kvserve/models/SmolLM2-135M-Instruct").expanduser()
@@ -210,7 +210,7 @@ def test_shipped_gate_file_matches_registry(monkeypatch):
 # (f) the causal gate run chunk by chunk (GatePast) equals the gate on the whole sequence: what serving relies on
 def test_chunked_gate_equals_whole_sequence():
     torch.manual_seed(0)
-    gate = AttentionGate(24, 3, GateHyper()).eval()
+    gate = LayerGate(24, 3, GateHyper()).eval()
     x = torch.randn(2, 41, 24) * 5
     with torch.no_grad():
         whole, whole_past = gate(x)

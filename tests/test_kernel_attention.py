@@ -52,7 +52,7 @@ def _assert_same_eviction(engine, run: dict, triton: bool) -> None:
     """Same batch, same policies: the statistics from the attention operation keep the same entries as the
     statistics measured after vLLM's kernel, and the greedy text is the same. Both are fp32; the two attentions
     differ only in summation order (~1e-6), so a kept set may differ where two scores tie to that precision: at most
-    one entry per layer and head, in at most a few of the 30 layers x 3 heads x 8 policies (0 seen). Greedy tokens
+    one entry per layer and head, in at most a few of the 30 layers x 3 heads x policies (0 seen). Greedy tokens
     are compared exactly: on these prompts the smallest gap between the two most likely tokens' log-probabilities is
     9.6e-3 (measured with logprobs=2), far above what summation order moves."""
     prompts, kv_settings, max_tokens = policy_batch(engine.tokenizer, triton)
@@ -61,7 +61,7 @@ def _assert_same_eviction(engine, run: dict, triton: bool) -> None:
     differing_rows = 0
     for name, out, tokens, kept in zip(names, outputs, run["tokens"], run["kept"], strict=True):
         assert list(out.outputs[0].token_ids) == tokens, name
-        reference = kept_positions(engine.runner, out.request_id)
+        reference = kept_positions(engine.eviction_state(out.request_id))
         assert len(kept) == len(reference) == engine.runner.model_config.get_num_layers(
             engine.runner.parallel_config), name
         for layer, (got_layer, want_layer) in enumerate(zip(kept, reference, strict=True)):

@@ -62,6 +62,7 @@ from kvserve_kernels import reference  # noqa: E402
 from kvserve_kernels.layout import new_kv_cache, split_kv_cache  # noqa: E402
 
 from kvserve import kernel_dispatch  # noqa: E402
+from kvserve.policies import representative_policies  # noqa: E402
 
 _INTERPRET_AFTER_IMPORT = os.environ.get("TRITON_INTERPRET")
 
@@ -391,15 +392,13 @@ def test_interpreter_env_not_leaked():
 # its statistics from the keys itself (no measurement from the attention pass).
 # --------------------------------------------------------------------------------------------------------------------
 
-PATH_HEADS, PATH_GROUP, PATH_BLOCK, PATH_BUDGET, PATH_LAYER = 2, 2, 32, 24, 3
-PATH_POLICIES = {
-    "h2o": {"kv_recent": 8}, "tova": {}, "snapkv": {"kv_window": 8}, "ahakv": {"kv_recent": 8}, "mat": {},
-    "ems": {"kv_window": 8}, "streamingllm": {}, "h2o+caote": {"kv_recent": 8},
-}
+# a budget above every registered policy's default protected window (32), below the 80-token prompt chunk
+PATH_HEADS, PATH_GROUP, PATH_BLOCK, PATH_BUDGET, PATH_PROMPT, PATH_LAYER = 2, 2, 32, 48, 80, 3
+PATH_POLICIES = representative_policies(ragged=False)  # every registered policy that ranks entries against a budget
 
 
 def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch, dtype: torch.dtype = torch.float32) -> dict:
-    """A 40-token prompt chunk compacted to the budget, then three decode steps, the last one compacting again.
+    """An 80-token prompt chunk compacted to the budget, then three decode steps, the last one compacting again.
     `layout`: "cpu" (vLLM's CPU "vec" pages, views), "flash" (the GPU layout, views) or "amx" (vLLM's AMX pages,
     written by vLLM's op, staged pages as the backend does). The request's lists live in head pages of 3 blocks."""
     from kvserve.config import parse_kv_config
@@ -422,7 +421,7 @@ def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch, dtype
         paged = cpu_views(raw)
     else:
         paged = flash_views(new_kv_cache(num_pages, 1, PATH_BLOCK, HEAD_DIM, torch.float32, DEVICE).zero_(), HEAD_DIM)
-    config = parse_kv_config({"kv_policy": policy, "kv_budget": PATH_BUDGET, **PATH_POLICIES[policy]}, defaults={})
+    config = parse_kv_config({"kv_policy": policy, "kv_budget": PATH_BUDGET}, defaults={})
     state = RequestState(config=config, policy=config.make_policy(), pages=HeadPages(page_layout))
     state.pages.add_blocks([5, 2, 7])
     logical = 0
@@ -433,7 +432,7 @@ def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch, dtype
     def lengths() -> torch.Tensor:
         return torch.from_numpy(state.pages.lens[PATH_LAYER])
 
-    for tokens, compact in ((40, True), (1, False), (1, False), (1, True)):
+    for tokens, compact in ((PATH_PROMPT, True), (1, False), (1, False), (1, True)):
         keys, values, queries = (torch.randn(tokens, heads, HEAD_DIM, generator=generator).to(dtype)
                                  for heads in (PATH_HEADS, PATH_HEADS, hq))
         slots = torch.from_numpy(state.pages.append(tokens)[PATH_LAYER]).T  # [q, H]
@@ -472,7 +471,7 @@ def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch, dtype
             "stats": {name: stat.cpu() for name, stat in layer.stats.items()}}
 
 
-@pytest.mark.parametrize("policy", list(PATH_POLICIES))
+@pytest.mark.parametrize("policy", PATH_POLICIES)
 def test_backend_scoring_path_same_on_both_layouts_and_backends(policy, monkeypatch):
     monkeypatch.setenv(kernel_dispatch.BACKEND_ENV, "torch")
     with monkeypatch.context() as patched:
@@ -491,7 +490,7 @@ def test_backend_scoring_path_same_on_both_layouts_and_backends(policy, monkeypa
 
 
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="no AMX tiles: vLLM never uses the AMX layout here")
-@pytest.mark.parametrize("policy", list(PATH_POLICIES))
+@pytest.mark.parametrize("policy", PATH_POLICIES)
 def test_amx_staged_blocks_serve_as_the_vec_layout(policy, monkeypatch):
     """bf16 on a CPU with AMX: vLLM stores blocks in its AMX format; the backend stages them. Same entries kept, same
     statistics, same compacted entries as the "vec" layout's views, bit for bit."""

@@ -9,7 +9,8 @@ import pytest
 
 from kvserve.bench import sampling_fuzz
 from kvserve.bench.load import POLICY_MIX, Mix, plan, render, request_body, run_load
-from kvserve.config import KVConfigError, parse_kv_config
+from kvserve.config import parse_kv_config
+from kvserve.errors import InvalidSetting
 from kvserve.eval.client import metric_sum
 from kvserve.model import ensure_default_model
 
@@ -84,7 +85,7 @@ def test_invalid_cases_are_invalid_for_the_servers_parser():
             header = dict(case.headers)["x-kv-budget"]
             assert str(case.xargs["kv_budget"]) != header
         else:
-            with pytest.raises(KVConfigError) as error:
+            with pytest.raises(InvalidSetting) as error:
                 parse_kv_config(settings, defaults={})
             assert error.value.field == case.expect_param
 

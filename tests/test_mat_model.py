@@ -1,4 +1,4 @@
-"""MAT's observations on the default model (spec mat.md, "Checks"): in deep layers the first token gets the highest
+"""The MAT paper's observations, checked on the default model: in deep layers the first token gets the highest
 mean pre-softmax logit; and whether the anchors MAT selects attend to each other with lower logits than others do."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from kvserve import REQUIRED_VLLM_VERSION, vllm_patches
-from kvserve.cli import BUILTIN_DEFAULTS, server_defaults
+from kvserve.cli import BUILTIN_DEFAULTS, defaults_from_args
 from kvserve.config import parse_kv_config
 
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -46,14 +46,14 @@ def namespace(**kv):
 
 
 def test_cli_flags_override_the_config_file():
-    defaults = server_defaults(namespace(kv_config=CONFIGS / "streamingllm-512.yaml", kv_budget="300"))
+    defaults = defaults_from_args(namespace(kv_config=CONFIGS / "streamingllm-512.yaml", kv_budget="300"))
     assert parse_kv_config({}, defaults).budget == 300
     assert parse_kv_config({}, defaults).policy == "streamingllm"
 
 
 def test_cli_rejects_an_invalid_default_at_start_up():
     with pytest.raises(SystemExit, match="kv_budget"):
-        server_defaults(namespace(kv_policy="snapkv", kv_budget="8"))
+        defaults_from_args(namespace(kv_policy="snapkv", kv_budget="8"))
 
 
 def test_readme_documents_every_policy_setting():

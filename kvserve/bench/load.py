@@ -45,18 +45,24 @@ import httpx
 from kvserve.bench import sampling_fuzz
 from kvserve.config import parse_kv_config
 from kvserve.eval.client import metric_sum
-from kvserve.policies import POLICIES, POLICY_NAMES
+from kvserve.policies import POLICIES, POLICY_NAMES, Knob, representative_policies
 
 SERVED_NAME = "load"
-# every policy family once, plus CAOTE over three bases (exact and fast): the mix cycles through these
-POLICY_MIX = ("full", "streamingllm", "snapkv", "h2o", "tova", "ahakv", "mat", "ems", "attention_gate", "h2o+caote",
-              "tova+caote", "snapkv+fastcaote")
-# valid alternative values per knob name (every policy that has the knob accepts them)
-KNOB_CHOICES: dict[str, tuple[Any, ...]] = {
-    "window": (16, 32), "recent": (16, 32), "sink_tokens": (2, 4, 8), "kernel_size": (5, 7),
-    "pooling": ("avg", "max"), "shallow_layers": (1, 2), "anchor_fraction": (0.25, 0.5), "tau": (0.5, 0.6),
-    "gamma": (2.0, 4.0),
-}
+# every registered policy once, and each meta-score (CAOTE, FastCAOTE) over one base: the mix cycles through these
+POLICY_MIX = ("full", *representative_policies())
+
+
+def knob_alternatives(setting: Knob) -> tuple[Any, ...]:
+    """Valid values of a knob for the mix, from its declaration: its default and one other value inside its range."""
+    if setting.kind is str:
+        return setting.choices or (setting.default,)
+    low = setting.minimum if setting.minimum is not None else setting.default / 2
+    if setting.kind is float:
+        return setting.default, (setting.default + low) / 2
+    other = max(int(low), setting.default // 2)
+    if setting.odd and other % 2 == 0:
+        other += 1
+    return (setting.default,) if other == setting.default else (setting.default, other)
 
 
 @dataclass(frozen=True)
@@ -122,7 +128,7 @@ def _as_headers(xargs: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _protected(policy: str, knobs: dict[str, Any]) -> int:
-    return POLICIES[policy](**{key[3:]: value for key, value in knobs.items()}).protected_tokens()
+    return POLICIES[policy](**{key.removeprefix("kv_"): value for key, value in knobs.items()}).protected_tokens()
 
 
 def valid_settings(rng: random.Random, policy: str, mix: Mix, max_model_len: int) -> dict[str, Any]:
@@ -130,10 +136,10 @@ def valid_settings(rng: random.Random, policy: str, mix: Mix, max_model_len: int
     if policy == "full":
         return {"kv_policy": "full"}
     knobs: dict[str, Any] = {}
-    names = [name for name in POLICIES[policy].knobs if name in KNOB_CHOICES]
-    if names and rng.random() < mix.knob_share:
-        name = rng.choice(names)
-        knobs["kv_" + name] = rng.choice(KNOB_CHOICES[name])
+    settings = list(POLICIES[policy].knobs().values())
+    if settings and rng.random() < mix.knob_share:
+        setting = rng.choice(settings)
+        knobs[setting.key] = rng.choice(knob_alternatives(setting))
     budgets = [b for b in mix.budgets if _protected(policy, knobs) < b <= max_model_len]
     xargs = {"kv_policy": policy, "kv_budget": rng.choice(budgets), **knobs}
     parse_kv_config(xargs, defaults={})  # raises if the plan itself is wrong: that is a bug here, not the server's

@@ -147,7 +147,6 @@ def _select_and_move(plan: RowPlan, layer: LayerState, layer_idx: int, obs: Laye
     kept_here = torch.arange(width)[None, :] < counts[:, None]
     layer.kept_positions = obs.positions.gather(1, keep).masked_fill(~kept_here, -1)
     layer.kept_counts = None if bool((counts == width).all()) else counts.long()
-    layer.last_keep = keep
     plan.state.pages.shrink(layer_idx, counts.numpy())
 
 

@@ -9,13 +9,12 @@ ignores vLLM's slot mapping and block table for attention.
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 
 import numpy as np
 import torch
 from vllm.model_executor.models.utils import extract_layer_index
 
-from kvserve.config import KVConfigError, parse_kv_config
+from kvserve.config import parse_kv_config
 from kvserve.engine.eviction import record_times
 from kvserve.engine.pages import HeadPages, PageLayout, blocks_to_release, check_cache_contract, page_view
 from kvserve.engine.plan import (
@@ -30,8 +29,7 @@ from kvserve.engine.plan import (
 from kvserve.engine.request_state import GateRuntime, RequestState
 from kvserve.engine.stages import StageLink, pipeline_group
 from kvserve.engine.step import RowPlan, StepContext, StepPages, current_step, set_step
-
-RECENT_LIMIT = 32
+from kvserve.errors import InvalidSetting
 
 
 class EvictionBook:
@@ -39,9 +37,6 @@ class EvictionBook:
 
     def __init__(self) -> None:
         self.requests: dict[str, RequestState] = {}
-        # The last few finished requests' states (kept positions per layer, without the window buffers), for
-        # introspection: tests and debugging compare what was kept against references.
-        self.recent: OrderedDict[str, RequestState] = OrderedDict()
         self.not_evicting: set[str] = set()
         self.released: dict[str, list[int]] = {}  # req id -> vLLM blocks given back last step, to drop from vLLM's view
         self.failures: dict[str, str] = {}  # req id -> why its policy failed, until the scheduler hears of it
@@ -75,7 +70,7 @@ class EvictionBook:
             return None
         try:
             config = parse_kv_config(sampling_params.extra_args)
-        except KVConfigError:
+        except InvalidSetting:
             config = None  # the scheduler logged it and serves the request without eviction
         if config is None or not config.evicts:
             self.not_evicting.add(req_id)
@@ -92,13 +87,7 @@ class EvictionBook:
         return state
 
     def forget(self, req_id: str) -> None:
-        state = self.requests.pop(req_id, None)
-        if state is not None:
-            for layer in state.layers.values():
-                layer.window = None
-            self.recent[req_id] = state
-            while len(self.recent) > RECENT_LIMIT:
-                self.recent.popitem(last=False)
+        self.requests.pop(req_id, None)
         self.not_evicting.discard(req_id)
         self.released.pop(req_id, None)
 

@@ -25,7 +25,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.request import Request
 
-from kvserve.config import KVConfig, KVConfigError, parse_kv_config
+from kvserve.config import KVConfig, parse_kv_config
 from kvserve.engine import phases
 from kvserve.engine.block_manager import EvictingFullAttentionManager
 from kvserve.engine.plan import (
@@ -37,6 +37,7 @@ from kvserve.engine.plan import (
     page_reports_of,
     with_evicted_count,
 )
+from kvserve.errors import InvalidSetting
 from kvserve.metrics import metrics
 
 logger = init_logger(__name__)
@@ -110,7 +111,7 @@ class EvictingScheduler(Scheduler):
     def _config_of(self, request: Request) -> KVConfig:
         try:
             return parse_kv_config(request.sampling_params.extra_args)
-        except KVConfigError:
+        except InvalidSetting:
             # Front ends validate before a request gets here; a request that bypassed them still must not bring
             # the engine down, so it runs without eviction and says so.
             logger.exception("request %s: invalid eviction settings, serving it without eviction",

@@ -36,7 +36,7 @@ def settings(policies: list[str], budgets: list[int], evict_every_chunk: bool = 
     from kvserve.policies import POLICIES
 
     def unbudgeted(policy: str) -> bool:
-        return policy == "full" or POLICIES[policy].budget_optional
+        return policy == "full" or POLICIES[policy].ragged
 
     once = [Setting(p, None, evict_every_chunk and p != "full") for p in policies if unbudgeted(p)]
     return once + [Setting(p, b, evict_every_chunk) for p in policies if not unbudgeted(p) for b in budgets]

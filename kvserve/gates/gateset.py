@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from kvserve.gates.module import AttentionGate, GateHyper
+from kvserve.gates.module import GateHyper, LayerGate
 
 
 class GateSet(nn.Module):
@@ -20,9 +20,9 @@ class GateSet(nn.Module):
         self.hyper = hyper
         self.in_dim = in_dim
         self.num_kv_heads = num_kv_heads
-        self.gates = nn.ModuleList(AttentionGate(in_dim, num_kv_heads, hyper) for _ in range(num_layers))
+        self.gates = nn.ModuleList(LayerGate(in_dim, num_kv_heads, hyper) for _ in range(num_layers))
 
-    def __getitem__(self, layer: int) -> AttentionGate:
+    def __getitem__(self, layer: int) -> LayerGate:
         return self.gates[layer]
 
     def __len__(self) -> int:

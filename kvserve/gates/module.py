@@ -37,7 +37,10 @@ class GateHyper:
     gamma: float = 2.0  # initial bias towards keeping (Attention-Gate paper, CPT setting)
 
 
-class AttentionGate(nn.Module):
+class LayerGate(nn.Module):
+    """One layer's Attention-Gate network (the `attention_gate` policy runs one per layer): a small attention over
+    the layer's input whose logits flag, per token and KV head, whether its K/V is kept."""
+
     def __init__(self, in_dim: int, num_kv_heads: int, hyper: GateHyper) -> None:
         super().__init__()
         width = hyper.heads * hyper.head_dim

@@ -1,40 +1,55 @@
 """Eviction policies by the names users type. `full` means no eviction.
 
-`<base>+caote` and `<base>+fastcaote` exist for every score-based base policy (CAOTE is a meta-score).
+Adding a policy is one file and one line here (docs/adding-a-policy.md). `<base>+caote` and `<base>+fastcaote` exist
+for every score-based base policy (CAOTE is a meta-score).
 """
 
 from __future__ import annotations
 
 from kvserve.policies.ahakv import AhaKV
 from kvserve.policies.attention_gate import AttentionGate
-from kvserve.policies.base import Knob, LayerObservation, Policy, ScoredPolicy, Selection
-from kvserve.policies.caote import caote_variant
+from kvserve.policies.base import LayerObservation, Policy, ScoredPolicy, Selection
+from kvserve.policies.caote import META_SCORES, caote_variant
 from kvserve.policies.ems import EMS
 from kvserve.policies.h2o import H2O
+from kvserve.policies.knobs import Knob, knob
 from kvserve.policies.mat import MAT
 from kvserve.policies.snapkv import SnapKV
 from kvserve.policies.streamingllm import StreamingLLM
 from kvserve.policies.tova import TOVA
 
+# The registry: every policy a request can name is one of these or a meta-score over a scored one.
 BASE_POLICIES: tuple[type[Policy], ...] = (StreamingLLM, H2O, SnapKV, TOVA, AhaKV, MAT, EMS, AttentionGate)
+
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in BASE_POLICIES}
 for _base in BASE_POLICIES:
     if issubclass(_base, ScoredPolicy):
-        for _fast in (False, True):
-            _variant = caote_variant(_base, _fast)
+        for _meta in META_SCORES:
+            _variant = caote_variant(_base, _meta == "fastcaote")
             POLICIES[_variant.name] = _variant
 POLICY_NAMES: tuple[str, ...] = ("full", *POLICIES)
 
-__all__ = ["POLICIES", "POLICY_NAMES", "AhaKV", "AttentionGate", "EMS", "H2O", "Knob", "LayerObservation", "MAT",
-           "Policy", "ScoredPolicy", "Selection", "SnapKV", "StreamingLLM", "TOVA", "caote_variant"]
+__all__ = ["BASE_POLICIES", "POLICIES", "POLICY_NAMES", "AhaKV", "AttentionGate", "EMS", "H2O", "Knob",
+           "LayerObservation", "MAT", "Policy", "ScoredPolicy", "Selection", "SnapKV", "StreamingLLM", "TOVA",
+           "caote_variant", "knob", "representative_policies", "settings_table"]
+
+
+def representative_policies(ragged: bool = True) -> list[str]:
+    """One registered name per way a policy runs: every base policy, then each meta-score over the first scored base.
+
+    What engine-level tests and the load mix cycle through, so a newly registered policy is in them at once;
+    `ragged=False` leaves out the policies whose heads keep different counts (they need a gate to run)."""
+    names = [cls.name for cls in BASE_POLICIES if ragged or not cls.ragged]
+    first_scored = next(cls.name for cls in BASE_POLICIES if issubclass(cls, ScoredPolicy))
+    return names + [f"{first_scored}+{meta}" for meta in META_SCORES]
 
 
 def settings_table() -> str:
     """The per-policy settings as a Markdown table (the README embeds it; a test keeps the two in sync)."""
     rows = ["| policy | request key | header | default | meaning |", "| --- | --- | --- | --- | --- |"]
     for cls in BASE_POLICIES:
-        for name, knob in cls.knobs.items():
-            allowed = f" ({', '.join(knob.choices)})" if knob.choices else ""
-            rows.append(f"| `{cls.name}` | `kv_{name}` | `x-kv-{name.replace('_', '-')}` | {knob.default} | "
-                        f"{knob.help}{allowed} |")
+        for setting in cls.knobs().values():
+            allowed = f" ({', '.join(setting.choices)})" if setting.choices else ""
+            rows.append(f"| `{cls.name}` | `{setting.key}` | `{setting.header}` | {setting.default} | "
+                        f"{setting.help}{allowed} |")
     return "\n".join(rows)

@@ -12,18 +12,19 @@ Keeps the `recent` newest entries plus the top (budget - recent) by that score (
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from kvserve.policies.base import Knob, LayerObservation, ScoredPolicy, pool_scores, recent_mask
+from kvserve.policies.base import LayerObservation, ScoredPolicy, pool_scores, recent_mask
+from kvserve.policies.knobs import knob
 
 
+@dataclass(frozen=True, kw_only=True)
 class AhaKV(ScoredPolicy):
     name = "ahakv"
-    knobs = {
-        "recent": Knob(int, 32, "recent queries accumulated (B_r); these tokens are always kept", minimum=1),
-        "kernel_size": Knob(int, 7, "mean filter over value norms (odd)", minimum=1, odd=True),
-    }
+    recent: int = knob(32, "recent queries accumulated (B_r); these tokens are always kept", minimum=1)
+    kernel_size: int = knob(7, "mean filter over value norms (odd)", minimum=1, odd=True)
 
     pass_statistics = ("window_sums",)
 
@@ -50,6 +51,6 @@ class AhaKV(ScoredPolicy):
     def score(self, obs: LayerObservation) -> torch.Tensor:
         accumulated = obs.window_votes(self.step_gain(obs))
         norms = obs.values.float().pow(2).sum(-1)  # [H, n]
-        smooth = pool_scores(norms, self.kernel_size)  # the spec's decision: SnapKV's pooling, zero "same" padding
+        smooth = pool_scores(norms, self.kernel_size)  # kvserve's reading: SnapKV's pooling, zero "same" padding
         prior = smooth / smooth.amax(dim=-1, keepdim=True).clamp(min=math.ulp(1.0))
         return prior * accumulated

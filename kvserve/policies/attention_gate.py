@@ -11,16 +11,18 @@ B + block_size the head keeps its B most recent entries (a window rule that caps
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvserve.gates.module import GatePast, unrotate
 from kvserve.policies.base import Policy
 
 
+@dataclass(frozen=True, kw_only=True)
 class AttentionGate(Policy):
     name = "attention_gate"
-    knobs = {}
-    budget_optional = True  # without kv_budget the cache grows by one entry per generated token
+    ragged = True  # without kv_budget the cache grows by one entry per generated token
 
     def gate_flags(self, gate, queries: torch.Tensor, positions: torch.Tensor, rope_theta: float,
                    past: GatePast | None) -> tuple[torch.Tensor, GatePast]:

@@ -11,22 +11,11 @@ indices, and frees it with the request. Statistics are [H, n] per name, so their
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
-
-@dataclass(frozen=True)
-class Knob:
-    """A per-request setting of a policy: its type, default, and allowed values."""
-
-    kind: type  # int, float or str
-    default: Any
-    help: str
-    minimum: float | None = None
-    maximum: float | None = None
-    choices: tuple[str, ...] | None = None
-    odd: bool = False
+from kvserve.policies.knobs import Knob, knobs_of
 
 
 @dataclass
@@ -147,19 +136,30 @@ class Selection:
     keep_counts: torch.Tensor | None = None  # [H] a head keeps only keep_indices[h, :count] (None: all B)
 
 
+@dataclass(frozen=True, kw_only=True)
 class Policy:
-    """Chooses, per KV head, which cached entries survive. Subclasses set `name` and `knobs`."""
+    """Chooses, per KV head, which cached entries survive.
+
+    A subclass is a frozen dataclass: it sets `name`, and its fields, each declared with `knob(...)`, are its
+    per-request settings (`kv_<field>`). Constructing one checks every setting against its declaration.
+    """
 
     name: ClassVar[str]
-    knobs: ClassVar[dict[str, Knob]] = {}
     stat_names: ClassVar[tuple[str, ...]] = ()  # running statistics this policy keeps (see update_stats)
-    budget_optional: ClassVar[bool] = False  # True: the policy decides counts itself; kv_budget only caps them
+    # True: the policy decides each head's count itself (heads keep different counts: "ragged"); kv_budget, then
+    # optional, only caps the counts
+    ragged: ClassVar[bool] = False
     # what the engine should measure in the attention pass (fields of PassStatistics); window_sums only at compactions
     pass_statistics: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, **settings: Any) -> None:
-        for key, knob in self.knobs.items():
-            setattr(self, key, settings.get(key, knob.default))
+    def __post_init__(self) -> None:
+        for knob in self.knobs().values():  # also turns a header's text ("16") into the declared type
+            object.__setattr__(self, knob.name, knob.parse(getattr(self, knob.name)))
+
+    @classmethod
+    def knobs(cls) -> dict[str, Knob]:
+        """The per-request settings this policy declares, by field name."""
+        return knobs_of(cls)
 
     def protected_tokens(self) -> int:
         """Entries the policy always keeps; a budget must exceed this."""

@@ -11,12 +11,14 @@ one per KV head (the group's query heads summed; normalising makes sum and mean 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
 import torch
 
 from kvserve.policies.base import LayerObservation, ScoredPolicy
 
+META_SCORES = ("caote", "fastcaote")  # `<base>+<meta>`: the exact error, and the mean-value approximation
 MIN_REMAINDER = 1e-6  # a dominant sink can make 1 - h_j ~ 0
 
 
@@ -31,8 +33,9 @@ def caote_score(base_scores: torch.Tensor, values: torch.Tensor, fast: bool) -> 
 
 @cache
 def caote_variant(base: type[ScoredPolicy], fast: bool) -> type[ScoredPolicy]:
-    suffix = "fastcaote" if fast else "caote"
+    suffix = META_SCORES[1] if fast else META_SCORES[0]
 
+    @dataclass(frozen=True, kw_only=True)  # the base's knobs, frozen as the base is
     class CaoteVariant(base):
         name = f"{base.name}+{suffix}"
 

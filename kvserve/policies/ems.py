@@ -7,27 +7,29 @@ Budget B = N_imp + window, gamma = (B + N_tbm) / B. The window is kept; of the r
 centres, the next N_tbm are to-be-merged (TBM), the others are evicted. A TBM token joins the centre maximising
 R = cos(k_i, k_d) * cos(v_i, v_d) if R > tau, otherwise it is in the zero class (evicted, never stored).
 A centre's entry becomes the s_loc-weighted mean of its members' keys and values (post-RoPE keys: the paper's
-"w. pos" variant; one K and one V per centre, the simplification the spec chose).
+"w. pos" variant; one K and one V per centre, a simplification of kvserve's).
 During decoding kvserve re-runs the same rule once per block of new tokens, with s_loc from the last `window`
 queries; the paper's alternating local windows (effective length window..2*window-1) are not reproduced.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from kvserve.policies.base import Knob, LayerObservation, Policy, Selection, pool_scores
+from kvserve.policies.base import LayerObservation, Policy, Selection, pool_scores
+from kvserve.policies.knobs import knob
 
 
+@dataclass(frozen=True, kw_only=True)
 class EMS(Policy):
     name = "ems"
-    knobs = {
-        "window": Knob(int, 32, "local window: recent queries for s_loc, always kept", minimum=1),
-        "kernel_size": Knob(int, 7, "mean pooling of s_gl (odd)", minimum=1, odd=True),
-        "tau": Knob(float, 0.6, "merge threshold on R", minimum=0.0, maximum=1.0),
-        "gamma": Knob(float, 4.0, "(B + N_tbm) / B: how many tokens are considered for merging", minimum=1.0),
-    }
+    window: int = knob(32, "local window: recent queries for s_loc, always kept", minimum=1)
+    kernel_size: int = knob(7, "mean pooling of s_gl (odd)", minimum=1, odd=True)
+    tau: float = knob(0.6, "merge threshold on R", minimum=0.0, maximum=1.0)
+    gamma: float = knob(4.0, "(B + N_tbm) / B: how many tokens are considered for merging", minimum=1.0)
     stat_names = ("attention_sum",)
     pass_statistics = ("column_sums", "window_sums")
 

@@ -10,19 +10,21 @@ token i arrives (a by-product of its attention pass) and kept as a statistic. A 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kvserve.policies.base import Knob, LayerObservation, Policy
+from kvserve.policies.base import LayerObservation, Policy
+from kvserve.policies.knobs import knob
 
 
+@dataclass(frozen=True, kw_only=True)
 class MAT(Policy):
     name = "mat"
-    knobs = {
-        "shallow_layers": Knob(int, 2, "first layers that keep sinks + window (L_s)", minimum=0),
-        "sink_tokens": Knob(int, 4, "sinks kept in shallow layers", minimum=1),
-        "anchor_fraction": Knob(float, 0.25, "beta / budget: share of the budget for anchors in deep layers",
-                                minimum=0.0, maximum=1.0),
-    }
+    shallow_layers: int = knob(2, "first layers that keep sinks + window (L_s)", minimum=0)
+    sink_tokens: int = knob(4, "sinks kept in shallow layers", minimum=1)
+    anchor_fraction: float = knob(0.25, "beta / budget: share of the budget for anchors in deep layers",
+                                  minimum=0.0, maximum=1.0)
     stat_names = ("anchor_logit",)
     pass_statistics = ("first_logits",)
 

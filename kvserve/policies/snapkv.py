@@ -1,4 +1,5 @@
-"""SnapKV (Li et al., 2024): the last `window` queries vote for the keys they attend to.
+"""SnapKV ("SnapKV: LLM Knows What You are Looking for Before Generation", Li et al. 2024, arXiv:2404.14469):
+the last `window` queries vote for the keys they attend to.
 
 Per KV head, the window queries' attention probabilities are summed over the window and over the query heads of the
 GQA group, smoothed with a 1-D pool over the keys before the window, and the top (budget - window) keys are kept
@@ -7,18 +8,20 @@ together with the window itself.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kvserve.policies.base import Knob, LayerObservation, ScoredPolicy, pool_scores, recent_mask
+from kvserve.policies.base import LayerObservation, ScoredPolicy, pool_scores, recent_mask
+from kvserve.policies.knobs import knob
 
 
+@dataclass(frozen=True, kw_only=True)
 class SnapKV(ScoredPolicy):
     name = "snapkv"
-    knobs = {
-        "window": Knob(int, 32, "observation window: most recent queries that vote, always kept", minimum=1),
-        "kernel_size": Knob(int, 7, "pooling kernel over keys (odd)", minimum=1, odd=True),
-        "pooling": Knob(str, "avg", "pooling of the votes", choices=("avg", "max")),
-    }
+    window: int = knob(32, "observation window: most recent queries that vote, always kept", minimum=1)
+    kernel_size: int = knob(7, "pooling kernel over keys (odd)", minimum=1, odd=True)
+    pooling: str = knob("avg", "pooling of the votes", choices=("avg", "max"))
 
     pass_statistics = ("window_sums",)
 

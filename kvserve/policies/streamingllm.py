@@ -1,15 +1,20 @@
-"""StreamingLLM (Xiao et al., 2023): attention sinks plus a recent window. No scores."""
+"""StreamingLLM ("Efficient Streaming Language Models with Attention Sinks", Xiao et al. 2023, arXiv:2309.17453):
+attention sinks plus a recent window. No scores."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kvserve.policies.base import Knob, LayerObservation, Policy
+from kvserve.policies.base import LayerObservation, Policy
+from kvserve.policies.knobs import knob
 
 
+@dataclass(frozen=True, kw_only=True)
 class StreamingLLM(Policy):
     name = "streamingllm"
-    knobs = {"sink_tokens": Knob(int, 4, "first tokens always kept (attention sinks)", minimum=0)}
+    sink_tokens: int = knob(4, "first tokens always kept (attention sinks)", minimum=0)
 
     def protected_tokens(self) -> int:
         return self.sink_tokens

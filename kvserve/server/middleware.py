@@ -16,21 +16,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvserve.config import KEY_PREFIX, KVConfigError, check_against_model, parse_kv_config
+from kvserve.config import KEY_PREFIX, check_against_model, parse_kv_config
 from kvserve.engine.plan import EVICTED_KEY
+from kvserve.errors import InvalidSetting
 from kvserve.server.evicted import EvictedTally, open_tally
 
 HEADER_PREFIX = b"x-kv-"
 MAX_HEADER_VALUE = 256
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 HANDLED = "kvserve.headers_handled"  # scope key: a second copy of this middleware (given by --middleware too) passes
-
-
-class BadRequest(Exception):
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 def headers_to_xargs(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
@@ -43,9 +37,9 @@ def headers_to_xargs(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
         key = KEY_PREFIX + name[len(HEADER_PREFIX) :].replace("-", "_")
         value = raw_value.decode("latin-1").strip()
         if key in xargs:
-            raise BadRequest(name, f"header {name} given more than once")
+            raise InvalidSetting(name, f"header {name} given more than once")
         if len(value) > MAX_HEADER_VALUE:
-            raise BadRequest(name, f"header {name} is longer than {MAX_HEADER_VALUE} characters")
+            raise InvalidSetting(name, f"header {name} is longer than {MAX_HEADER_VALUE} characters")
         xargs[key] = value
     return xargs
 
@@ -58,14 +52,14 @@ def merge_into_body(body: dict[str, Any], header_xargs: dict[str, str]) -> dict[
     if xargs is None:
         xargs = {}
     if not isinstance(xargs, dict):
-        raise BadRequest("vllm_xargs", "must be a JSON object")
+        raise InvalidSetting("vllm_xargs", "must be a JSON object")
     top_level = {key: body.pop(key) for key in list(body)
                  if isinstance(key, str) and key.startswith(KEY_PREFIX) and key not in VLLM_KV_FIELDS}
     for source, settings in (("header x-kv-", header_xargs), ("body key kv_", top_level)):
         for key, value in settings.items():
             if key in xargs and str(xargs[key]).lower() != str(value).lower():
                 name = source + (key[3:].replace("_", "-") if source.startswith("header") else key[3:])
-                raise BadRequest(key, f"given as {name}={value!r} and as {xargs[key]!r} elsewhere in the request "
+                raise InvalidSetting(key, f"given as {name}={value!r} and as {xargs[key]!r} elsewhere in the request "
                                       "(vllm_xargs, a header or a top-level body key); give it once")
             xargs.setdefault(key, value)
     if xargs:
@@ -82,14 +76,14 @@ def reject_what_vllm_cannot_serve(body: dict[str, Any], path: str) -> None:
     """Requests vLLM 0.32 would answer wrongly (found by `kvserve bench load`'s fuzz): a 400 saying why instead."""
     for field, replacement in REMOVED_GUIDED_FIELDS.items():
         if field in body:
-            raise BadRequest(field, f"{field} was removed in vLLM 0.32 and would be ignored (the output would not be "
-                                    f'constrained); send "structured_outputs": {{"{replacement}": ...}} instead')
+            raise InvalidSetting(field, f"{field} was removed in vLLM 0.32 and would be ignored (the output would "
+                                 f'not be constrained); send "structured_outputs": {{"{replacement}": ...}} instead')
     n = body.get("n")
     if (path == "/v1/completions" and body.get("stream") and body.get("echo") and body.get("logprobs") is not None
             and isinstance(n, int) and n > 1):
-        raise BadRequest("echo", "echo with logprobs on a stream with n > 1 breaks in vLLM 0.32 (the echoed prompt's "
-                                 "tokens and log-probabilities fall out of step: an error mid-stream); drop one of "
-                                 "stream, echo and logprobs, or ask for n=1")
+        raise InvalidSetting("echo", "echo with logprobs on a stream with n > 1 breaks in vLLM 0.32 (the echoed "
+                             "prompt's tokens and log-probabilities fall out of step: an error mid-stream); drop one "
+                             "of stream, echo and logprobs, or ask for n=1")
 
 
 def error_body(field: str, message: str) -> bytes:
@@ -121,10 +115,10 @@ class KVHeadersMiddleware:
                     check_against_model(config, model_config.model, model_config.max_model_len)
                 raw = json.dumps(body).encode()
             elif header_xargs:
-                raise BadRequest("body", "x-kv-* headers need a JSON object body")
+                raise InvalidSetting("body", "x-kv-* headers need a JSON object body")
             else:
                 config = None
-        except (BadRequest, KVConfigError) as exc:
+        except InvalidSetting as exc:
             await _send_json(send, 400, error_body(exc.field, str(exc)))
             return
         scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]

@@ -1,0 +1,60 @@
+"""Eviction settings (`parse_kv_config`): a refused setting names the request key at fault, server defaults apply
+and default knobs of another policy are dropped, CAOTE over a policy without scores is refused with the reason, and
+an unknown policy lists the allowed ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.config import parse_kv_config
+from kvserve.errors import InvalidSetting
+
+
+@pytest.mark.parametrize("bad,field", [
+    ({"kv_policy": "lru", "kv_budget": 64}, "kv_policy"),
+    ({"kv_policy": "snapkv", "kv_budget": "64k"}, "kv_budget"),
+    ({"kv_policy": "snapkv", "kv_budget": 1.5}, "kv_budget"),
+    ({"kv_policy": "snapkv", "kv_budget": 32}, "kv_budget"),
+    ({"kv_policy": "snapkv"}, "kv_budget"),
+    ({"kv_policy": "streamingllm", "kv_budget": 4}, "kv_budget"),
+    ({"kv_policy": "snapkv", "kv_budget": 64, "kv_window": -1}, "kv_window"),
+    ({"kv_policy": "snapkv", "kv_budget": 64, "kv_kernel_size": 4}, "kv_kernel_size"),
+    ({"kv_policy": "snapkv", "kv_budget": 64, "kv_pooling": "median"}, "kv_pooling"),
+    ({"kv_policy": "snapkv", "kv_budget": 64, "kv_sink_tokens": 2}, "kv_sink_tokens"),
+    ({"kv_policy": "streamingllm", "kv_budget": 64, "kv_evict_every_chunk": "sometimes"}, "kv_evict_every_chunk"),
+    ({"kv_policy": "full", "kv_budget": 64}, "kv_budget"),
+    ({"kv_polcy": "snapkv"}, "kv_polcy"),
+    ({"kv_policy": "ems", "kv_budget": 64, "kv_tau": "high"}, "kv_tau"),
+    ({"kv_policy": "ems", "kv_budget": 64, "kv_tau": 1.5}, "kv_tau"),
+    ({"kv_policy": "ems", "kv_budget": 64, "kv_gamma": "nan"}, "kv_gamma"),
+    ({"kv_policy": "mat", "kv_budget": 64, "kv_anchor_fraction": -0.1}, "kv_anchor_fraction"),
+    ({"kv_policy": "h2o+caote", "kv_budget": 16}, "kv_budget"),
+    ({"kv_policy": "streamingllm+caote", "kv_budget": 64}, "kv_policy"),
+])
+def test_invalid_settings_name_the_field(bad, field):
+    with pytest.raises(InvalidSetting) as info:
+        parse_kv_config(bad, defaults={})
+    assert info.value.field == field
+
+
+def test_server_defaults_apply_and_foreign_default_knobs_are_dropped():
+    defaults = {"kv_policy": "streamingllm", "kv_budget": 256, "kv_sink_tokens": 8}
+    assert parse_kv_config({}, defaults).knobs == (("sink_tokens", 8),)
+    snap = parse_kv_config({"kv_policy": "snapkv"}, defaults)
+    assert snap.policy == "snapkv" and snap.budget == 256 and dict(snap.knobs)["window"] == 32
+    assert parse_kv_config({"kv_policy": "full"}, defaults).evicts is False
+    assert parse_kv_config({"kv_budget": "300", "kv_evict_every_chunk": "true"}, defaults).evict_every_chunk
+
+
+@pytest.mark.parametrize("policy", ["ems+caote", "streamingllm+fastcaote", "mat+caote"])
+def test_caote_over_a_policy_without_scores_is_refused_with_the_reason(policy):
+    with pytest.raises(InvalidSetting) as error:
+        parse_kv_config({"kv_policy": policy, "kv_budget": 128}, defaults={})
+    assert error.value.field == "kv_policy"
+    assert "not a supported combination" in error.value.message and "h2o" in error.value.message
+
+
+def test_an_unknown_policy_lists_the_allowed_ones():
+    with pytest.raises(InvalidSetting) as error:
+        parse_kv_config({"kv_policy": "lru+caote", "kv_budget": 128}, defaults={})
+    assert "unknown policy" in error.value.message and "snapkv+caote" in error.value.message

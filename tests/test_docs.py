@@ -1,0 +1,51 @@
+"""docs/adding-a-policy.md works as written: its policy file and registry entry, applied to a copy of the package,
+give a policy that the contract test (tests/policies/test_contract.py, unedited) finds and passes."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+GUIDE = ROOT / "docs" / "adding-a-policy.md"
+
+
+def _blocks_by_path(text: str) -> dict[str, str]:
+    """The guide's code blocks whose fence names a file: ```python kvserve/policies/x.py"""
+    return {path: body for path, body in re.findall(r"```python (\S+)\n(.*?)```", text, flags=re.S)}
+
+
+def test_the_guide_adds_a_policy_the_contract_test_covers(tmp_path):
+    blocks = _blocks_by_path(GUIDE.read_text())
+    registry_path = "kvserve/policies/__init__.py"
+    assert registry_path in blocks and len(blocks) == 2, list(blocks)
+    (new_file,) = (path for path in blocks if path != registry_path)
+    shutil.copytree(ROOT / "kvserve", tmp_path / "kvserve", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / new_file).write_text(blocks[new_file])
+
+    registry = tmp_path / registry_path
+    lines = registry.read_text().splitlines()
+    new_import, new_registry = blocks[registry_path].strip().splitlines()
+    (entry,) = [i for i, line in enumerate(lines) if line.startswith("BASE_POLICIES")]
+    lines[entry] = new_registry
+    lines.insert(max(i for i, line in enumerate(lines) if line.startswith("from kvserve.policies.")) + 1, new_import)
+    registry.write_text("\n".join(lines) + "\n")
+
+    name = re.search(r'name = "(\w+)"', blocks[new_file]).group(1)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
+                           str(ROOT / "tests" / "policies" / "test_contract.py"), "-k", name],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    passed = re.findall(r"::(\w+)\[([^\]]*)\] PASSED", done.stdout)  # (test, its parameter id: "0-keynorm", ...)
+    covered = {part for _, ids in passed for part in ids.split("-") if part.startswith(name)}
+    assert covered == {name, f"{name}+caote", f"{name}+fastcaote"}, done.stdout[-3000:]
+    tests = {test for test, _ in passed}
+    contract = set(re.findall(r"^def (test_\w+)", (ROOT / "tests" / "policies" / "test_contract.py").read_text(),
+                              flags=re.M))
+    # every contract test ran for it, except the one for ragged policies (which it is not)
+    assert tests == contract - {t for t in contract if "ragged" in t}, sorted(contract - tests)
