@@ -27,6 +27,7 @@ serve: setup
 
 lint: setup
 	$(VENV)/bin/ruff check kvserve tests kernels
+	$(VENV)/bin/ruff format --check kvserve tests kernels
 
 test: lint
 	$(PY) -m pytest -q tests $(ARGS)

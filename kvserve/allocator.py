@@ -47,7 +47,10 @@ def allocator_env(env: dict[str, str] | os._Environ) -> tuple[dict[str, str], st
     if choice == "tcmalloc":
         raise SystemExit(f"kvserve: {ALLOCATOR_ENV}=tcmalloc but libtcmalloc_minimal.so.4 is not installed")
     added = {} if "MALLOC_MMAP_THRESHOLD_" in env else {"MALLOC_MMAP_THRESHOLD_": str(GLIBC_MMAP_THRESHOLD)}
-    why = ("as asked" if choice == "glibc"
-           else "tcmalloc not found: `apt-get install libtcmalloc-minimal4` for ~10% more throughput")
+    why = (
+        "as asked"
+        if choice == "glibc"
+        else "tcmalloc not found: `apt-get install libtcmalloc-minimal4` for ~10% more throughput"
+    )
     threshold = added.get("MALLOC_MMAP_THRESHOLD_", env.get("MALLOC_MMAP_THRESHOLD_"))
     return added, f"allocator: glibc with MALLOC_MMAP_THRESHOLD_={threshold} against fragmentation ({why})"

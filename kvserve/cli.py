@@ -28,17 +28,29 @@ BUILTIN_DEFAULTS = {"kv_policy": "snapkv", "kv_budget": 1024}
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve serve", description=__doc__, add_help=False,
-                                     usage="kvserve serve [MODEL] [kvserve flags] [vLLM flags]",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvserve serve",
+        description=__doc__,
+        add_help=False,
+        usage="kvserve serve [MODEL] [kvserve flags] [vLLM flags]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     general = parser.add_argument_group("server-wide eviction defaults (each request may override them)")
     general.add_argument("--kv-config", type=Path, help="YAML file of kv_* defaults (see configs/)")
-    general.add_argument("--kv-policy", dest="kv_policy", default=None,
-                         help=f"eviction policy: {', '.join(POLICY_NAMES)} (default snapkv with --kv-budget 1024)")
-    general.add_argument("--kv-budget", dest="kv_budget", default=None,
-                         help="entries each (layer, KV head) keeps: B")
-    general.add_argument("--kv-evict-every-chunk", dest="kv_evict_every_chunk", action="store_true", default=None,
-                         help="evict after every prefill chunk (bounds a long prompt's cache)")
+    general.add_argument(
+        "--kv-policy",
+        dest="kv_policy",
+        default=None,
+        help=f"eviction policy: {', '.join(POLICY_NAMES)} (default snapkv with --kv-budget 1024)",
+    )
+    general.add_argument("--kv-budget", dest="kv_budget", default=None, help="entries each (layer, KV head) keeps: B")
+    general.add_argument(
+        "--kv-evict-every-chunk",
+        dest="kv_evict_every_chunk",
+        action="store_true",
+        default=None,
+        help="evict after every prefill chunk (bounds a long prompt's cache)",
+    )
     knobs = parser.add_argument_group("policy settings (each applies to the policies that declare it)")
     for key, help_text in sorted(_knob_help().items()):
         knobs.add_argument("--" + key.replace("_", "-"), dest=key, default=None, help=help_text)
@@ -56,8 +68,10 @@ def _knob_help() -> dict[str, str]:
             continue
         for setting in cls.knobs().values():
             meanings.setdefault(setting.key, {}).setdefault(setting.help, []).append(policy)
-    return {key: "; ".join(f"{', '.join(owners)}: {text}" for text, owners in by_help.items())
-            for key, by_help in meanings.items()}
+    return {
+        key: "; ".join(f"{', '.join(owners)}: {text}" for text, owners in by_help.items())
+        for key, by_help in meanings.items()
+    }
 
 
 def defaults_from_args(args: argparse.Namespace) -> dict:
@@ -117,8 +131,9 @@ def parallel_env(vllm_args: list[str], env: dict) -> dict[str, str]:
         return {}
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < stages:
-        raise SystemExit(f"kvserve: --pipeline-parallel-size {stages} needs a CPU per stage; this process may use "
-                         f"{len(cpus)}")
+        raise SystemExit(
+            f"kvserve: --pipeline-parallel-size {stages} needs a CPU per stage; this process may use {len(cpus)}"
+        )
     share = len(cpus) // stages
     groups = [cpus[stage * share : (stage + 1) * share] for stage in range(stages)]
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(str(cpu) for cpu in group) for group in groups)}
@@ -173,13 +188,15 @@ def serve(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: kvserve serve [MODEL] [--kv-policy P --kv-budget B ...] [vllm flags]\n"
-              "       kvserve eval {ruler,tasks,ppl,passkey} ...  quality of eviction settings through a server\n"
-              "       kvserve bench {capacity,overhead} ... kvserve against vanilla vLLM, one run\n"
-              "       kvserve bench load ...           mixed-policy load test of one server (loopback)\n"
-              "       kvserve bench crash ...          kill a server's engine: time to failing /health and exit\n"
-              "       kvserve bench soak ...           engine memory over long evicting requests, per allocator\n"
-              "       kvserve setup-model            convert the default model once and print its folder")
+        print(
+            "usage: kvserve serve [MODEL] [--kv-policy P --kv-budget B ...] [vllm flags]\n"
+            "       kvserve eval {ruler,tasks,ppl,passkey} ...  quality of eviction settings through a server\n"
+            "       kvserve bench {capacity,overhead} ... kvserve against vanilla vLLM, one run\n"
+            "       kvserve bench load ...           mixed-policy load test of one server (loopback)\n"
+            "       kvserve bench crash ...          kill a server's engine: time to failing /health and exit\n"
+            "       kvserve bench soak ...           engine memory over long evicting requests, per allocator\n"
+            "       kvserve setup-model            convert the default model once and print its folder"
+        )
         return
     command, rest = argv[0], argv[1:]
     if command == "serve":

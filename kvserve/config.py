@@ -75,8 +75,10 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
 
     policy = request.get("kv_policy", defaults.get("kv_policy", "full"))
     if not isinstance(policy, str) or policy not in POLICY_NAMES:
-        raise InvalidSetting("kv_policy", _unsupported_combination(policy)
-                            or f"unknown policy {policy!r}; allowed: {', '.join(POLICY_NAMES)}")
+        raise InvalidSetting(
+            "kv_policy",
+            _unsupported_combination(policy) or f"unknown policy {policy!r}; allowed: {', '.join(POLICY_NAMES)}",
+        )
     if policy == "full":
         stray = [k for k in request if k not in ("kv_policy",)]
         if stray:
@@ -89,8 +91,9 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
     if foreign:
         raise InvalidSetting(foreign[0], f"is not a setting of {policy}; its settings: {_knob_list(cls)}")
     # the policy's own fields parse and check each value; an error names the request key
-    policy_obj = cls(**{name: request.get(key, defaults.get(key, cls.knobs()[name].default))
-                        for key, name in declared.items()})
+    policy_obj = cls(
+        **{name: request.get(key, defaults.get(key, cls.knobs()[name].default)) for key, name in declared.items()}
+    )
 
     budget: int | None = None
     if "kv_budget" in request or "kv_budget" in defaults:
@@ -117,11 +120,15 @@ def _unsupported_combination(policy: Any) -> str | None:
     if base not in POLICIES or meta not in ("caote", "fastcaote"):
         return None
     rescorable = sorted({name.partition("+")[0] for name in POLICIES if "+" in name})
-    why = ("it merges evicted entries into kept ones, and CAOTE's error of evicting a token does not model a merge"
-           if base == "ems" else "it selects by a fixed rule (positions; MAT's anchors by logit rank per layer), "
-           "not by one score per token")
-    return (f"{policy!r} is not a supported combination: {meta} rescores a base policy's per-token scores, and "
-            f"{base} cannot be rescored ({why}); {meta} applies to: {', '.join(rescorable)}")
+    why = (
+        "it merges evicted entries into kept ones, and CAOTE's error of evicting a token does not model a merge"
+        if base == "ems"
+        else "it selects by a fixed rule (positions; MAT's anchors by logit rank per layer), not by one score per token"
+    )
+    return (
+        f"{policy!r} is not a supported combination: {meta} rescores a base policy's per-token scores, and "
+        f"{base} cannot be rescored ({why}); {meta} applies to: {', '.join(rescorable)}"
+    )
 
 
 def _knob_list(cls: type[Policy]) -> str:

@@ -31,8 +31,9 @@ def default_dtype(flags: set[str] | None = None) -> tuple[str, str]:
     native = [flag for flag in BF16_FLAGS if flag in flags]
     if native:
         return "bfloat16", f"the CPU has native bf16 ({', '.join(native)})"
-    return "float32", ("no native bf16 on this CPU (neither amx_bf16 nor avx512_bf16): bf16 would be emulated, "
-                       "~4x slower")
+    return "float32", (
+        "no native bf16 on this CPU (neither amx_bf16 nor avx512_bf16): bf16 would be emulated, ~4x slower"
+    )
 
 
 def has_dtype_flag(args: list[str]) -> bool:

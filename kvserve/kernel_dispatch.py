@@ -52,10 +52,19 @@ def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor
 
 
 def decode_attention_with_scores(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, *, scores: torch.Tensor | None = None,
-    last_probs: torch.Tensor | None = None, first_logit: torch.Tensor | None = None,
-    max_seq_len: int | None = None, num_splits: int | None = None, need_output: bool = True,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    scores: torch.Tensor | None = None,
+    last_probs: torch.Tensor | None = None,
+    first_logit: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    need_output: bool = True,
     backend: Backend = "auto",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Decode attention (one query per request) with H2O / TOVA / MAT statistics from the same pass.
@@ -71,20 +80,53 @@ def decode_attention_with_scores(
     if use_triton(q.device, backend):
         from kvserve_kernels.decode_attention import decode_attention_with_scores as kernel
 
-        return kernel(q, key_cache, value_cache, block_table, seq_lens, scale, scores=scores, last_probs=last_probs,
-                      first_logit=first_logit, max_seq_len=max_seq_len, num_splits=num_splits)
+        return kernel(
+            q,
+            key_cache,
+            value_cache,
+            block_table,
+            seq_lens,
+            scale,
+            scores=scores,
+            last_probs=last_probs,
+            first_logit=first_logit,
+            max_seq_len=max_seq_len,
+            num_splits=num_splits,
+        )
     from kvserve_kernels.reference import decode_attention_reference
 
-    return decode_attention_reference(q, key_cache, value_cache, block_table, seq_lens, scale, scores=scores,
-                                      last_probs=last_probs, first_logit=first_logit, need_output=need_output)
+    return decode_attention_reference(
+        q,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        scale,
+        scores=scores,
+        last_probs=last_probs,
+        first_logit=first_logit,
+        need_output=need_output,
+    )
 
 
 def prefill_attention_with_window_sums(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, window: int, *,
-    window_sums: torch.Tensor | None = None, accumulate: bool = False, score_logit_scale: torch.Tensor | None = None,
-    max_slots: int | None = None, max_seq_len: int | None = None, max_query_len: int | None = None,
-    need_output: bool = True, backend: Backend = "auto",
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    window: int,
+    *,
+    window_sums: torch.Tensor | None = None,
+    accumulate: bool = False,
+    score_logit_scale: torch.Tensor | None = None,
+    max_slots: int | None = None,
+    max_seq_len: int | None = None,
+    max_query_len: int | None = None,
+    need_output: bool = True,
+    backend: Backend = "auto",
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Causal varlen (chunked-)prefill attention plus the column sums of the last `window` queries' probabilities.
 
@@ -98,20 +140,50 @@ def prefill_attention_with_window_sums(
     if use_triton(q.device, backend):
         from kvserve_kernels.prefill_window import prefill_attention_with_window_sums as kernel
 
-        return kernel(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, window,
-                      window_sums=window_sums, accumulate=accumulate, score_logit_scale=score_logit_scale,
-                      max_slots=max_slots, max_seq_len=max_seq_len, max_query_len=max_query_len)
+        return kernel(
+            q,
+            key_cache,
+            value_cache,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            scale,
+            window,
+            window_sums=window_sums,
+            accumulate=accumulate,
+            score_logit_scale=score_logit_scale,
+            max_slots=max_slots,
+            max_seq_len=max_seq_len,
+            max_query_len=max_query_len,
+        )
     from kvserve_kernels.reference import prefill_attention_reference
 
-    return prefill_attention_reference(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
-                                       window, window_sums=window_sums, accumulate=accumulate,
-                                       score_logit_scale=score_logit_scale, max_slots=max_slots,
-                                       need_output=need_output)
+    return prefill_attention_reference(
+        q,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        scale,
+        window,
+        window_sums=window_sums,
+        accumulate=accumulate,
+        score_logit_scale=score_logit_scale,
+        max_slots=max_slots,
+        need_output=need_output,
+    )
 
 
 def compact(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, keep_indices: torch.Tensor, *,
-    keep_counts: torch.Tensor | None = None, stats: Sequence[torch.Tensor] = (), backend: Backend = "auto",
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    keep_indices: torch.Tensor,
+    *,
+    keep_counts: torch.Tensor | None = None,
+    stats: Sequence[torch.Tensor] = (),
+    backend: Backend = "auto",
 ) -> None:
     """In place: for request r and KV head h, entry keep_indices[r, h, j] (strictly ascending in j) moves to slot j
     of the request's blocks (j < keep_counts[r], default all), and every `stats` buffer [R, Hkv, slots] moves its

@@ -19,45 +19,65 @@ class Metrics:
     def __init__(self) -> None:
         self.tokens_evicted = Counter(
             "kvserve:tokens_evicted",
-            "Tokens removed from requests' KV caches (each layer and KV head drops this many)", ["policy"])
-        self.blocks_freed = Counter("kvserve:blocks_freed", "KV-cache blocks returned to vLLM's pool by eviction",
-                                    ["policy"])
+            "Tokens removed from requests' KV caches (each layer and KV head drops this many)",
+            ["policy"],
+        )
+        self.blocks_freed = Counter(
+            "kvserve:blocks_freed", "KV-cache blocks returned to vLLM's pool by eviction", ["policy"]
+        )
         self.bytes_freed = Counter(
             "kvserve:kv_cache_bytes_freed",
             "KV-cache memory returned to vLLM's pool by eviction (blocks freed x bytes per block over all layers)",
-            ["policy"])
+            ["policy"],
+        )
         self.kept_ratio = Histogram(
             "kvserve:kept_token_ratio",
             "Per finished request of an evicting policy: cache entries held at the end / tokens of the sequence",
-            ["policy"], buckets=KEPT_RATIO_BUCKETS)
-        self.policy_errors = Counter("kvserve:policy_errors", "Requests failed because their eviction policy raised",
-                                     ["policy"])
-        self.evictions = Counter("kvserve:evictions", "Compaction steps (one per request and step that evicts)",
-                                 ["policy"])
-        self.evicted_requests = Gauge("kvserve:requests_with_evicted_cache",
-                                      "Requests currently holding a compacted (evicted) KV cache",
-                                      multiprocess_mode="livesum")
+            ["policy"],
+            buckets=KEPT_RATIO_BUCKETS,
+        )
+        self.policy_errors = Counter(
+            "kvserve:policy_errors", "Requests failed because their eviction policy raised", ["policy"]
+        )
+        self.evictions = Counter(
+            "kvserve:evictions", "Compaction steps (one per request and step that evicts)", ["policy"]
+        )
+        self.evicted_requests = Gauge(
+            "kvserve:requests_with_evicted_cache",
+            "Requests currently holding a compacted (evicted) KV cache",
+            multiprocess_mode="livesum",
+        )
         # vLLM's vllm:kv_cache_usage_perc counts whole blocks; a block of an evicting request may be partly free
-        self.pages_in_use = Gauge("kvserve:kv_pages_in_use",
-                                  "Head pages (block_size tokens of one layer and KV head) holding live KV entries",
-                                  multiprocess_mode="livesum")
-        self.pages_total = Gauge("kvserve:kv_pages_total",
-                                 "Head pages in vLLM's KV-cache pool (blocks x layers x KV heads)",
-                                 multiprocess_mode="livesum")
+        self.pages_in_use = Gauge(
+            "kvserve:kv_pages_in_use",
+            "Head pages (block_size tokens of one layer and KV head) holding live KV entries",
+            multiprocess_mode="livesum",
+        )
+        self.pages_total = Gauge(
+            "kvserve:kv_pages_total",
+            "Head pages in vLLM's KV-cache pool (blocks x layers x KV heads)",
+            multiprocess_mode="livesum",
+        )
         # Attention-Gate: eviction ratio per layer and KV head = 1 - kept / judged (every head judges every token)
-        self.gate_tokens_judged = Counter("kvserve:gate_tokens_judged",
-                                          "Prompt tokens judged by Attention-Gate (each layer and KV head judges each)")
-        self.gate_tokens_kept = Counter("kvserve:gate_tokens_kept", "Prompt tokens Attention-Gate kept",
-                                        ["layer", "kv_head"])
+        self.gate_tokens_judged = Counter(
+            "kvserve:gate_tokens_judged", "Prompt tokens judged by Attention-Gate (each layer and KV head judges each)"
+        )
+        self.gate_tokens_kept = Counter(
+            "kvserve:gate_tokens_kept", "Prompt tokens Attention-Gate kept", ["layer", "kv_head"]
+        )
         self.compaction_seconds = Histogram(
             "kvserve:compaction_seconds",
             "Worker time of one request's eviction step: scoring and compacting every layer, outside vLLM's attention",
-            ["policy"], buckets=COMPACTION_BUCKETS)
+            ["policy"],
+            buckets=COMPACTION_BUCKETS,
+        )
 
         self.engine_seconds = Counter(
             "kvserve:engine_seconds",
             "Engine time by phase: schedule, worker (whole step), and inside it attention, statistics, compaction, "
-            "pages (kvserve/engine/phases.py); the model's layers are worker minus the last four", ["phase"])
+            "pages (kvserve/engine/phases.py); the model's layers are worker minus the last four",
+            ["phase"],
+        )
 
     def record_compaction(self, policy: str, tokens: int, blocks: int, bytes_per_block: int) -> None:
         self.tokens_evicted.labels(policy=policy).inc(tokens)

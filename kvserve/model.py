@@ -53,9 +53,11 @@ def _gguf_path() -> Path:
 
 
 def _is_complete(folder: Path) -> bool:
-    return (folder / "config.json").exists() and (folder / "model.safetensors").exists() and (
-        folder / "tokenizer_config.json"
-    ).exists()
+    return (
+        (folder / "config.json").exists()
+        and (folder / "model.safetensors").exists()
+        and (folder / "tokenizer_config.json").exists()
+    )
 
 
 def ensure_default_model(target: Path | None = None) -> Path:

@@ -172,8 +172,11 @@ def _discarded_cpu_generators(runner) -> dict[int, torch.Generator]:
 
     rows = np.nonzero(runner.discard_request_mask.np[: runner.input_batch.num_reqs])[0]
     generators = runner.input_batch.generators
-    return {int(row): generators[int(row)] for row in rows
-            if int(row) in generators and generators[int(row)].device.type == "cpu"}
+    return {
+        int(row): generators[int(row)]
+        for row in rows
+        if int(row) in generators and generators[int(row)].device.type == "cpu"
+    }
 
 
 def _patch_seeded_sampling() -> None:
@@ -184,8 +187,9 @@ def _patch_seeded_sampling() -> None:
 
     @functools.wraps(sample)
     def _sample(self, *args, **kwargs):
-        self.kvserve_generator_states = {row: generator.get_state()
-                                         for row, generator in _discarded_cpu_generators(self).items()}
+        self.kvserve_generator_states = {
+            row: generator.get_state() for row, generator in _discarded_cpu_generators(self).items()
+        }
         return sample(self, *args, **kwargs)
 
     @functools.wraps(bookkeeping_sync)
@@ -216,7 +220,8 @@ def _patch_pipeline_buffers() -> None:
     def sync_and_gather_intermediate_tensors(self, *args, **kwargs):
         if self.intermediate_tensors is None:  # what `_dummy_run` allocates on a non-first stage
             self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
-                batch_size=self.max_num_tokens, dtype=self.model_config.dtype, device=self.device)
+                batch_size=self.max_num_tokens, dtype=self.model_config.dtype, device=self.device
+            )
         return original(self, *args, **kwargs)
 
     GPUModelRunner.sync_and_gather_intermediate_tensors = sync_and_gather_intermediate_tensors

@@ -81,8 +81,9 @@ def vanilla_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("vanilla") / "outputs.json"
     env = dict(os.environ, VLLM_PLUGINS="none")
     log = open(out.with_suffix(".log"), "w")
-    proc = subprocess.Popen([sys.executable, str(TESTS / "vanilla_run.py"), str(out)], env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, str(TESTS / "vanilla_run.py"), str(out)], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
     yield proc, out
     if proc.poll() is None:
         proc.kill()
@@ -118,13 +119,20 @@ def server(tmp_path_factory):
     """ONE real `kvserve serve` for the HTTP tests (started the way the benchmark starts its servers)."""
     from kvserve.bench.servers import running_server
 
-    args = ["--max-model-len", "2048", "--block-size", "32", "--enforce-eager",
-            "--dtype", "float32",  # vLLM on CPU would serve this fp32 checkpoint in bf16; references are fp32
-            "--max-num-batched-tokens", str(SERVER_CHUNK)]
+    args = [
+        "--max-model-len",
+        "2048",
+        "--block-size",
+        "32",
+        "--enforce-eager",
+        "--dtype",
+        "float32",  # vLLM on CPU would serve this fp32 checkpoint in bf16; references are fp32
+        "--max-num-batched-tokens",
+        str(SERVER_CHUNK),
+    ]
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     # no MODEL: the default model, served under its own name (what `make serve` does)
-    with running_server("kvserve", None, args, log_path,
-                        env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
+    with running_server("kvserve", None, args, log_path, env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
         yield base
 
 

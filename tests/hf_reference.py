@@ -37,8 +37,12 @@ def _greedy(model, prompt_ids: list[int], max_tokens: int, after_prefill, after_
     generated = [int(out.logits[0, -1].argmax())]
     position = len(prompt_ids)
     while len(generated) < max_tokens:
-        out = model(input_ids=torch.tensor([[generated[-1]]]), position_ids=torch.tensor([[position]]),
-                    past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=torch.tensor([[generated[-1]]]),
+            position_ids=torch.tensor([[position]]),
+            past_key_values=cache,
+            use_cache=True,
+        )
         position += 1
         after_decode_step(cache)
         generated.append(int(out.logits[0, -1].argmax()))
@@ -46,8 +50,9 @@ def _greedy(model, prompt_ids: list[int], max_tokens: int, after_prefill, after_
 
 
 @torch.no_grad()
-def streamingllm_generate(model, prompt_ids: list[int], max_tokens: int, budget: int, sinks: int,
-                          block_size: int) -> list[int]:
+def streamingllm_generate(
+    model, prompt_ids: list[int], max_tokens: int, budget: int, sinks: int, block_size: int
+) -> list[int]:
     """Greedy decoding with StreamingLLM applied when kvserve applies it: after the prompt (if it exceeds the
     budget), then whenever the cache reaches budget + block_size after a decode step. RoPE positions stay logical."""
     num_layers = model.config.num_hidden_layers
@@ -58,8 +63,13 @@ def streamingllm_generate(model, prompt_ids: list[int], max_tokens: int, budget:
         if length >= threshold:
             _keep_in_cache(cache, [_sink_recent(length, budget, sinks, num_heads)] * num_layers)
 
-    return _greedy(model, prompt_ids, max_tokens, lambda cache: evict_if(cache, budget + 1),
-                   lambda cache: evict_if(cache, budget + block_size))
+    return _greedy(
+        model,
+        prompt_ids,
+        max_tokens,
+        lambda cache: evict_if(cache, budget + 1),
+        lambda cache: evict_if(cache, budget + block_size),
+    )
 
 
 @torch.no_grad()
@@ -86,8 +96,9 @@ def snapkv_reference(model, prompt_ids: list[int], budget: int, window: int, ker
 @torch.no_grad()
 def generate_with_kept(model, prompt_ids: list[int], max_tokens: int, per_layer_keep) -> list[int]:
     """Greedy decoding after keeping the given cache positions per layer and head (no later eviction)."""
-    return _greedy(model, prompt_ids, max_tokens, lambda cache: _keep_in_cache(cache, per_layer_keep),
-                   lambda cache: None)
+    return _greedy(
+        model, prompt_ids, max_tokens, lambda cache: _keep_in_cache(cache, per_layer_keep), lambda cache: None
+    )
 
 
 @torch.no_grad()

@@ -20,8 +20,10 @@ from kvserve.policies import POLICIES, representative_policies  # noqa: E402
 KERNEL_POLICIES = representative_policies(ragged=False)
 KERNEL_BUDGET, KERNEL_MAX_TOKENS = 96, 40  # a prefill compaction, then one in decode (cache 96 -> 128 -> 96)
 # Triton's interpreter is slow: one policy per statistic the attention pass measures
-TRITON_POLICIES = [next(name for name in KERNEL_POLICIES if statistic in POLICIES[name].pass_statistics)
-                   for statistic in ("column_sums", "window_sums", "first_logits")]
+TRITON_POLICIES = [
+    next(name for name in KERNEL_POLICIES if statistic in POLICIES[name].pass_statistics)
+    for statistic in ("column_sums", "window_sums", "first_logits")
+]
 TRITON_PROMPT, TRITON_BUDGET, TRITON_MAX_TOKENS = 80, 48, 6
 
 
@@ -29,8 +31,9 @@ def policy_batch(tokenizer, triton: bool = False):
     """(prompts, per-request kv settings, max_tokens) of the batch both engines run."""
     from kvserve.eval.haystack import haystack
 
-    names, length, budget = ((TRITON_POLICIES, TRITON_PROMPT, TRITON_BUDGET) if triton
-                             else (KERNEL_POLICIES, 300, KERNEL_BUDGET))
+    names, length, budget = (
+        (TRITON_POLICIES, TRITON_PROMPT, TRITON_BUDGET) if triton else (KERNEL_POLICIES, 300, KERNEL_BUDGET)
+    )
     prompts = [haystack(tokenizer, length, seed=90 + i) for i in range(len(names))]
     settings = [{"kv_policy": name, "kv_budget": budget} for name in names]
     return prompts, settings, TRITON_MAX_TOKENS if triton else KERNEL_MAX_TOKENS
@@ -40,8 +43,9 @@ def run_batch(llm, prompts, kv_settings, max_tokens):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args=kv)
-              for kv in kv_settings]
+    params = [
+        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args=kv) for kv in kv_settings
+    ]
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
 
@@ -55,8 +59,11 @@ def count_kernel_launches() -> dict[str, int]:
     import importlib
 
     counts: dict[str, int] = {}
-    for module_name, function in (("decode_attention", "decode_attention_with_scores"),
-                                  ("prefill_window", "prefill_attention_with_window_sums"), ("compaction", "compact")):
+    for module_name, function in (
+        ("decode_attention", "decode_attention_with_scores"),
+        ("prefill_window", "prefill_attention_with_window_sums"),
+        ("compaction", "compact"),
+    ):
         module = importlib.import_module(f"kvserve_kernels.{module_name}")
         original = getattr(module, function)
         counts[function] = 0
@@ -96,8 +103,7 @@ if __name__ == "__main__":
     tokenizer = llm.get_tokenizer()
     launches = count_kernel_launches() if triton_kernels else {}
     free_before = pool.get_num_free_blocks()
-    plain = [] if triton_kernels else run_batch(llm, equivalence_prompts(tokenizer), [None] * 3,
-                                                EQUIVALENCE_MAX_TOKENS)
+    plain = [] if triton_kernels else run_batch(llm, equivalence_prompts(tokenizer), [None] * 3, EQUIVALENCE_MAX_TOKENS)
     prompts, kv_settings, max_tokens = policy_batch(tokenizer, triton_kernels)
     evicting = run_batch(llm, prompts, kv_settings, max_tokens)
     result = {

@@ -34,9 +34,21 @@ if __name__ == "__main__":
     for kv in settings:
         params = SamplingParams(temperature=0, max_tokens=EQUIVALENCE_MAX_TOKENS, ignore_eos=True, extra_args=kv)
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        results.append({"kv": kv, "outputs": [list(o.outputs[0].token_ids) for o in outputs],
-                        "evicted": [(o.kv_transfer_params or {}).get("kv_tokens_evicted") for o in outputs],
-                        "free_blocks": pool.get_num_free_blocks()})
+        results.append(
+            {
+                "kv": kv,
+                "outputs": [list(o.outputs[0].token_ids) for o in outputs],
+                "evicted": [(o.kv_transfer_params or {}).get("kv_tokens_evicted") for o in outputs],
+                "free_blocks": pool.get_num_free_blocks(),
+            }
+        )
     with open(sys.argv[2], "w") as f:
-        json.dump({"total_blocks": pool.num_gpu_blocks - 1, "scheduler": type(core.scheduler).__name__,
-                   "batch_queue": core.batch_queue_size, "results": results}, f)
+        json.dump(
+            {
+                "total_blocks": pool.num_gpu_blocks - 1,
+                "scheduler": type(core.scheduler).__name__,
+                "batch_queue": core.batch_queue_size,
+                "results": results,
+            },
+            f,
+        )

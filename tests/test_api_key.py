@@ -17,11 +17,21 @@ def guarded_server(tmp_path_factory):
     from kvserve.bench.servers import running_server
     from kvserve.model import ensure_default_model
 
-    args = ["--max-model-len", "512", "--block-size", "32", "--enforce-eager", "--served-model-name", "smollm",
-            "--api-key", KEY]
+    args = [
+        "--max-model-len",
+        "512",
+        "--block-size",
+        "32",
+        "--enforce-eager",
+        "--served-model-name",
+        "smollm",
+        "--api-key",
+        KEY,
+    ]
     log_path = tmp_path_factory.mktemp("guarded") / "server.log"
-    with running_server("kvserve", str(ensure_default_model()), args, log_path,
-                        env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
+    with running_server(
+        "kvserve", str(ensure_default_model()), args, log_path, env={"VLLM_CPU_KVCACHE_SPACE": "1"}
+    ) as base:
         yield base
 
 
@@ -75,8 +85,15 @@ def test_every_policy_in_one_batch_on_the_bf16_layout(guarded_server, long_promp
     headers = {"authorization": f"Bearer {KEY}"}
 
     def complete(name: str) -> httpx.Response:
-        body = {"model": "smollm", "prompt": long_prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-                "kv_policy": name, "kv_budget": budget}
+        body = {
+            "model": "smollm",
+            "prompt": long_prompt,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "kv_policy": name,
+            "kv_budget": budget,
+        }
         return httpx.post(guarded_server + "/v1/completions", json=body, headers=headers, timeout=300)
 
     with ThreadPoolExecutor(len(names)) as pool:

@@ -34,8 +34,9 @@ def _served_kept(layer) -> list[set[int]]:
     return [{p for p in layer.kept_positions[h].tolist() if p >= 0} for h in range(layer.kept_positions.shape[0])]
 
 
-def _assert_same_kept(served: list[set[int]], reference_flags: torch.Tensor, probability: torch.Tensor,
-                      tau: float) -> None:
+def _assert_same_kept(
+    served: list[set[int]], reference_flags: torch.Tensor, probability: torch.Tensor, tau: float
+) -> None:
     """Equal per head, except tokens whose reference keep probability is within 1e-4 of tau (float noise)."""
     for head, kept in enumerate(served):
         expected = set(torch.nonzero(reference_flags[:, head]).flatten().tolist())
@@ -55,8 +56,7 @@ def test_served_gate_equals_the_plain_pytorch_reference(engine, reference):
     with torch.no_grad():
         ref_probability = model(torch.tensor([ids]), gates).keep_probability
     for layer_idx, layer in state.layers.items():
-        _assert_same_kept(_served_kept(layer), ref_flags[layer_idx], ref_probability[layer_idx][0],
-                          gates.hyper.tau)
+        _assert_same_kept(_served_kept(layer), ref_flags[layer_idx], ref_probability[layer_idx][0], gates.hyper.tau)
     assert list(out.outputs[0].token_ids) == ref_tokens
     # each (layer, head) list holds exactly what its gate kept, then the generated tokens: no padding
     decoded = max_tokens - 1  # the last sampled token is never written to the cache
@@ -67,8 +67,9 @@ def test_served_gate_equals_the_plain_pytorch_reference(engine, reference):
     mean_kept = state.pages.lens.sum() / state.pages.lens.size - decoded
     assert out.kv_transfer_params["kv_tokens_evicted"] == len(ids) - round(mean_kept)
     assert metrics().gate_tokens_judged._value.get() - judged_before == len(ids)
-    assert metrics().gate_tokens_kept.labels(layer="29", kv_head="0")._value.get() - kept_before == \
-        len(_served_kept(state.layers[29])[0])
+    assert metrics().gate_tokens_kept.labels(layer="29", kv_head="0")._value.get() - kept_before == len(
+        _served_kept(state.layers[29])[0]
+    )
 
 
 def test_chunked_prefill_gates_chunk_by_chunk_to_the_same_result(engine, reference):
@@ -80,9 +81,11 @@ def test_chunked_prefill_gates_chunk_by_chunk_to_the_same_result(engine, referen
     single_state = engine.eviction_state(single.request_id)
     # beside a second request the scheduler splits the prompt into 128-token chunks (engine_settings)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, extra_args=GATE)
-    chunked = engine.llm.generate([TokensPrompt(prompt_token_ids=ids),
-                                   TokensPrompt(prompt_token_ids=haystack(engine.tokenizer, 300, seed=92))],
-                                  params, use_tqdm=False)[0]
+    chunked = engine.llm.generate(
+        [TokensPrompt(prompt_token_ids=ids), TokensPrompt(prompt_token_ids=haystack(engine.tokenizer, 300, seed=92))],
+        params,
+        use_tqdm=False,
+    )[0]
     chunked_state = engine.eviction_state(chunked.request_id)
     for layer_idx, layer in single_state.layers.items():
         assert _served_kept(layer) == _served_kept(chunked_state.layers[layer_idx])
@@ -114,9 +117,11 @@ def test_blocks_past_the_largest_count_are_returned_and_a_budget_caps_decoding(e
     ids = haystack(engine.tokenizer, 400, seed=93)
     budget, max_tokens = 96, 70
     request = engine.llm.llm_engine
-    request.add_request("gate-blocks", TokensPrompt(prompt_token_ids=ids),
-                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                                       extra_args={**GATE, "kv_budget": budget}))
+    request.add_request(
+        "gate-blocks",
+        TokensPrompt(prompt_token_ids=ids),
+        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args={**GATE, "kv_budget": budget}),
+    )
     held_after_prefill = None
     most_blocks_in_decode = 0
     while request.has_unfinished_requests():

@@ -11,8 +11,19 @@ from kvserve.bench.__main__ import main as bench_main
 from kvserve.bench.workload import compaction_histogram
 
 PROMPTS, PROMPT_TOKENS, MAX_TOKENS, BUDGET = 3, 300, 4, 64
-TINY = ["--prompts", str(PROMPTS), "--prompt-tokens", str(PROMPT_TOKENS), "--max-tokens", str(MAX_TOKENS),
-        "--block-size", "32", "--kv-space-gib", "1", "--server-args=--enforce-eager"]
+TINY = [
+    "--prompts",
+    str(PROMPTS),
+    "--prompt-tokens",
+    str(PROMPT_TOKENS),
+    "--max-tokens",
+    str(MAX_TOKENS),
+    "--block-size",
+    "32",
+    "--kv-space-gib",
+    "1",
+    "--server-args=--enforce-eager",
+]
 
 
 def test_compaction_histogram_is_the_per_bucket_difference_of_two_scrapes():
@@ -32,8 +43,21 @@ def test_compaction_histogram_is_the_per_bucket_difference_of_two_scrapes():
 def test_capacity_command_compares_vanilla_and_kvserve(tmp_path, capsys):
     out = tmp_path / "capacity.json"
     plot = tmp_path / "capacity.png"
-    bench_main(["capacity", *TINY, "--num-blocks", "24", "--budgets", str(BUDGET), "--out", str(out),
-                "--plot", str(plot), "--ceiling"])
+    bench_main(
+        [
+            "capacity",
+            *TINY,
+            "--num-blocks",
+            "24",
+            "--budgets",
+            str(BUDGET),
+            "--out",
+            str(out),
+            "--plot",
+            str(plot),
+            "--ceiling",
+        ]
+    )
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     results = json.loads(out.read_text())["results"]
     vanilla, ceiling, kvserve = results
@@ -76,8 +100,9 @@ def test_decode_heavy_preset_holds_two_requests_without_eviction_and_compresses_
 
     from kvserve.bench.__main__ import apply_decode_heavy
 
-    args = argparse.Namespace(prompts=8, prompt_tokens=3000, max_tokens=64, block_size=128, num_blocks=64,
-                              budgets="256,512")
+    args = argparse.Namespace(
+        prompts=8, prompt_tokens=3000, max_tokens=64, block_size=128, num_blocks=64, budgets="256,512"
+    )
     apply_decode_heavy(args, ["--decode-heavy"])
     per_request = -(-(args.prompt_tokens + args.max_tokens) // args.block_size)
     assert (args.prompts, args.max_tokens) == (16, 256) and args.num_blocks == 2 * per_request
@@ -89,9 +114,24 @@ def test_decode_heavy_preset_holds_two_requests_without_eviction_and_compresses_
 
 def test_soak_records_engine_memory_after_each_request(tmp_path, capsys):
     out = tmp_path / "soak.json"
-    bench_main(["soak", "--requests", "2", "--prompt-tokens", str(PROMPT_TOKENS), "--max-tokens", "2",
-                "--budget", str(BUDGET), "--allocators", "glibc-threshold",
-                "--server-args=--block-size 32 --enforce-eager --dtype float32", "--out", str(out)])
+    bench_main(
+        [
+            "soak",
+            "--requests",
+            "2",
+            "--prompt-tokens",
+            str(PROMPT_TOKENS),
+            "--max-tokens",
+            "2",
+            "--budget",
+            str(BUDGET),
+            "--allocators",
+            "glibc-threshold",
+            "--server-args=--block-size 32 --enforce-eager --dtype float32",
+            "--out",
+            str(out),
+        ]
+    )
     [result] = json.loads(out.read_text())["results"]
     assert result["allocator"] == "glibc-threshold" and len(result["seconds"]) == 2
     assert len(result["rss_mb"]) == 3 and min(result["rss_mb"]) > 100  # a loaded model, measured each time
@@ -102,10 +142,12 @@ def test_soak_records_engine_memory_after_each_request(tmp_path, capsys):
 def test_flame_summary_shares_samples_under_the_root_frame():
     from kvserve.bench.flame import summarize
 
-    stacks = ["main (a.py:1);step (b.py:2);attention (c.py:3) 6",
-              "main (a.py:1);step (b.py:9);score (d.py:4);gather (d.py:8) 3",
-              "main (a.py:1);step (b.py:2) 1",
-              "main (a.py:1);load (e.py:1) 90"]  # outside the root: not counted
+    stacks = [
+        "main (a.py:1);step (b.py:2);attention (c.py:3) 6",
+        "main (a.py:1);step (b.py:9);score (d.py:4);gather (d.py:8) 3",
+        "main (a.py:1);step (b.py:2) 1",
+        "main (a.py:1);load (e.py:1) 90",
+    ]  # outside the root: not counted
     table = summarize(stacks, root="step")
     assert table.startswith("10 samples under step")
     assert "| 100.0% | 10.0% | `step (b.py)` |" in table  # line numbers merged, 1 sample of its own
@@ -118,10 +160,13 @@ def test_capacity_limits_count_whole_blocks_held_while_decoding():
 
     from kvserve.bench.__main__ import add_capacity_limits
 
-    args = argparse.Namespace(command="capacity", num_blocks=28, block_size=128, prompts=16, prompt_tokens=1500,
-                              max_tokens=256)
-    results = [{"server": "vanilla", "budget": None, "peak_running": 2},
-               *({"server": "kvserve", "budget": b, "peak_running": 0} for b in (375, 188, 94))]
+    args = argparse.Namespace(
+        command="capacity", num_blocks=28, block_size=128, prompts=16, prompt_tokens=1500, max_tokens=256
+    )
+    results = [
+        {"server": "vanilla", "budget": None, "peak_running": 2},
+        *({"server": "kvserve", "budget": b, "peak_running": 0} for b in (375, 188, 94)),
+    ]
     add_capacity_limits(results, args)
     # vanilla: 1,756 tokens = 14 blocks -> 2 fit; evicting: B + one block of new tokens, in whole blocks
     assert [r["pool_limit"] for r in results] == [2, 28 // 4, 28 // 3, 28 // 2]

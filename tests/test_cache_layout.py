@@ -12,16 +12,25 @@ from kvserve.engine.cache_layout import amx_decode, amx_encode, compact_lists, c
 NUM_PAGES, HEADS, BLOCK, DIM = 18, 3, 32, 64
 
 
-def vllm_pages_with(keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, isa: str = "vec",
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def vllm_pages_with(
+    keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, isa: str = "vec", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """A page view [P, 1, bs, 2D] where vLLM's writer put keys/values [n, H, D] as each head's list (tables [H, W])."""
     pages = torch.zeros(NUM_PAGES, 1, BLOCK, 2 * DIM, dtype=dtype)
     key_cache, value_cache = pages.view(NUM_PAGES, 1, 2 * BLOCK, DIM).chunk(2, dim=2)
     entries = torch.arange(keys.shape[0])
     slots = (tables[:, entries // BLOCK] * BLOCK + entries % BLOCK).T.reshape(-1)  # (token, head) order
-    ops.cpu_attn_reshape_and_cache(keys.to(dtype).reshape(-1, 1, DIM), values.to(dtype).reshape(-1, 1, DIM),
-                                   key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
-                                   kv_cache_dtype="auto")
+    ops.cpu_attn_reshape_and_cache(
+        keys.to(dtype).reshape(-1, 1, DIM),
+        values.to(dtype).reshape(-1, 1, DIM),
+        key_cache,
+        value_cache,
+        slots,
+        isa,
+        k_scale=1.0,
+        v_scale=1.0,
+        kv_cache_dtype="auto",
+    )
     return pages
 
 
@@ -69,14 +78,24 @@ AMX = torch.cpu._is_amx_tile_supported()
 needs_amx = pytest.mark.skipif(not AMX, reason="this CPU has no AMX tiles: vLLM never picks the AMX layout here")
 
 
-def amx_cache_with(keys: torch.Tensor, values: torch.Tensor, block_ids: list[int], num_blocks: int,
-                   block_size: int) -> torch.Tensor:
+def amx_cache_with(
+    keys: torch.Tensor, values: torch.Tensor, block_ids: list[int], num_blocks: int, block_size: int
+) -> torch.Tensor:
     heads, dim = keys.shape[1], keys.shape[2]
     kv_cache = torch.zeros(num_blocks, heads, block_size, 2 * dim, dtype=torch.bfloat16)
     key_cache, value_cache = kv_cache.view(num_blocks, heads, 2 * block_size, dim).chunk(2, dim=2)
     slots = torch.tensor([block_ids[t // block_size] * block_size + t % block_size for t in range(keys.shape[0])])
-    ops.cpu_attn_reshape_and_cache(keys.to(torch.bfloat16), values.to(torch.bfloat16), key_cache, value_cache, slots,
-                                   "amx", k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    ops.cpu_attn_reshape_and_cache(
+        keys.to(torch.bfloat16),
+        values.to(torch.bfloat16),
+        key_cache,
+        value_cache,
+        slots,
+        "amx",
+        k_scale=1.0,
+        v_scale=1.0,
+        kv_cache_dtype="auto",
+    )
     return kv_cache
 
 

@@ -10,27 +10,30 @@ from kvserve.config import parse_kv_config
 from kvserve.errors import InvalidSetting
 
 
-@pytest.mark.parametrize("bad,field", [
-    ({"kv_policy": "lru", "kv_budget": 64}, "kv_policy"),
-    ({"kv_policy": "snapkv", "kv_budget": "64k"}, "kv_budget"),
-    ({"kv_policy": "snapkv", "kv_budget": 1.5}, "kv_budget"),
-    ({"kv_policy": "snapkv", "kv_budget": 32}, "kv_budget"),
-    ({"kv_policy": "snapkv"}, "kv_budget"),
-    ({"kv_policy": "streamingllm", "kv_budget": 4}, "kv_budget"),
-    ({"kv_policy": "snapkv", "kv_budget": 64, "kv_window": -1}, "kv_window"),
-    ({"kv_policy": "snapkv", "kv_budget": 64, "kv_kernel_size": 4}, "kv_kernel_size"),
-    ({"kv_policy": "snapkv", "kv_budget": 64, "kv_pooling": "median"}, "kv_pooling"),
-    ({"kv_policy": "snapkv", "kv_budget": 64, "kv_sink_tokens": 2}, "kv_sink_tokens"),
-    ({"kv_policy": "streamingllm", "kv_budget": 64, "kv_evict_every_chunk": "sometimes"}, "kv_evict_every_chunk"),
-    ({"kv_policy": "full", "kv_budget": 64}, "kv_budget"),
-    ({"kv_polcy": "snapkv"}, "kv_polcy"),
-    ({"kv_policy": "ems", "kv_budget": 64, "kv_tau": "high"}, "kv_tau"),
-    ({"kv_policy": "ems", "kv_budget": 64, "kv_tau": 1.5}, "kv_tau"),
-    ({"kv_policy": "ems", "kv_budget": 64, "kv_gamma": "nan"}, "kv_gamma"),
-    ({"kv_policy": "mat", "kv_budget": 64, "kv_anchor_fraction": -0.1}, "kv_anchor_fraction"),
-    ({"kv_policy": "h2o+caote", "kv_budget": 16}, "kv_budget"),
-    ({"kv_policy": "streamingllm+caote", "kv_budget": 64}, "kv_policy"),
-])
+@pytest.mark.parametrize(
+    "bad,field",
+    [
+        ({"kv_policy": "lru", "kv_budget": 64}, "kv_policy"),
+        ({"kv_policy": "snapkv", "kv_budget": "64k"}, "kv_budget"),
+        ({"kv_policy": "snapkv", "kv_budget": 1.5}, "kv_budget"),
+        ({"kv_policy": "snapkv", "kv_budget": 32}, "kv_budget"),
+        ({"kv_policy": "snapkv"}, "kv_budget"),
+        ({"kv_policy": "streamingllm", "kv_budget": 4}, "kv_budget"),
+        ({"kv_policy": "snapkv", "kv_budget": 64, "kv_window": -1}, "kv_window"),
+        ({"kv_policy": "snapkv", "kv_budget": 64, "kv_kernel_size": 4}, "kv_kernel_size"),
+        ({"kv_policy": "snapkv", "kv_budget": 64, "kv_pooling": "median"}, "kv_pooling"),
+        ({"kv_policy": "snapkv", "kv_budget": 64, "kv_sink_tokens": 2}, "kv_sink_tokens"),
+        ({"kv_policy": "streamingllm", "kv_budget": 64, "kv_evict_every_chunk": "sometimes"}, "kv_evict_every_chunk"),
+        ({"kv_policy": "full", "kv_budget": 64}, "kv_budget"),
+        ({"kv_polcy": "snapkv"}, "kv_polcy"),
+        ({"kv_policy": "ems", "kv_budget": 64, "kv_tau": "high"}, "kv_tau"),
+        ({"kv_policy": "ems", "kv_budget": 64, "kv_tau": 1.5}, "kv_tau"),
+        ({"kv_policy": "ems", "kv_budget": 64, "kv_gamma": "nan"}, "kv_gamma"),
+        ({"kv_policy": "mat", "kv_budget": 64, "kv_anchor_fraction": -0.1}, "kv_anchor_fraction"),
+        ({"kv_policy": "h2o+caote", "kv_budget": 16}, "kv_budget"),
+        ({"kv_policy": "streamingllm+caote", "kv_budget": 64}, "kv_policy"),
+    ],
+)
 def test_invalid_settings_name_the_field(bad, field):
     with pytest.raises(InvalidSetting) as info:
         parse_kv_config(bad, defaults={})

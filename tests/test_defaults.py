@@ -16,12 +16,15 @@ flags\t\t: fpu sse2
 """
 
 
-@pytest.mark.parametrize("vendor, extra, want", [
-    ("GenuineIntel", "avx512f avx512_bf16 amx_bf16 amx_tile", "bfloat16"),  # Sapphire Rapids: AMX tiles
-    ("AuthenticAMD", "avx512f avx512_bf16", "bfloat16"),  # Zen 4 EPYC: AVX512-BF16, no AMX
-    ("AuthenticAMD", "fma", "float32"),  # Zen 2/3 EPYC: AVX2 only, bf16 emulated
-    ("GenuineIntel", "avx512f avx512bw", "float32"),  # Skylake/Cascade Lake: AVX-512 without bf16
-])
+@pytest.mark.parametrize(
+    "vendor, extra, want",
+    [
+        ("GenuineIntel", "avx512f avx512_bf16 amx_bf16 amx_tile", "bfloat16"),  # Sapphire Rapids: AMX tiles
+        ("AuthenticAMD", "avx512f avx512_bf16", "bfloat16"),  # Zen 4 EPYC: AVX512-BF16, no AMX
+        ("AuthenticAMD", "fma", "float32"),  # Zen 2/3 EPYC: AVX2 only, bf16 emulated
+        ("GenuineIntel", "avx512f avx512bw", "float32"),  # Skylake/Cascade Lake: AVX-512 without bf16
+    ],
+)
 def test_default_dtype_follows_native_bf16(vendor, extra, want):
     flags = cpu_dtype.cpu_flags(CPUINFO.format(vendor=vendor, extra=extra))
     assert "avx2" in flags  # the first CPU's flags line was read
@@ -51,14 +54,16 @@ def test_serve_picks_the_dtype_unless_given(monkeypatch):
 
 
 def test_serve_preloads_tcmalloc_when_installed_else_caps_glibcs_mmap_threshold(monkeypatch):
-    _, env = serve_command(monkeypatch, [], tcmalloc="/usr/lib/libtcmalloc_minimal.so.4",
-                           env={"LD_PRELOAD": "/opt/other.so"})
+    _, env = serve_command(
+        monkeypatch, [], tcmalloc="/usr/lib/libtcmalloc_minimal.so.4", env={"LD_PRELOAD": "/opt/other.so"}
+    )
     assert env["LD_PRELOAD"].split() == ["/usr/lib/libtcmalloc_minimal.so.4", "/opt/other.so"]
     assert "MALLOC_MMAP_THRESHOLD_" not in env  # tcmalloc does not fragment: no mmap tax
     _, env = serve_command(monkeypatch, [], tcmalloc=None)
     assert env["MALLOC_MMAP_THRESHOLD_"] == str(allocator.GLIBC_MMAP_THRESHOLD) and "LD_PRELOAD" not in env
-    _, env = serve_command(monkeypatch, [], tcmalloc="/usr/lib/libtcmalloc_minimal.so.4",
-                           env={allocator.ALLOCATOR_ENV: "glibc"})
+    _, env = serve_command(
+        monkeypatch, [], tcmalloc="/usr/lib/libtcmalloc_minimal.so.4", env={allocator.ALLOCATOR_ENV: "glibc"}
+    )
     assert "LD_PRELOAD" not in env and "MALLOC_MMAP_THRESHOLD_" in env
     with pytest.raises(SystemExit, match="not installed"):
         serve_command(monkeypatch, [], tcmalloc=None, env={allocator.ALLOCATOR_ENV: "tcmalloc"})
@@ -86,8 +91,9 @@ def test_serve_help_lists_kvserves_flags_before_vllms():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", "--help"], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "serve", "--help"], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     text = done.stdout
     assert "--kv-policy" in text and "--max-model-len" in text  # kvserve's, then vLLM's own help

@@ -37,15 +37,31 @@ def test_the_guide_adds_a_policy_the_contract_test_covers(tmp_path):
 
     name = re.search(r'name = "(\w+)"', blocks[new_file]).group(1)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
-                           str(ROOT / "tests" / "policies" / "test_contract.py"), "-k", name],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-v",
+            "-p",
+            "no:cacheprovider",
+            str(ROOT / "tests" / "policies" / "test_contract.py"),
+            "-k",
+            name,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     passed = re.findall(r"::(\w+)\[([^\]]*)\] PASSED", done.stdout)  # (test, its parameter id: "0-keynorm", ...)
     covered = {part for _, ids in passed for part in ids.split("-") if part.startswith(name)}
     assert covered == {name, f"{name}+caote", f"{name}+fastcaote"}, done.stdout[-3000:]
     tests = {test for test, _ in passed}
-    contract = set(re.findall(r"^def (test_\w+)", (ROOT / "tests" / "policies" / "test_contract.py").read_text(),
-                              flags=re.M))
+    contract = set(
+        re.findall(r"^def (test_\w+)", (ROOT / "tests" / "policies" / "test_contract.py").read_text(), flags=re.M)
+    )
     # every contract test ran for it, except the one for ragged policies (which it is not)
     assert tests == contract - {t for t in contract if "ragged" in t}, sorted(contract - tests)

@@ -35,8 +35,11 @@ def test_baseline_is_vanilla_vllm(vanilla_outputs):
     assert vanilla_outputs["scheduler"] == "Scheduler"  # the subprocess really ran without kvserve's plugin
 
 
-@pytest.mark.parametrize("kv", [None] + [{"kv_policy": name, "kv_budget": 2048} if name != "full" else
-                                         {"kv_policy": "full"} for name in BUDGETED], ids=str)
+@pytest.mark.parametrize(
+    "kv",
+    [None] + [{"kv_policy": name, "kv_budget": 2048} if name != "full" else {"kv_policy": "full"} for name in BUDGETED],
+    ids=str,
+)
 def test_budget_above_sequence_matches_vanilla(engine, vanilla_outputs, kv):
     prompts = equivalence_prompts(engine.tokenizer)
     outputs = engine.generate(prompts, EQUIVALENCE_MAX_TOKENS, kv)
@@ -76,8 +79,10 @@ def test_snapkv_keeps_what_dense_attention_chooses(engine, hf_model):
         assert kept.shape == (hf_model.config.num_key_value_heads, budget)
         _assert_same_kept(kept, keep, ref_scores[layer], layer)
     # heads really choose differently (per-head eviction, not one shared choice)
-    assert any(not torch.equal(state.layers[i].kept_positions[0], state.layers[i].kept_positions[1])
-               for i in range(len(ref_keep)))
+    assert any(
+        not torch.equal(state.layers[i].kept_positions[0], state.layers[i].kept_positions[1])
+        for i in range(len(ref_keep))
+    )
 
 
 @pytest.mark.parametrize("policy", ["tova", "h2o"])
@@ -136,8 +141,9 @@ def test_blocks_freed_after_prefill_and_returned_at_finish(engine):
     budget = 64
     free_before = engine.free_blocks()
     freed_before = metrics().blocks_freed.labels(policy="streamingllm")._value.get()
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                            extra_args={"kv_policy": "streamingllm", "kv_budget": budget})
+    params = SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True, extra_args={"kv_policy": "streamingllm", "kv_budget": budget}
+    )
     engine.llm.llm_engine.add_request("accounting", TokensPrompt(prompt_token_ids=ids), params)
     engine.llm.llm_engine.step()  # the whole prompt in one step, then compaction to the budget
     assert engine.free_blocks() == free_before - cdiv(budget, BLOCK_SIZE)
@@ -154,8 +160,9 @@ def test_abort_mid_stream_returns_every_block(engine):
 
     free_before = engine.free_blocks()
     llm_engine = engine.llm.llm_engine
-    for i, kv in enumerate([{"kv_policy": "snapkv", "kv_budget": 96}, {"kv_policy": "streamingllm", "kv_budget": 64},
-                            None]):
+    for i, kv in enumerate(
+        [{"kv_policy": "snapkv", "kv_budget": 96}, {"kv_policy": "streamingllm", "kv_budget": 64}, None]
+    ):
         params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, extra_args=kv)
         llm_engine.add_request(f"abort-{i}", TokensPrompt(prompt_token_ids=prompt(engine, 300, seed=10 + i)), params)
     for _ in range(40):  # past prefill compaction and one decode compaction
@@ -193,8 +200,10 @@ def test_eviction_raises_concurrency_in_a_small_pool(engine):
         engine.generate(prompts, 32, kv)
         peaks[label] = engine.scheduler.peak_decoding
         preemptions[label] = engine.scheduler.num_preemptions - before
-    print(f"\npool {NUM_BLOCKS} blocks of {BLOCK_SIZE}: peak requests decoding together {peaks}, "
-          f"preemptions {preemptions}")
+    print(
+        f"\npool {NUM_BLOCKS} blocks of {BLOCK_SIZE}: peak requests decoding together {peaks}, "
+        f"preemptions {preemptions}"
+    )
     assert peaks["full"] <= NUM_BLOCKS // cdiv(600 + 32, BLOCK_SIZE)  # what fits without eviction
     assert peaks["streamingllm@128"] == len(prompts)
     assert preemptions["streamingllm@128"] <= preemptions["full"]
@@ -221,10 +230,13 @@ def test_evict_every_chunk_bounds_the_cache_during_prefill(engine, monkeypatch):
     steps = {}
     for every_chunk in (True, False):
         kv = {"kv_policy": "snapkv", "kv_budget": budget, "kv_evict_every_chunk": every_chunk}
-        params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, extra_args=kv),
-                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
-        out = engine.llm.generate([TokensPrompt(prompt_token_ids=ids), TokensPrompt(prompt_token_ids=companion)],
-                                  params, use_tqdm=False)[0]
+        params = [
+            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, extra_args=kv),
+            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        ]
+        out = engine.llm.generate(
+            [TokensPrompt(prompt_token_ids=ids), TokensPrompt(prompt_token_ids=companion)], params, use_tqdm=False
+        )[0]
         steps[every_chunk] = next(v for rid, v in held.items() if rid.startswith(f"{out.request_id}-"))
     # evicting after every chunk, the cache never holds more than the budget plus the chunk being computed
     assert len(steps[True]) >= 3
@@ -274,8 +286,12 @@ def test_every_policy_evicts_within_budget_and_returns_its_blocks(engine, monkey
 
     monkeypatch.setattr(engine.scheduler, "update_from_output", update_from_output)
     prompts = [TokensPrompt(prompt_token_ids=prompt(engine, 300, seed=70 + i)) for i in range(len(names))]
-    params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                             extra_args={"kv_policy": name, "kv_budget": budget}) for name in names]
+    params = [
+        SamplingParams(
+            temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_policy": name, "kv_budget": budget}
+        )
+        for name in names
+    ]
     outputs = engine.llm.generate(prompts, params, use_tqdm=False)
     assert not over_budget
     for name, out in zip(names, outputs, strict=True):
@@ -304,10 +320,11 @@ def test_a_raising_policy_fails_only_its_request(engine, monkeypatch):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, extra_args=kv)
-              for kv in ({"kv_policy": "tova", "kv_budget": 64}, snapkv)]
-    failed, neighbour = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                            use_tqdm=False)
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, extra_args=kv)
+        for kv in ({"kv_policy": "tova", "kv_budget": 64}, snapkv)
+    ]
+    failed, neighbour = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     assert failed.outputs[0].finish_reason == "error"
     # the output says why (the HTTP front end names the policy in its 500 only then)
     assert "injected policy failure" in failed.kv_transfer_params["kv_policy_failure"]

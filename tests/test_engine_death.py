@@ -17,10 +17,20 @@ LIMIT_S = 120
 
 
 def test_a_dead_engine_fails_health_and_exits_non_zero(tmp_path):
-    args = ["--max-model-len", "1024", "--block-size", "32", "--enforce-eager", "--dtype", "float32",
-            "--served-model-name", "crash"]
-    with running_server_process("kvserve", str(ensure_default_model()), args, tmp_path / "server.log",
-                                env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as (proc, base):
+    args = [
+        "--max-model-len",
+        "1024",
+        "--block-size",
+        "32",
+        "--enforce-eager",
+        "--dtype",
+        "float32",
+        "--served-model-name",
+        "crash",
+    ]
+    with running_server_process(
+        "kvserve", str(ensure_default_model()), args, tmp_path / "server.log", env={"VLLM_CPU_KVCACHE_SPACE": "1"}
+    ) as (proc, base):
         check = image_healthcheck(int(base.rsplit(":", 1)[1]), DOCKERFILE)
         report = kill_engine_and_measure(proc, base, "crash", in_flight=2, limit_s=LIMIT_S, healthcheck=check)
     print(json.dumps(report, indent=1))
@@ -36,7 +46,8 @@ def test_a_dead_engine_fails_health_and_exits_non_zero(tmp_path):
 def test_a_requested_shutdown_still_exits_zero(tmp_path):
     """SIGTERM (docker stop, systemd stop) is not a failure: the engine-death exit status must not leak into it."""
     args = ["--max-model-len", "1024", "--block-size", "32", "--enforce-eager", "--dtype", "float32"]
-    with running_server_process("kvserve", str(ensure_default_model()), args, tmp_path / "server.log",
-                                env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as (proc, _):
+    with running_server_process(
+        "kvserve", str(ensure_default_model()), args, tmp_path / "server.log", env={"VLLM_CPU_KVCACHE_SPACE": "1"}
+    ) as (proc, _):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=LIMIT_S) == 0, (tmp_path / "server.log").read_text()[-3000:]

@@ -50,19 +50,38 @@ def test_score_counts_the_references_found():
 
 
 def test_perplexity_pools_tokens_over_passages():
-    rows = [{"policy": "snapkv", "budget": 64, "nll_sum": 30.0, "tokens": 10},
-            {"policy": "snapkv", "budget": 64, "nll_sum": 10.0, "tokens": 30}]
+    rows = [
+        {"policy": "snapkv", "budget": 64, "nll_sum": 30.0, "tokens": 10},
+        {"policy": "snapkv", "budget": 64, "nll_sum": 10.0, "tokens": 30},
+    ]
     assert perplexity.perplexities(rows)[("snapkv", 64)] == pytest.approx(math.exp(40.0 / 40))
 
 
 def test_eval_tasks_command_runs_resumes_and_plots(server, tmp_path, capsys):
     out, plot = tmp_path / "tasks.jsonl", tmp_path / "tasks.png"
-    argv = ["tasks", "--url", server, "--tasks", "passkey,niah_multiquery", "--lengths", "400",
-            "--policies", "full,snapkv", "--budgets", "64", "--out", str(out), "--plot", str(plot), "--quiet"]
+    argv = [
+        "tasks",
+        "--url",
+        server,
+        "--tasks",
+        "passkey,niah_multiquery",
+        "--lengths",
+        "400",
+        "--policies",
+        "full,snapkv",
+        "--budgets",
+        "64",
+        "--out",
+        str(out),
+        "--plot",
+        str(plot),
+        "--quiet",
+    ]
     eval_main(argv)
     rows = load_rows(str(out))
     assert {(r["policy"], r["budget"], r["task"]) for r in rows} == {
-        (p, b, t) for p, b in (("full", None), ("snapkv", 64)) for t in ("passkey", "niah_multiquery")}
+        (p, b, t) for p, b in (("full", None), ("snapkv", 64)) for t in ("passkey", "niah_multiquery")
+    }
     for row in rows:
         assert row["score"] == score(row["answer"], row["references"])
         # 400-token prompts in 32-token blocks: SnapKV at 64 frees blocks, full frees none
@@ -105,10 +124,12 @@ def test_perplexity_sees_eviction_between_chunks(server, tokenizer):
 
 
 def test_summary_tables_agree_with_rows():
-    rows = [dict(policy="full", budget=None, task="passkey", score=1.0),
-            dict(policy="full", budget=None, task="niah_multiquery", score=0.0),
-            dict(policy="snapkv", budget=64, task="passkey", score=0.5),
-            dict(policy="snapkv", budget=64, task="niah_multiquery", score=0.5)]
+    rows = [
+        dict(policy="full", budget=None, task="passkey", score=1.0),
+        dict(policy="full", budget=None, task="niah_multiquery", score=0.0),
+        dict(policy="snapkv", budget=64, task="passkey", score=0.5),
+        dict(policy="snapkv", budget=64, task="niah_multiquery", score=0.5),
+    ]
     means = quality.mean_scores(rows, ("policy", "budget"))
     assert means[("full", None)] == (0.5, 2) and means[("snapkv", 64)] == (0.5, 2)
     assert "| snapkv | 0.50 |" in quality.matrix_table(rows)
@@ -123,13 +144,31 @@ def test_eval_ruler_runs_the_harness_through_kvserve_and_resumes(server, tmp_pat
     if missing:
         pytest.skip(missing)
     out = tmp_path / "ruler.jsonl"
-    argv = ["ruler", "--url", server, "--tasks", "niah_single_1", "--lengths", "512", "--samples", "1",
-            "--policies", "full,snapkv", "--budgets", "64", "--out", str(out), "--quiet"]
+    argv = [
+        "ruler",
+        "--url",
+        server,
+        "--tasks",
+        "niah_single_1",
+        "--lengths",
+        "512",
+        "--samples",
+        "1",
+        "--policies",
+        "full,snapkv",
+        "--budgets",
+        "64",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     freed_before = Server(server).blocks_freed()
     eval_main(argv)
     rows = load_rows(str(out))
     assert {(r["policy"], r["budget"], r["task"], r["length"]) for r in rows} == {
-        ("full", None, "niah_single_1", 512), ("snapkv", 64, "niah_single_1", 512)}
+        ("full", None, "niah_single_1", 512),
+        ("snapkv", 64, "niah_single_1", 512),
+    }
     for row in rows:  # the harness's score is RULER's string_match_all, which kvserve's own tasks also use
         assert row["score"] == score(row["answer"], row["references"])
     assert Server(server).blocks_freed() > freed_before  # the snapkv request carried its header and evicted

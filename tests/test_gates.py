@@ -24,33 +24,55 @@ from kvserve.gates.registry import REGISTRY_ENV, gate_entry, load_gates
 REAL_MODEL = Path("~/.cache/kvserve/models/SmolLM2-135M-Instruct").expanduser()
 
 
-def make_tiny_llama(folder: Path, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
-                    head_dim: int = 8, intermediate: int = 48, vocab: int = 64, seed: int = 0) -> Path:
+def make_tiny_llama(
+    folder: Path,
+    layers: int = 2,
+    hidden: int = 32,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 8,
+    intermediate: int = 48,
+    vocab: int = 64,
+    seed: int = 0,
+) -> Path:
     """A random Llama checkpoint folder in Hugging Face layout (config.json + model.safetensors, tied embeddings)."""
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "head_dim": head_dim, "intermediate_size": intermediate,
-              "vocab_size": vocab, "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 10000.0,
-                                                                             "rope_type": "default"}}
+    config = {
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    }
     (folder / "config.json").write_text(json.dumps(config))
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) / math.sqrt(shape[-1])
 
-    tensors = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
-               "model.norm.weight": torch.ones(hidden)}
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
+        "model.norm.weight": torch.ones(hidden),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
-        tensors.update({p + "input_layernorm.weight": torch.ones(hidden),
-                        p + "post_attention_layernorm.weight": torch.ones(hidden),
-                        p + "self_attn.q_proj.weight": 2 * w(heads * head_dim, hidden),
-                        p + "self_attn.k_proj.weight": 2 * w(kv_heads * head_dim, hidden),
-                        p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
-                        p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
-                        p + "mlp.gate_proj.weight": w(intermediate, hidden),
-                        p + "mlp.up_proj.weight": w(intermediate, hidden),
-                        p + "mlp.down_proj.weight": w(hidden, intermediate)})
+        tensors.update(
+            {
+                p + "input_layernorm.weight": torch.ones(hidden),
+                p + "post_attention_layernorm.weight": torch.ones(hidden),
+                p + "self_attn.q_proj.weight": 2 * w(heads * head_dim, hidden),
+                p + "self_attn.k_proj.weight": 2 * w(kv_heads * head_dim, hidden),
+                p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+                p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+                p + "mlp.gate_proj.weight": w(intermediate, hidden),
+                p + "mlp.up_proj.weight": w(intermediate, hidden),
+                p + "mlp.down_proj.weight": w(hidden, intermediate),
+            }
+        )
     save_file(tensors, str(folder / "model.safetensors"))
     return folder
 
@@ -132,14 +154,39 @@ def test_training_lowers_loss_and_moves_keep_towards_beta(tiny_dir, tmp_path):
 
     rng = random.Random(0)
     stream = [rng.randrange(64) for _ in range(3000)]
-    corpus = Corpus(train=stream[:2500], held_out=stream[2500:], header=[1, 2, 3], train_docs=["a"],
-                    held_out_docs=["b"])
+    corpus = Corpus(
+        train=stream[:2500], held_out=stream[2500:], header=[1, 2, 3], train_docs=["a"], held_out_docs=["b"]
+    )
     model_dir = tiny_dir
     registry = tmp_path / "registry.yaml"
-    args = parse_args(["--model", str(model_dir), "--steps", "40", "--seq-len", "32", "--batch", "2",
-                       "--lr", "1e-2", "--warmup", "2", "--eval-every", "20", "--eval-windows", "2",
-                       "--out", str(tmp_path / "weights" / "tiny.safetensors"), "--registry", str(registry),
-                       "--log", str(tmp_path / "log.jsonl"), "--plot", str(tmp_path / "plot.png")])
+    args = parse_args(
+        [
+            "--model",
+            str(model_dir),
+            "--steps",
+            "40",
+            "--seq-len",
+            "32",
+            "--batch",
+            "2",
+            "--lr",
+            "1e-2",
+            "--warmup",
+            "2",
+            "--eval-every",
+            "20",
+            "--eval-windows",
+            "2",
+            "--out",
+            str(tmp_path / "weights" / "tiny.safetensors"),
+            "--registry",
+            str(registry),
+            "--log",
+            str(tmp_path / "log.jsonl"),
+            "--plot",
+            str(tmp_path / "plot.png"),
+        ]
+    )
     summary = train(args, corpus=corpus)
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "step"]
@@ -172,8 +219,9 @@ def test_rotate_unrotate():
     for i, position in enumerate(positions.tolist()):
         for j in range(half):  # pair (j, j + half) rotated by position * theta^(-2j/dim)
             angle = position * theta ** (-2 * j / dim)
-            z = torch.complex(x[i, :, j].double(), x[i, :, j + half].double()) * complex(math.cos(angle),
-                                                                                      math.sin(angle))
+            z = torch.complex(x[i, :, j].double(), x[i, :, j + half].double()) * complex(
+                math.cos(angle), math.sin(angle)
+            )
             expected[i, :, j], expected[i, :, j + half] = z.real, z.imag
     # float32 angles (as Hugging Face and vLLM compute them): about position * 6e-8 rad of error
     torch.testing.assert_close(rotated.double(), expected, atol=1e-3, rtol=1e-4)

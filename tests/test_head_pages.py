@@ -38,9 +38,13 @@ from kvserve.engine.pages import (
 )
 
 AMX = torch.cpu._is_amx_tile_supported()
-ISAS = [pytest.param("vec", torch.float32, id="vec-fp32"), pytest.param("vec", torch.bfloat16, id="vec-bf16"),
-        pytest.param("amx", torch.bfloat16, id="amx-bf16",
-                     marks=pytest.mark.skipif(not AMX, reason="this CPU has no AMX tiles"))]
+ISAS = [
+    pytest.param("vec", torch.float32, id="vec-fp32"),
+    pytest.param("vec", torch.bfloat16, id="vec-bf16"),
+    pytest.param(
+        "amx", torch.bfloat16, id="amx-bf16", marks=pytest.mark.skipif(not AMX, reason="this CPU has no AMX tiles")
+    ),
+]
 LAYERS, BLOCKS, HEADS, BS, DIM, GROUP = 3, 24, 2, 32, 64, 3
 
 
@@ -49,9 +53,18 @@ def vllm_caches(dtype: torch.dtype) -> list[torch.Tensor]:
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=dtype)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     layer_stride, block_stride, *_ = compute_layout_strides(spec, BLOCKS, LAYERS, KVCacheLayout.LBHNC)
-    config = KVCacheConfig(num_blocks=BLOCKS, kv_cache_groups=[KVCacheGroupSpec(names, spec)], kv_cache_tensors=[
-        KVCacheTensor(size=LAYERS * BLOCKS * spec.page_size_bytes, layers=names, layer_stride=layer_stride,
-                      block_stride=block_stride)])
+    config = KVCacheConfig(
+        num_blocks=BLOCKS,
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=LAYERS * BLOCKS * spec.page_size_bytes,
+                layers=names,
+                layer_stride=layer_stride,
+                block_stride=block_stride,
+            )
+        ],
+    )
     caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC, [BS])
     return [caches[name] for name in names]
 
@@ -62,14 +75,35 @@ def split(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # as CPUAt
 
 def attend(isa, query, key_cache, value_cache, query_start_loc, seq_lens, table, num_kv_heads) -> torch.Tensor:
     metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=seq_lens.numel(), num_heads=query.shape[1], num_kv_heads=num_kv_heads, head_dim=DIM,
-        seq_lens=seq_lens, dtype=query.dtype, query_start_loc=query_start_loc, causal=True, sliding_window_size=-1,
-        isa=isa, enable_kv_split=True)
+        num_reqs=seq_lens.numel(),
+        num_heads=query.shape[1],
+        num_kv_heads=num_kv_heads,
+        head_dim=DIM,
+        seq_lens=seq_lens,
+        dtype=query.dtype,
+        query_start_loc=query_start_loc,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=True,
+    )
     out = torch.empty_like(query)
-    ops.cpu_attention_with_kv_cache(query=query, key_cache=key_cache, value_cache=value_cache, output=out,
-                                    query_start_loc=query_start_loc, seq_lens=seq_lens, scale=DIM**-0.5, causal=True,
-                                    alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
-                                    scheduler_metadata=metadata, s_aux=None)
+    ops.cpu_attention_with_kv_cache(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=out,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        scale=DIM**-0.5,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=table,
+        softcap=0.0,
+        scheduler_metadata=metadata,
+        s_aux=None,
+    )
     return out
 
 
@@ -108,17 +142,27 @@ def test_pseudo_sequences_over_the_page_view_equal_vllms_normal_call(isa, dtype)
         table[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
     for layer in range(LAYERS):
         key_cache, value_cache = split(caches[layer])
-        slots = torch.cat([torch.tensor([blocks[r][t // BS] * BS + t % BS for t in range(int(seq_lens[r]))])
-                           for r in range(reqs)])
+        slots = torch.cat(
+            [torch.tensor([blocks[r][t // BS] * BS + t % BS for t in range(int(seq_lens[r]))]) for r in range(reqs)]
+        )
         keys = torch.randn(slots.numel(), HEADS, DIM).to(dtype)
         ops.cpu_attn_reshape_and_cache(keys, torch.randn_like(keys), key_cache, value_cache, slots, isa)
         query = torch.randn(tokens, HEADS * GROUP, DIM).to(dtype)
         normal = attend(isa, query, key_cache, value_cache, starts, seq_lens, table, HEADS)
         pseudo_table = torch.cat([layout.page_id(layer, table, h) for h in range(HEADS)]).to(torch.int32)
-        pseudo_starts = torch.cat([torch.cat([starts[:-1] + h * tokens for h in range(HEADS)]),
-                                   torch.tensor([HEADS * tokens])]).to(torch.int32)
-        out = attend(isa, pseudo_queries(query, HEADS), page_keys, page_values, pseudo_starts,
-                     seq_lens.repeat(HEADS), pseudo_table, 1)
+        pseudo_starts = torch.cat(
+            [torch.cat([starts[:-1] + h * tokens for h in range(HEADS)]), torch.tensor([HEADS * tokens])]
+        ).to(torch.int32)
+        out = attend(
+            isa,
+            pseudo_queries(query, HEADS),
+            page_keys,
+            page_values,
+            pseudo_starts,
+            seq_lens.repeat(HEADS),
+            pseudo_table,
+            1,
+        )
         assert torch.equal(out.view(HEADS, tokens, GROUP, DIM).transpose(0, 1).reshape_as(normal), normal)
 
 
@@ -152,8 +196,14 @@ def test_ragged_lists_with_pages_anywhere_match_a_pytorch_reference(isa, dtype):
             for r in range(reqs):
                 old = int(lengths[h, r]) - int(new_tokens[r])
                 if old:
-                    ops.cpu_attn_reshape_and_cache(keys[h, r][:old, None], values[h, r][:old, None], page_keys,
-                                                   page_values, torch.tensor(slots[h * reqs + r][:old]), isa)
+                    ops.cpu_attn_reshape_and_cache(
+                        keys[h, r][:old, None],
+                        values[h, r][:old, None],
+                        page_keys,
+                        page_values,
+                        torch.tensor(slots[h * reqs + r][:old]),
+                        isa,
+                    )
         step_keys, step_values, step_slots = [], [], []
         for r in range(reqs):
             for i in range(int(new_tokens[r])):
@@ -162,13 +212,28 @@ def test_ragged_lists_with_pages_anywhere_match_a_pytorch_reference(isa, dtype):
                     step_keys.append(keys[h, r][at])
                     step_values.append(values[h, r][at])
                     step_slots.append(slots[h * reqs + r][at])
-        ops.cpu_attn_reshape_and_cache(torch.stack(step_keys)[:, None], torch.stack(step_values)[:, None],
-                                       page_keys, page_values, torch.tensor(step_slots), isa)
+        ops.cpu_attn_reshape_and_cache(
+            torch.stack(step_keys)[:, None],
+            torch.stack(step_values)[:, None],
+            page_keys,
+            page_values,
+            torch.tensor(step_slots),
+            isa,
+        )
         query = torch.randn(tokens, HEADS * GROUP, DIM).to(dtype)
-        pseudo_starts = torch.cat([torch.cat([starts[:-1] + h * tokens for h in range(HEADS)]),
-                                   torch.tensor([HEADS * tokens])]).to(torch.int32)
-        out = attend(isa, pseudo_queries(query, HEADS), page_keys, page_values, pseudo_starts,
-                     lengths.reshape(-1).to(torch.int32), table, 1)
+        pseudo_starts = torch.cat(
+            [torch.cat([starts[:-1] + h * tokens for h in range(HEADS)]), torch.tensor([HEADS * tokens])]
+        ).to(torch.int32)
+        out = attend(
+            isa,
+            pseudo_queries(query, HEADS),
+            page_keys,
+            page_values,
+            pseudo_starts,
+            lengths.reshape(-1).to(torch.int32),
+            table,
+            1,
+        )
         out = out.view(HEADS, tokens, GROUP, DIM).transpose(0, 1)
         for r in range(reqs):
             a, b = int(starts[r]), int(starts[r + 1])
@@ -195,8 +260,12 @@ def _check(lists: HeadPages, contents: dict[int, tuple[int, int, int]]) -> None:
     layout = lists.layout
     counts = lists.page_counts()
     assert lists.pages_in_use == int(counts.sum())
-    in_lists = [int(lists.table[lay, h, i]) for lay in range(layout.num_layers) for h in range(layout.num_heads)
-                for i in range(int(counts[lay, h]))]
+    in_lists = [
+        int(lists.table[lay, h, i])
+        for lay in range(layout.num_layers)
+        for h in range(layout.num_heads)
+        for i in range(int(counts[lay, h]))
+    ]
     assert len(set(in_lists)) == len(in_lists)  # no page in two lists
     assert {int(layout.block_of(page)) for page in in_lists} <= set(lists.blocks)  # only the request's blocks
     for lay in range(layout.num_layers):
@@ -274,8 +343,10 @@ def test_pipeline_stages_give_back_the_same_blocks_and_keep_their_entries(seed):
     contents: list[dict[int, tuple[int, int, int]]] = [{}, {}]
     for _ in range(25):
         tokens = rng.choice([1, 5, 8, 19])
-        blocks = max(cdiv(stage.pages_in_use + pages_needed(stage.free_slot_counts(), tokens),
-                          stage.layout.pages_per_block) for stage in lists)
+        blocks = max(
+            cdiv(stage.pages_in_use + pages_needed(stage.free_slot_counts(), tokens), stage.layout.pages_per_block)
+            for stage in lists
+        )
         grant = [free_blocks.pop(rng.randrange(len(free_blocks))) for _ in range(blocks - len(lists[0].blocks))]
         for stage, content in zip(lists, contents, strict=True):
             stage.add_blocks(grant)
@@ -289,8 +360,10 @@ def test_pipeline_stages_give_back_the_same_blocks_and_keep_their_entries(seed):
         for stage in lists:  # ragged counts, different on each stage
             for layer in range(stage.layout.num_layers):
                 stage.shrink(layer, np.array([rng.randint(0, int(n)) for n in stage.lens[layer]]))
-        released = blocks_to_release(list(lists[0].blocks), [
-            (stage.pages_in_use, stage.layout.pages_per_block, stage.live_pages()) for stage in lists])
+        released = blocks_to_release(
+            list(lists[0].blocks),
+            [(stage.pages_in_use, stage.layout.pages_per_block, stage.live_pages()) for stage in lists],
+        )
         for stage, content in zip(lists, contents, strict=True):
             for source, destination in stage.release(released):
                 content[destination] = content.pop(source)

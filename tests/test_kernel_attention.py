@@ -18,8 +18,13 @@ TESTS = os.path.dirname(__file__)
 def _run_kernel_engine(tmp_path_factory, *flags: str) -> dict:
     out = tmp_path_factory.mktemp("kernels") / "outputs.json"
     env = dict(os.environ, KVSERVE_ATTENTION="kernels")
-    done = subprocess.run([sys.executable, os.path.join(TESTS, "kernel_attention_run.py"), str(out), *flags],
-                          env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, os.path.join(TESTS, "kernel_attention_run.py"), str(out), *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if done.returncode != 0:
         raise RuntimeError("the KVSERVE_ATTENTION=kernels engine failed:\n" + done.stdout[-3000:] + done.stderr[-3000:])
     return json.loads(out.read_text())
@@ -62,8 +67,9 @@ def _assert_same_eviction(engine, run: dict, triton: bool) -> None:
     for name, out, tokens, kept in zip(names, outputs, run["tokens"], run["kept"], strict=True):
         assert list(out.outputs[0].token_ids) == tokens, name
         reference = kept_positions(engine.eviction_state(out.request_id))
-        assert len(kept) == len(reference) == engine.runner.model_config.get_num_layers(
-            engine.runner.parallel_config), name
+        assert (
+            len(kept) == len(reference) == engine.runner.model_config.get_num_layers(engine.runner.parallel_config)
+        ), name
         for layer, (got_layer, want_layer) in enumerate(zip(kept, reference, strict=True)):
             for head, (got, want) in enumerate(zip(got_layer, want_layer, strict=True)):
                 assert len(got) == len(want) and len(set(got) ^ set(want)) <= 2, (name, layer, head)

@@ -33,8 +33,11 @@ def _import_kernels():
         try:
             import triton  # noqa: F401
         except Exception as exc:  # not installed, or it fails to initialise: skip, with the reason
-            pytest.skip(f"Triton cannot be imported ({type(exc).__name__}: {exc}); the kernel tests need it "
-                        "(interpreter mode on CPU)", allow_module_level=True)
+            pytest.skip(
+                f"Triton cannot be imported ({type(exc).__name__}: {exc}); the kernel tests need it "
+                "(interpreter mode on CPU)",
+                allow_module_level=True,
+            )
         # the jit helpers the kernels call live in _common: it must be interpreted too, and first
         common = importlib.import_module("kvserve_kernels._common")
         if not CUDA and type(common.load_kv_tile).__name__ != "InterpretedFunction":
@@ -65,7 +68,6 @@ from kvserve import kernel_dispatch  # noqa: E402
 from kvserve.policies import representative_policies  # noqa: E402
 
 _INTERPRET_AFTER_IMPORT = os.environ.get("TRITON_INTERPRET")
-
 
 
 @pytest.fixture(autouse=True)
@@ -131,8 +133,9 @@ def test_decode_reference_matches_dense_attention():
     scores = torch.zeros(len(lens), hkv, 40, device=DEVICE)
     last = torch.zeros_like(scores)
     first = torch.zeros(len(lens), hq, device=DEVICE)
-    out, _ = reference.decode_attention_reference(q, k, v, table, seq_lens, 0.2, scores=scores, last_probs=last,
-                                                  first_logit=first)
+    out, _ = reference.decode_attention_reference(
+        q, k, v, table, seq_lens, 0.2, scores=scores, last_probs=last, first_logit=first
+    )
     for r, (keys, values) in enumerate(logical):
         kk = keys.repeat_interleave(hq // hkv, dim=1).to(DEVICE)  # [n, Hq, D]
         vv = values.repeat_interleave(hq // hkv, dim=1).to(DEVICE)
@@ -143,7 +146,7 @@ def test_decode_reference_matches_dense_attention():
         torch.testing.assert_close(scores[r, :, : lens[r]], grouped.sum(1))
         torch.testing.assert_close(last[r, :, : lens[r]], grouped.mean(1))
         torch.testing.assert_close(first[r], logits[:, 0])
-    assert scores[0, :, lens[0]:].abs().sum() == 0  # past seq_len: untouched
+    assert scores[0, :, lens[0] :].abs().sum() == 0  # past seq_len: untouched
 
 
 def test_prefill_reference_matches_dense_attention():
@@ -152,8 +155,9 @@ def test_prefill_reference_matches_dense_attention():
     starts = torch.tensor([0, 9, 21], dtype=torch.int32, device=DEVICE)
     q = torch.randn(21, hq, HEAD_DIM, device=DEVICE)
     gain = torch.rand(hkv, 21, device=DEVICE) + 1
-    out, sums, _ = reference.prefill_attention_reference(q, k, v, table, seq_lens, starts, 0.2, window,
-                                                        score_logit_scale=gain)
+    out, sums, _ = reference.prefill_attention_reference(
+        q, k, v, table, seq_lens, starts, 0.2, window, score_logit_scale=gain
+    )
     for r, (keys, values) in enumerate(logical):
         n, ql = lens[r], q_lens[r]
         qr = q[int(starts[r]) : int(starts[r + 1])]
@@ -162,8 +166,9 @@ def test_prefill_reference_matches_dense_attention():
         logits = torch.einsum("qhd,nhd->hqn", qr, kk) * 0.2
         causal = torch.arange(n, device=DEVICE)[None, :] <= (n - ql + torch.arange(ql, device=DEVICE))[:, None]
         probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
-        torch.testing.assert_close(out[int(starts[r]) : int(starts[r + 1])],
-                                   torch.einsum("hqn,nhd->qhd", probs, vv), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            out[int(starts[r]) : int(starts[r + 1])], torch.einsum("hqn,nhd->qhd", probs, vv), rtol=1e-5, atol=1e-5
+        )
         row_gain = gain[:, int(starts[r]) : int(starts[r + 1])].repeat_interleave(hq // hkv, dim=0)[:, :, None]
         scored = torch.softmax((logits * row_gain).masked_fill(~causal, float("-inf")), dim=-1)[:, ql - window :]
         torch.testing.assert_close(sums[r, :, :n], scored.reshape(hkv, -1, n).sum(1))
@@ -172,8 +177,12 @@ def test_prefill_reference_matches_dense_attention():
 def test_compact_reference_matches_logical_gather():
     lens, hkv = [45, 20], 2
     kv, k, v, table, _, logical = make_cache(lens, hkv, 16, torch.float32)
-    keep = torch.stack([torch.tensor([[0, 3, 4, 5, 17, 30, 44], [2, 3, 4, 5, 6, 7, 8]]),
-                        torch.tensor([[1, 2, 3, 5, 8, 13, 19], [0, 1, 2, 3, 4, 5, 6]])])
+    keep = torch.stack(
+        [
+            torch.tensor([[0, 3, 4, 5, 17, 30, 44], [2, 3, 4, 5, 6, 7, 8]]),
+            torch.tensor([[1, 2, 3, 5, 8, 13, 19], [0, 1, 2, 3, 4, 5, 6]]),
+        ]
+    )
     stats = torch.arange(2 * hkv * 48, dtype=torch.float32, device=DEVICE).reshape(2, hkv, 48)
     expected_stats = stats.clone()
     reference.compact_reference(k, v, table, keep, stats=[stats])
@@ -208,10 +217,21 @@ def test_decode_kernel(dtype, block_size, heads, num_splits, head_dim):
     bufs = [scores.clone(), last.clone(), first.clone()]
     scale = head_dim**-0.5
     out, lse = decode_attention.decode_attention_with_scores(
-        q, k, v, table, seq_lens, scale, scores=scores, last_probs=last, first_logit=first,
-        num_splits=num_splits, block_n=block_n)
+        q,
+        k,
+        v,
+        table,
+        seq_lens,
+        scale,
+        scores=scores,
+        last_probs=last,
+        first_logit=first,
+        num_splits=num_splits,
+        block_n=block_n,
+    )
     ref_out, ref_lse = reference.decode_attention_reference(
-        q, k, v, table, seq_lens, scale, scores=bufs[0], last_probs=bufs[1], first_logit=bufs[2])
+        q, k, v, table, seq_lens, scale, scores=bufs[0], last_probs=bufs[1], first_logit=bufs[2]
+    )
     torch.testing.assert_close(out.float(), ref_out.float(), **out_tol(dtype))
     torch.testing.assert_close(lse, ref_lse, **PROB_TOL)
     torch.testing.assert_close(scores, bufs[0], **PROB_TOL)
@@ -219,12 +239,14 @@ def test_decode_kernel(dtype, block_size, heads, num_splits, head_dim):
     torch.testing.assert_close(first, bufs[2], **PROB_TOL)
     # Exact probabilities (final LSE whatever the split): a query's sum to 1, so one step adds the group size.
     fresh = torch.zeros(len(SEQ_LENS), hkv, slots, device=DEVICE)
-    decode_attention.decode_attention_with_scores(q, k, v, table, seq_lens, scale, scores=fresh,
-                                                  num_splits=num_splits, block_n=block_n)
+    decode_attention.decode_attention_with_scores(
+        q, k, v, table, seq_lens, scale, scores=fresh, num_splits=num_splits, block_n=block_n
+    )
     group_sums = fresh.sum(-1)
     torch.testing.assert_close(group_sums, torch.full_like(group_sums, hq // hkv), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(last.clamp(min=0).sum(-1), torch.ones(len(SEQ_LENS), hkv, device=DEVICE),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        last.clamp(min=0).sum(-1), torch.ones(len(SEQ_LENS), hkv, device=DEVICE), rtol=1e-5, atol=1e-5
+    )
     for r, n in enumerate(SEQ_LENS):  # slots past the sequence are not written
         assert torch.all(last[r, :, n:] == -1.0)
         assert torch.all(fresh[r, :, n:] == 0.0)
@@ -234,11 +256,13 @@ def test_decode_kernel(dtype, block_size, heads, num_splits, head_dim):
 def test_decode_kernel_without_scores_same_output(dtype):
     _, k, v, table, seq_lens, _ = make_cache(SEQ_LENS, 2, 16, dtype)
     q = torch.randn(len(SEQ_LENS), 4, HEAD_DIM, device=DEVICE).to(dtype)
-    plain, plain_lse = decode_attention.decode_attention_with_scores(q, k, v, table, seq_lens, 0.3, num_splits=2,
-                                                                     block_n=16)
+    plain, plain_lse = decode_attention.decode_attention_with_scores(
+        q, k, v, table, seq_lens, 0.3, num_splits=2, block_n=16
+    )
     scores = torch.zeros(len(SEQ_LENS), 2, max(SEQ_LENS), device=DEVICE)
-    scored, scored_lse = decode_attention.decode_attention_with_scores(q, k, v, table, seq_lens, 0.3, scores=scores,
-                                                                       num_splits=2, block_n=16)
+    scored, scored_lse = decode_attention.decode_attention_with_scores(
+        q, k, v, table, seq_lens, 0.3, scores=scores, num_splits=2, block_n=16
+    )
     assert torch.equal(plain, scored) and torch.equal(plain_lse, scored_lse)
 
 
@@ -252,8 +276,7 @@ def test_prefill_kernel(dtype, block_size, heads, variant, head_dim):
     tiles = dict(block_m=16, block_n=16) if not CUDA or variant != "window" else {}  # GPU: default tiles too
     q_lens = [1, 17, 20] + ([300, 77] if CUDA else [])  # 1: decode-like; 17: whole prompt; 20: chunk after 25
     lens = SEQ_LENS
-    _, k, v, table, seq_lens, _ = make_cache(lens, hkv, block_size, dtype, seed=7 * block_size + hq,
-                                             head_dim=head_dim)
+    _, k, v, table, seq_lens, _ = make_cache(lens, hkv, block_size, dtype, seed=7 * block_size + hq, head_dim=head_dim)
     starts = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
     total = int(starts[-1])
     q = torch.randn(total, hq, head_dim, device=DEVICE).to(dtype)
@@ -264,11 +287,32 @@ def test_prefill_kernel(dtype, block_size, heads, variant, head_dim):
     ref_sums = sums.clone()
     scale = head_dim**-0.5
     out, sums, lse = prefill_window.prefill_attention_with_window_sums(
-        q, k, v, table, seq_lens, starts, scale, window, window_sums=sums, accumulate=accumulate,
-        score_logit_scale=gain, **tiles)
+        q,
+        k,
+        v,
+        table,
+        seq_lens,
+        starts,
+        scale,
+        window,
+        window_sums=sums,
+        accumulate=accumulate,
+        score_logit_scale=gain,
+        **tiles,
+    )
     ref_out, ref_sums, ref_lse = reference.prefill_attention_reference(
-        q, k, v, table, seq_lens, starts, scale, window, window_sums=ref_sums, accumulate=accumulate,
-        score_logit_scale=gain)
+        q,
+        k,
+        v,
+        table,
+        seq_lens,
+        starts,
+        scale,
+        window,
+        window_sums=ref_sums,
+        accumulate=accumulate,
+        score_logit_scale=gain,
+    )
     torch.testing.assert_close(out.float(), ref_out.float(), **out_tol(dtype))
     torch.testing.assert_close(lse, ref_lse, **PROB_TOL)
     torch.testing.assert_close(sums, ref_sums, **PROB_TOL)
@@ -352,16 +396,17 @@ def test_dispatch_runs_both_paths(backend):
     kv, k, v, table, seq_lens, _ = make_cache(lens, hkv, 16, torch.float32)
     q = torch.randn(2, hq, HEAD_DIM, device=DEVICE)
     scores = torch.zeros(2, hkv, 40, device=DEVICE)
-    out, _ = kernel_dispatch.decode_attention_with_scores(q, k, v, table, seq_lens, 0.2, scores=scores,
-                                                          backend=backend)
+    out, _ = kernel_dispatch.decode_attention_with_scores(q, k, v, table, seq_lens, 0.2, scores=scores, backend=backend)
     want, _ = reference.decode_attention_reference(q, k, v, table, seq_lens, 0.2)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
     starts = torch.tensor([0, 17, 20], dtype=torch.int32, device=DEVICE)
     pq = torch.randn(20, hq, HEAD_DIM, device=DEVICE)
     pout, sums, _ = kernel_dispatch.prefill_attention_with_window_sums(
-        pq, k, v, table, torch.tensor([17, 20], dtype=torch.int32, device=DEVICE), starts, 0.2, 4, backend=backend)
+        pq, k, v, table, torch.tensor([17, 20], dtype=torch.int32, device=DEVICE), starts, 0.2, 4, backend=backend
+    )
     rout, rsums, _ = reference.prefill_attention_reference(
-        pq, k, v, table, torch.tensor([17, 20], dtype=torch.int32, device=DEVICE), starts, 0.2, 4)
+        pq, k, v, table, torch.tensor([17, 20], dtype=torch.int32, device=DEVICE), starts, 0.2, 4
+    )
     torch.testing.assert_close(pout, rout, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(sums, rsums, **PROB_TOL)
     keep = torch.tensor([[[0, 5, 9, 16], [1, 2, 3, 4]], [[3, 4, 5, 30], [0, 1, 2, 32]]], device=DEVICE)
@@ -433,8 +478,10 @@ def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch, dtype
         return torch.from_numpy(state.pages.lens[PATH_LAYER])
 
     for tokens, compact in ((PATH_PROMPT, True), (1, False), (1, False), (1, True)):
-        keys, values, queries = (torch.randn(tokens, heads, HEAD_DIM, generator=generator).to(dtype)
-                                 for heads in (PATH_HEADS, PATH_HEADS, hq))
+        keys, values, queries = (
+            torch.randn(tokens, heads, HEAD_DIM, generator=generator).to(dtype)
+            for heads in (PATH_HEADS, PATH_HEADS, hq)
+        )
         slots = torch.from_numpy(state.pages.append(tokens)[PATH_LAYER]).T  # [q, H]
         logical += tokens
         step_cache, step_tables = paged, {"r": table()}
@@ -442,9 +489,17 @@ def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch, dtype
             from vllm import _custom_ops as ops
 
             key_cache, value_cache = raw.view(num_pages, 1, 2 * PATH_BLOCK, HEAD_DIM).chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(keys.reshape(-1, 1, HEAD_DIM), values.reshape(-1, 1, HEAD_DIM), key_cache,
-                                           value_cache, slots.reshape(-1), "amx", k_scale=1.0, v_scale=1.0,
-                                           kv_cache_dtype="auto")
+            ops.cpu_attn_reshape_and_cache(
+                keys.reshape(-1, 1, HEAD_DIM),
+                values.reshape(-1, 1, HEAD_DIM),
+                key_cache,
+                value_cache,
+                slots.reshape(-1),
+                "amx",
+                k_scale=1.0,
+                v_scale=1.0,
+                kv_cache_dtype="auto",
+            )
             staged = stage_pages(raw, {"r": table()}, {"r": lengths()})
             step_cache, step_tables = staged.cache, staged.tables
         else:  # vLLM writes the step's entries before attention
@@ -452,10 +507,18 @@ def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch, dtype
             paged.keys[device_slots // PATH_BLOCK, device_slots % PATH_BLOCK, 0] = keys.to(DEVICE)
             paged.values[device_slots // PATH_BLOCK, device_slots % PATH_BLOCK, 0] = values.to(DEVICE)
         compaction = Compaction(PATH_BUDGET, logical, int(lengths().max())) if compact else None
-        plan = RowPlan(req_id="r", state=state, row=0, query_start=0, query_end=tokens, logical_len=logical,
-                       compaction=compaction)
-        eviction.after_attention(StepContext(pages=None, rows=[plan]), PATH_LAYER, queries.to(DEVICE), step_cache,
-                                 step_tables, HEAD_DIM**-0.5, torch.empty_like(queries))
+        plan = RowPlan(
+            req_id="r", state=state, row=0, query_start=0, query_end=tokens, logical_len=logical, compaction=compaction
+        )
+        eviction.after_attention(
+            StepContext(pages=None, rows=[plan]),
+            PATH_LAYER,
+            queries.to(DEVICE),
+            step_cache,
+            step_tables,
+            HEAD_DIM**-0.5,
+            torch.empty_like(queries),
+        )
         assert plan.failure is None, plan.failure
         if layout == "amx" and compact:
             staged.write_back(raw)
@@ -467,8 +530,12 @@ def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch, dtype
         keys, values = read_lists(staged.cache, staged.tables["r"], lengths())
     else:
         keys, values = read_lists(paged, table(), lengths())
-    return {"positions": layer.kept_positions.cpu(), "keys": keys.cpu(), "values": values.cpu(),
-            "stats": {name: stat.cpu() for name, stat in layer.stats.items()}}
+    return {
+        "positions": layer.kept_positions.cpu(),
+        "keys": keys.cpu(),
+        "values": values.cpu(),
+        "stats": {name: stat.cpu() for name, stat in layer.stats.items()},
+    }
 
 
 @pytest.mark.parametrize("policy", PATH_POLICIES)

@@ -19,15 +19,24 @@ MAX_MODEL_LEN = 2048  # the `server` fixture's
 # server's 128-token prefill chunks), a larger invalid share so every way of being invalid is sent at least once
 # (an invalid request costs the server almost nothing); every valid one fuzzes sampling; 16 at a time as in the
 # full run
-REDUCED = Mix(requests=64, invalid_share=0.5, abort_share=0.125, prompt_lengths=(24, 64, 160),
-              budgets=(40, 48, 64, 96), max_tokens=(4, 12), abort_max_tokens=24, sampling_share=1.0, seed=7)
+REDUCED = Mix(
+    requests=64,
+    invalid_share=0.5,
+    abort_share=0.125,
+    prompt_lengths=(24, 64, 160),
+    budgets=(40, 48, 64, 96),
+    max_tokens=(4, 12),
+    abort_max_tokens=24,
+    sampling_share=1.0,
+    seed=7,
+)
 
 
 def _settings(case) -> dict:
     """The kv_* keys a case sends, headers and body merged (the first of a duplicated header)."""
     merged = dict(case.xargs)
     for name, value in case.headers:
-        merged.setdefault("kv_" + name[len("x-kv-"):].replace("-", "_"), value)
+        merged.setdefault("kv_" + name[len("x-kv-") :].replace("-", "_"), value)
     return merged
 
 
@@ -91,8 +100,9 @@ def test_invalid_cases_are_invalid_for_the_servers_parser():
 
 
 def test_reduced_load_leaves_the_server_healthy_with_its_pool_full(server):
-    report = run_load(server, str(ensure_default_model()), REDUCED, concurrency=16, max_seconds=240,
-                      request_timeout=180, settle_s=30)
+    report = run_load(
+        server, str(ensure_default_model()), REDUCED, concurrency=16, max_seconds=240, request_timeout=180, settle_s=30
+    )
     print(render(report))
     cases = plan(REDUCED, MAX_MODEL_LEN)
     planned = Counter(c.kind for c in cases)

@@ -48,8 +48,14 @@ def test_deep_layers_have_anchors_that_mat_finds(hf_model):
         # MAT's choice from its anchor logits (pi_i = q_i . k_0 / sqrt(d), mean over the group)
         group = logits.shape[0] // num_kv
         pi = logits[:, torch.arange(n), 0].reshape(num_kv, group, n).mean(dim=1)
-        obs = LayerObservation(layer_idx=layer_idx, keys=torch.zeros(num_kv, n, 1), values=torch.zeros(num_kv, n, 1),
-                               positions=torch.arange(n).expand(num_kv, -1), scale=1.0, stats={"anchor_logit": pi})
+        obs = LayerObservation(
+            layer_idx=layer_idx,
+            keys=torch.zeros(num_kv, n, 1),
+            values=torch.zeros(num_kv, n, 1),
+            positions=torch.arange(n).expand(num_kv, -1),
+            scale=1.0,
+            stats={"anchor_logit": pi},
+        )
         keep = policy.keep_indices(obs, budget)
         window_start = n - (budget - policy.anchors(budget))
         for head in range(num_kv):
@@ -60,8 +66,10 @@ def test_deep_layers_have_anchors_that_mat_finds(hf_model):
             others = [i for i in range(window_start, n)]  # window tokens: not anchors, all later than them
             from_others = head_logits[others][:, anchors].mean()
             lower_between_anchors.append(bool(between_mean < from_others))
-    print(f"\ntoken 0 top-logit key in {sum(first_is_top)}/{len(first_is_top)} deep layers; anchors' mutual logits "
-          f"lower in {sum(lower_between_anchors)}/{len(lower_between_anchors)} deep (layer, head) pairs")
+    print(
+        f"\ntoken 0 top-logit key in {sum(first_is_top)}/{len(first_is_top)} deep layers; anchors' mutual logits "
+        f"lower in {sum(lower_between_anchors)}/{len(lower_between_anchors)} deep (layer, head) pairs"
+    )
     # Measured on this model (docs/results.md): token 0 is the top-logit key in most deep layers, which is what MAT's
     # rule relies on. The paper's second observation (Table 1: anchors attend to EACH OTHER with lower logits than
     # other tokens attend to them) did NOT hold here (1 of 84 layer-head pairs); it is printed, not asserted.

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 from kvserve.server.evicted import record_engine_outputs, tally_for
 from kvserve.server.middleware import KVHeadersMiddleware
 
-ENGINE_FAILURE = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
-                            "code": 500}}
+ENGINE_FAILURE = {
+    "error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+}
 
 
 def through_middleware(app, request_body: bytes, headers: dict[str, str]) -> list[dict]:
@@ -23,8 +24,12 @@ def through_middleware(app, request_body: bytes, headers: dict[str, str]) -> lis
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
-             "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+    }
     asyncio.run(KVHeadersMiddleware(app)(scope, receive, send))
     return sent
 
@@ -37,13 +42,24 @@ def run(headers: dict[str, str], status: int, reply: dict, chunks: int = 1, poli
     async def app(scope, receive, send):
         seen["body"] = json.loads((await receive())["body"])
         if policy_failure is not None:  # what the patched AsyncLLM.generate and OutputProcessor do
-            output = SimpleNamespace(request_id="cmpl-1-0-a", kv_transfer_params={
-                "kv_tokens_evicted": 0, "kv_request_id": "cmpl-1-0-a", "kv_policy_failure": policy_failure})
+            output = SimpleNamespace(
+                request_id="cmpl-1-0-a",
+                kv_transfer_params={
+                    "kv_tokens_evicted": 0,
+                    "kv_request_id": "cmpl-1-0-a",
+                    "kv_policy_failure": policy_failure,
+                },
+            )
             with tally_for("cmpl-1-0"):
                 record_engine_outputs({"cmpl-1-0-a": SimpleNamespace(external_req_id="cmpl-1-0")}, [output])
         body = json.dumps(reply).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         step = max(1, len(body) // chunks)
         parts = [body[i : i + step] for i in range(0, len(body), step)]
         for number, part in enumerate(parts):
@@ -56,8 +72,9 @@ def run(headers: dict[str, str], status: int, reply: dict, chunks: int = 1, poli
 
 
 def test_an_engine_failure_of_an_evicting_request_names_its_policy():
-    start, body, seen = run({"x-kv-policy": "tova", "x-kv-budget": "64"}, 500, ENGINE_FAILURE, chunks=3,
-                            policy_failure="ValueError: boom")
+    start, body, seen = run(
+        {"x-kv-policy": "tova", "x-kv-budget": "64"}, 500, ENGINE_FAILURE, chunks=3, policy_failure="ValueError: boom"
+    )
     assert seen["body"]["vllm_xargs"] == {"kv_policy": "tova", "kv_budget": "64"}
     assert start["status"] == 500
     headers = dict(start["headers"])
@@ -76,10 +93,16 @@ def test_an_engine_failure_that_is_not_the_policys_is_not_blamed_on_it():
 
 def run_stream(events: list[bytes]):
     """One streamed POST through the middleware to an app that answers 200 with these server-sent events."""
+
     async def app(scope, receive, send):
         await receive()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
+            }
+        )
         for number, event in enumerate(events):
             await send({"type": "http.response.body", "body": event, "more_body": number < len(events) - 1})
 
@@ -91,8 +114,12 @@ def _event(payload: dict) -> bytes:
 
 
 def test_a_stream_that_opens_with_a_bad_request_event_is_that_4xx():
-    error = {"message": "Requested sample logprobs of 50, which is greater than max allowed: 20", "type":
-             "BadRequestError", "param": "logprobs", "code": 400}
+    error = {
+        "message": "Requested sample logprobs of 50, which is greater than max allowed: 20",
+        "type": "BadRequestError",
+        "param": "logprobs",
+        "code": 400,
+    }
     sent = run_stream([_event({"error": error}), b"data: [DONE]\n\n"])
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
     assert sent[0]["status"] == 400
@@ -113,8 +140,10 @@ def test_other_streams_pass_unchanged():
 
 def test_other_responses_pass_unchanged():
     ok = {"choices": [{"text": "x"}]}
-    for headers, status, reply in [({"x-kv-policy": "snapkv", "x-kv-budget": "64"}, 200, ok),
-                                   ({"x-kv-policy": "full"}, 500, ENGINE_FAILURE)]:
+    for headers, status, reply in [
+        ({"x-kv-policy": "snapkv", "x-kv-budget": "64"}, 200, ok),
+        ({"x-kv-policy": "full"}, 500, ENGINE_FAILURE),
+    ]:
         start, body, _ = run(headers, status, reply)
         assert start["status"] == status and json.loads(body) == reply
         assert dict(start["headers"])[b"x-kv-policy-applied"] == headers["x-kv-policy"].encode()

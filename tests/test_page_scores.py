@@ -34,8 +34,9 @@ def page_pool(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Te
         entries = torch.arange(length)
         slots = tables[row, entries // BLOCK] * BLOCK + entries % BLOCK
         keys, values = (torch.randn(length, 1, DIM, generator=generator).to(dtype) for _ in range(2))
-        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, "vec", k_scale=1.0, v_scale=1.0,
-                                       kv_cache_dtype="auto")
+        ops.cpu_attn_reshape_and_cache(
+            keys, values, key_cache, value_cache, slots, "vec", k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+        )
     return pages, tables
 
 
@@ -57,8 +58,17 @@ def test_decode_sums_and_first_logits_match_the_reference(dtype):
     sums, first = query_sums(queries, cache, tables, LENGTHS, DIM**-0.5, first_logits=True)
     want_sums = torch.zeros(len(LENGTHS), 1, int(LENGTHS.max()))
     want_first = torch.empty(len(LENGTHS), GROUP)
-    decode_attention_reference(queries[:, 0], cache.keys, cache.values, tables.int(), LENGTHS.int(), DIM**-0.5,
-                               scores=want_sums, first_logit=want_first, need_output=False)
+    decode_attention_reference(
+        queries[:, 0],
+        cache.keys,
+        cache.values,
+        tables.int(),
+        LENGTHS.int(),
+        DIM**-0.5,
+        scores=want_sums,
+        first_logit=want_first,
+        need_output=False,
+    )
     torch.testing.assert_close(sums, want_sums[:, 0], **PROB_TOL)
     torch.testing.assert_close(first, want_first, **PROB_TOL)
     for row, length in enumerate(LENGTHS.tolist()):  # nothing past a row's length, and each row sums to G
@@ -83,15 +93,32 @@ def test_window_sums_of_a_prefill_chunk_match_the_reference(with_gain):
         row_scale = torch.ones(len(rows), chunk)
         row_scale[:, -window:] = gain
         row_scale = row_scale.reshape(1, -1)
-    _, want, _ = prefill_attention_reference(queries.reshape(-1, GROUP, DIM), cache.keys, cache.values, tables.int(),
-                                             lengths.int(), starts, DIM**-0.5, window, score_logit_scale=row_scale,
-                                             need_output=False)
+    _, want, _ = prefill_attention_reference(
+        queries.reshape(-1, GROUP, DIM),
+        cache.keys,
+        cache.values,
+        tables.int(),
+        lengths.int(),
+        starts,
+        DIM**-0.5,
+        window,
+        score_logit_scale=row_scale,
+        need_output=False,
+    )
     torch.testing.assert_close(sums, want[:, 0], **PROB_TOL)
     # every query chunk of a long prefill lands in the same sums
     all_sums, _ = query_sums(queries, cache, tables, lengths, DIM**-0.5)
-    _, want_all, _ = prefill_attention_reference(queries.reshape(-1, GROUP, DIM), cache.keys, cache.values,
-                                                 tables.int(), lengths.int(), starts, DIM**-0.5, chunk,
-                                                 need_output=False)
+    _, want_all, _ = prefill_attention_reference(
+        queries.reshape(-1, GROUP, DIM),
+        cache.keys,
+        cache.values,
+        tables.int(),
+        lengths.int(),
+        starts,
+        DIM**-0.5,
+        chunk,
+        need_output=False,
+    )
     torch.testing.assert_close(all_sums, want_all[:, 0], **PROB_TOL)
 
 
@@ -107,8 +134,9 @@ def test_compaction_matches_the_reference_bit_for_bit(dtype):
     stats = torch.randn(len(LENGTHS), int(LENGTHS.max()), generator=generator)
     want_pages, want_stats = pages.clone(), stats.clone()
     want_cache = cpu_views(want_pages)
-    compact_reference(want_cache.keys, want_cache.values, tables.int(), keep[:, None], keep_counts=counts,
-                      stats=[want_stats[:, None]])
+    compact_reference(
+        want_cache.keys, want_cache.values, tables.int(), keep[:, None], keep_counts=counts, stats=[want_stats[:, None]]
+    )
     compact_rows(cpu_views(pages), tables, keep, counts, stats=[stats])
     assert torch.equal(pages, want_pages)
     assert torch.equal(stats, want_stats)
@@ -129,8 +157,17 @@ def decoding_plans(heads: int = 3):
         state = RequestState(config=config, policy=config.make_policy(), pages=HeadPages(layout))
         state.pages.add_blocks(blocks)
         state.pages.append(tokens)
-        plans.append(RowPlan(req_id=str(row), state=state, row=row, query_start=row, query_end=row + 1,
-                             logical_len=tokens, compaction=None))
+        plans.append(
+            RowPlan(
+                req_id=str(row),
+                state=state,
+                row=row,
+                query_start=row,
+                query_end=row + 1,
+                logical_len=tokens,
+                compaction=None,
+            )
+        )
     query = torch.randn(len(plans), heads * GROUP, DIM)
     return plans, cache, query
 
@@ -143,8 +180,9 @@ def test_a_failing_batched_pass_falls_back_to_each_request_alone(monkeypatch):
         torch.manual_seed(5)  # the same requests, cache and queries each time
         plans, cache, query = decoding_plans()
         tables = {plan.req_id: plan.table(0) for plan in plans}
-        eviction.after_attention(StepContext(pages=None, rows=plans), 0, query, cache, tables, DIM**-0.5,
-                                 torch.empty_like(query))
+        eviction.after_attention(
+            StepContext(pages=None, rows=plans), 0, query, cache, tables, DIM**-0.5, torch.empty_like(query)
+        )
         return plans
 
     batched = run_step()
@@ -175,8 +213,15 @@ def test_one_product_for_all_decoding_requests_equals_each_request_alone():
     for plan in plans:
         lengths = plan.lengths(0)
         obs = eviction._observe(plan, plan.state.layer(0), 0, cache, lengths, DIM**-0.5)
-        alone = eviction.measure_pass(plan.state.policy, obs, query[plan.query_start : plan.query_end], cache,
-                                      tables[plan.req_id], lengths, compacting=False)
+        alone = eviction.measure_pass(
+            plan.state.policy,
+            obs,
+            query[plan.query_start : plan.query_end],
+            cache,
+            tables[plan.req_id],
+            lengths,
+            compacting=False,
+        )
         for name in ("column_sums", "first_logits"):
             want, got = getattr(alone, name), getattr(batched[plan.req_id], name)
             assert (want is None) == (got is None) == (name not in plan.state.policy.pass_statistics)

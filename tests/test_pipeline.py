@@ -40,8 +40,13 @@ def pipeline_results(tmp_path_factory):
     settings.write_text(json.dumps(SETTINGS))
     env = {key: value for key, value in os.environ.items() if key != "VLLM_PLUGINS"}
     with open(log, "w") as log_file:
-        done = subprocess.run([sys.executable, str(TESTS / "pipeline_run.py"), str(settings), str(out)], env=env,
-                              stdout=log_file, stderr=subprocess.STDOUT, timeout=900)
+        done = subprocess.run(
+            [sys.executable, str(TESTS / "pipeline_run.py"), str(settings), str(out)],
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            timeout=900,
+        )
     assert done.returncode == 0, log.read_text()[-4000:]
     return json.loads(out.read_text())
 

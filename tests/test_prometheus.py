@@ -44,8 +44,10 @@ def dashboard_queries() -> list[tuple[str, str]]:
 def prometheus(server, tmp_path_factory):
     binary = shutil.which("prometheus")
     if binary is None:
-        pytest.skip("Prometheus is not installed (Debian: apt-get install prometheus): the dashboards' queries were "
-                    "not run through it")
+        pytest.skip(
+            "Prometheus is not installed (Debian: apt-get install prometheus): the dashboards' queries were "
+            "not run through it"
+        )
     folder = tmp_path_factory.mktemp("prometheus")
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     config["global"].update(scrape_interval=f"{SCRAPE_SECONDS}s", evaluation_interval=f"{SCRAPE_SECONDS}s")
@@ -55,9 +57,16 @@ def prometheus(server, tmp_path_factory):
     (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
     base = f"http://127.0.0.1:{free_port()}"
     log = open(folder / "prometheus.log", "w")
-    proc = subprocess.Popen([binary, f"--config.file={folder / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address={base[7:]}"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={folder / 'prometheus.yml'}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address={base[7:]}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         _wait(lambda: _ready(base), 60, "Prometheus did not start: " + str(folder / "prometheus.log"))
         yield base
@@ -96,12 +105,21 @@ def _values(data: dict) -> list[float]:
 
 def mixed_workload(server: str, long_prompt: str) -> None:
     """Evicting and plain requests, completions and chat, streamed and not, and a request the server refuses."""
-    def post(path: str, body: dict, headers: dict | None = None) -> httpx.Response:
-        return httpx.post(server + path, json={"model": SERVED_MODEL, "max_tokens": 8, "temperature": 0, **body},
-                          headers=headers or {}, timeout=300)
 
-    for headers in ({"x-kv-policy": "snapkv", "x-kv-budget": "64"}, {"x-kv-policy": "h2o", "x-kv-budget": "96"},
-                    {"x-kv-policy": "attention_gate"}, {"x-kv-policy": "full"}):
+    def post(path: str, body: dict, headers: dict | None = None) -> httpx.Response:
+        return httpx.post(
+            server + path,
+            json={"model": SERVED_MODEL, "max_tokens": 8, "temperature": 0, **body},
+            headers=headers or {},
+            timeout=300,
+        )
+
+    for headers in (
+        {"x-kv-policy": "snapkv", "x-kv-budget": "64"},
+        {"x-kv-policy": "h2o", "x-kv-budget": "96"},
+        {"x-kv-policy": "attention_gate"},
+        {"x-kv-policy": "full"},
+    ):
         assert post("/v1/completions", {"prompt": long_prompt}, headers).status_code == 200
     chat = {"messages": [{"role": "user", "content": long_prompt}], "stream": True}
     assert post("/v1/chat/completions", chat, {"x-kv-policy": "streamingllm", "x-kv-budget": "64"}).status_code == 200
@@ -116,8 +134,11 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(server, prome
         mixed_workload(server, long_prompt)
         served = httpx.get(server + "/metrics").text
         evictions = sum(float(v) for v in re.findall(r"^kvserve:evictions_total\{[^}]*\} (\S+)$", served, re.M))
-        _wait(lambda want=evictions: sum(_values(query(prometheus, "kvserve:evictions_total"))) == want, 60,
-              "Prometheus did not scrape the workload's evictions")
+        _wait(
+            lambda want=evictions: sum(_values(query(prometheus, "kvserve:evictions_total"))) == want,
+            60,
+            "Prometheus did not scrape the workload's evictions",
+        )
     time.sleep(2 * SCRAPE_SECONDS)
     queries = dashboard_queries()
     assert queries

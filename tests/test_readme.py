@@ -40,7 +40,8 @@ def test_first_screen_curl_works_as_pasted(server):
 
 def test_first_screen_openai_call_works_as_pasted(server):
     [block] = [b for b in first_screen_blocks("python") if "OpenAI(" in b]
-    done = subprocess.run([sys.executable, "-c", on_test_server(block, server)], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", on_test_server(block, server)], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "completion_tokens" in done.stdout and "kv_tokens_evicted" in done.stdout

@@ -54,8 +54,16 @@ def test_seeded_one_chunk_equals_vanilla_vllm(engine, vanilla_outputs, discarded
     assert sum(discarded_seeded_rows) == 0  # alone, the 600-token prompt was one chunk
 
 
-@pytest.mark.parametrize("kv", [None, {"kv_policy": "snapkv", "kv_budget": 128}, {"kv_policy": "h2o", "kv_budget": 128},
-                                {"kv_policy": "h2o", "kv_budget": 128, "kv_evict_every_chunk": True}], ids=str)
+@pytest.mark.parametrize(
+    "kv",
+    [
+        None,
+        {"kv_policy": "snapkv", "kv_budget": 128},
+        {"kv_policy": "h2o", "kv_budget": 128},
+        {"kv_policy": "h2o", "kv_budget": 128, "kv_evict_every_chunk": True},
+    ],
+    ids=str,
+)
 def test_seed_gives_the_same_text_in_one_chunk_and_in_many(engine, discarded_seeded_rows, kv):
     assert len(seeded_prompt(engine.tokenizer)) > 2 * CHUNK_WHEN_SHARED
     free_before = engine.free_blocks()
@@ -79,16 +87,24 @@ def test_seeded_request_on_a_chunked_server_is_reproducible(server, long_prompt,
     else:
         body["prompt"] = long_prompt
     texts = []
-    for headers in ({"x-kv-policy": "full"}, {"x-kv-policy": "full"}, {"x-kv-policy": "snapkv", "x-kv-budget": "64"},
-                    {"x-kv-policy": "snapkv", "x-kv-budget": "64"}):
+    for headers in (
+        {"x-kv-policy": "full"},
+        {"x-kv-policy": "full"},
+        {"x-kv-policy": "snapkv", "x-kv-budget": "64"},
+        {"x-kv-policy": "snapkv", "x-kv-budget": "64"},
+    ):
         body["cache_salt"] = uuid.uuid4().hex  # no prefix-cache hit: every run is prefilled in chunks
         response = httpx.post(server + path, json=body, headers=headers, timeout=120)
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]
         texts.append(choice.get("text") or choice["message"]["content"])
     assert texts[0] == texts[1] and texts[2] == texts[3]
-    other = httpx.post(server + path, json={**body, "seed": 2, "cache_salt": uuid.uuid4().hex},
-                       headers={"x-kv-policy": "full"}, timeout=120)
+    other = httpx.post(
+        server + path,
+        json={**body, "seed": 2, "cache_salt": uuid.uuid4().hex},
+        headers={"x-kv-policy": "full"},
+        timeout=120,
+    )
     assert other.status_code == 200
     choice = other.json()["choices"][0]
     assert (choice.get("text") or choice["message"]["content"]) != texts[0]  # the seed is not ignored

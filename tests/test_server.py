@@ -88,35 +88,48 @@ def test_server_default_applies_without_headers(server):
 
 
 def test_streaming_chat_with_eviction(server, long_prompt):
-    payload = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": long_prompt + " Summarise."}],
-               "max_tokens": 40, "temperature": 0, "stream": True}
-    with httpx.stream("POST", server + "/v1/chat/completions", json=payload, timeout=120,
-                      headers={"x-kv-policy": "snapkv", "x-kv-budget": "128"}) as response:
+    payload = {
+        "model": SERVED_MODEL,
+        "messages": [{"role": "user", "content": long_prompt + " Summarise."}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST",
+        server + "/v1/chat/completions",
+        json=payload,
+        timeout=120,
+        headers={"x-kv-policy": "snapkv", "x-kv-budget": "128"},
+    ) as response:
         assert response.status_code == 200
         assert response.headers["x-kv-policy-applied"] == "snapkv"
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) > 5
 
 
-@pytest.mark.parametrize("headers,body,field", [
-    ({"x-kv-policy": "lru", "x-kv-budget": "64"}, {}, "kv_policy"),
-    ({"x-kv-policy": "ems+caote", "x-kv-budget": "64"}, {}, "kv_policy"),  # an unsupported combination
-    ({"x-kv-policy": "snapkv", "x-kv-budget": "many"}, {}, "kv_budget"),
-    ({"x-kv-policy": "snapkv", "x-kv-budget": "16"}, {}, "kv_budget"),  # below the 32-token window it keeps
-    ({"x-kv-policy": "snapkv", "x-kv-budget": "4096"}, {}, "kv_budget"),  # above the server's max_model_len 2048
-    ({"x-kv-policy": "ems", "x-kv-budget": "64", "x-kv-tau": "1.5"}, {}, "kv_tau"),
-    ({"x-kv-policy": "snapkv", "x-kv-budget": "64", "x-kv-window": "-3"}, {}, "kv_window"),
-    ({"x-kv-policy": "streamingllm", "x-kv-budget": "64", "x-kv-window": "8"}, {}, "kv_window"),
-    ({"x-kv-colour": "blue"}, {}, "kv_colour"),
-    ({"x-kv-budget": "x" * 300}, {}, "x-kv-budget"),
-    ({}, {"vllm_xargs": {"kv_policy": "snapkv", "kv_budget": "ten"}}, "kv_budget"),
-    ({"x-kv-budget": "300"}, {"vllm_xargs": {"kv_policy": "snapkv", "kv_budget": 200}}, "kv_budget"),
-    ({}, {"kv_budget": 300, "vllm_xargs": {"kv_policy": "snapkv", "kv_budget": 200}}, "kv_budget"),
-    ({}, {"kv_policy": "snapkv", "kv_budjet": 300}, "kv_budjet"),  # a misspelt top-level key is not dropped
-    ({}, {"guided_regex": "[0-9]+"}, "guided_regex"),  # removed in vLLM 0.32: would silently not constrain
-    # breaks mid-stream in vLLM 0.32 (found by the load fuzz; vanilla vLLM too)
-    ({}, {"echo": True, "logprobs": 1, "n": 2, "temperature": 1.0, "stream": True}, "echo"),
-])
+@pytest.mark.parametrize(
+    "headers,body,field",
+    [
+        ({"x-kv-policy": "lru", "x-kv-budget": "64"}, {}, "kv_policy"),
+        ({"x-kv-policy": "ems+caote", "x-kv-budget": "64"}, {}, "kv_policy"),  # an unsupported combination
+        ({"x-kv-policy": "snapkv", "x-kv-budget": "many"}, {}, "kv_budget"),
+        ({"x-kv-policy": "snapkv", "x-kv-budget": "16"}, {}, "kv_budget"),  # below the 32-token window it keeps
+        ({"x-kv-policy": "snapkv", "x-kv-budget": "4096"}, {}, "kv_budget"),  # above the server's max_model_len 2048
+        ({"x-kv-policy": "ems", "x-kv-budget": "64", "x-kv-tau": "1.5"}, {}, "kv_tau"),
+        ({"x-kv-policy": "snapkv", "x-kv-budget": "64", "x-kv-window": "-3"}, {}, "kv_window"),
+        ({"x-kv-policy": "streamingllm", "x-kv-budget": "64", "x-kv-window": "8"}, {}, "kv_window"),
+        ({"x-kv-colour": "blue"}, {}, "kv_colour"),
+        ({"x-kv-budget": "x" * 300}, {}, "x-kv-budget"),
+        ({}, {"vllm_xargs": {"kv_policy": "snapkv", "kv_budget": "ten"}}, "kv_budget"),
+        ({"x-kv-budget": "300"}, {"vllm_xargs": {"kv_policy": "snapkv", "kv_budget": 200}}, "kv_budget"),
+        ({}, {"kv_budget": 300, "vllm_xargs": {"kv_policy": "snapkv", "kv_budget": 200}}, "kv_budget"),
+        ({}, {"kv_policy": "snapkv", "kv_budjet": 300}, "kv_budjet"),  # a misspelt top-level key is not dropped
+        ({}, {"guided_regex": "[0-9]+"}, "guided_regex"),  # removed in vLLM 0.32: would silently not constrain
+        # breaks mid-stream in vLLM 0.32 (found by the load fuzz; vanilla vLLM too)
+        ({}, {"echo": True, "logprobs": 1, "n": 2, "temperature": 1.0, "stream": True}, "echo"),
+    ],
+)
 def test_invalid_settings_get_400_naming_the_field(server, headers, body, field):
     response = complete(server, "Hello", headers, **body)
     assert response.status_code == 400, response.text
@@ -145,9 +158,12 @@ def test_server_environment_guards_memory_and_long_steps(server):
     from kvserve.allocator import GLIBC_MMAP_THRESHOLD, find_tcmalloc
 
     port = server.rsplit(":", 1)[1]
-    [api_server] = [p for p in psutil.process_iter(["cmdline"])
-                    if "vllm.entrypoints.openai.api_server" in " ".join(p.info["cmdline"] or [])
-                    and port in (p.info["cmdline"] or [])]
+    [api_server] = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "vllm.entrypoints.openai.api_server" in " ".join(p.info["cmdline"] or [])
+        and port in (p.info["cmdline"] or [])
+    ]
     # the engine core and worker inherit it (their /proc environ is overwritten by vLLM's process titles)
     environment = api_server.environ()
     tcmalloc = find_tcmalloc()
@@ -186,16 +202,29 @@ def test_usage_reports_the_tokens_eviction_removed(server, long_prompt):
     counted = metric(server, "kvserve:tokens_evicted_total", labels) - before
     assert usage["kv_tokens_evicted"] == counted == usage["prompt_tokens"] - 64
 
-    payload = {"model": SERVED_MODEL, "prompt": long_prompt, "max_tokens": 8, "temperature": 0, "stream": True,
-               "stream_options": {"include_usage": True}}
+    payload = {
+        "model": SERVED_MODEL,
+        "prompt": long_prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", server + "/v1/completions", json=payload, headers=evict, timeout=120) as response:
-        chunks = [json.loads(line[6:]) for line in response.iter_lines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        chunks = [
+            json.loads(line[6:])
+            for line in response.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
     [streamed_usage] = [chunk["usage"] for chunk in chunks if chunk.get("usage")]
     assert streamed_usage["kv_tokens_evicted"] == counted
 
-    chat = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": long_prompt}], "max_tokens": 4,
-            "temperature": 0}
+    chat = {
+        "model": SERVED_MODEL,
+        "messages": [{"role": "user", "content": long_prompt}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
     chat_usage = httpx.post(server + "/v1/chat/completions", json=chat, headers=evict, timeout=120).json()["usage"]
     assert chat_usage["kv_tokens_evicted"] == chat_usage["prompt_tokens"] - 64
 
@@ -216,9 +245,14 @@ def test_usage_reports_the_tokens_eviction_removed(server, long_prompt):
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_streamed_request_over_max_model_len_is_a_400_not_an_error_event(server, path):
-    body = {"model": SERVED_MODEL, "max_tokens": 4, "stream": True,
-            **({"prompt": "Hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]})}
-    response = httpx.post(server + path, json=body, headers={"x-kv-policy": "snapkv", "x-kv-budget": "4096"},
-                          timeout=60)
+    body = {
+        "model": SERVED_MODEL,
+        "max_tokens": 4,
+        "stream": True,
+        **({"prompt": "Hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}),
+    }
+    response = httpx.post(
+        server + path, json=body, headers={"x-kv-policy": "snapkv", "x-kv-budget": "4096"}, timeout=60
+    )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "kv_budget" and "max_model_len" in response.json()["error"]["message"]

@@ -31,9 +31,15 @@ if __name__ == "__main__":
     prompts = equivalence_prompts(llm.get_tokenizer())
     params = SamplingParams(temperature=0, max_tokens=EQUIVALENCE_MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    seeded = llm.generate([TokensPrompt(prompt_token_ids=seeded_prompt(llm.get_tokenizer()))],
-                          SamplingParams(**SEEDED_SAMPLING), use_tqdm=False)
-    result = {"scheduler": scheduler_cls, "outputs": [list(o.outputs[0].token_ids) for o in outputs],
-              "seeded": list(seeded[0].outputs[0].token_ids)}
+    seeded = llm.generate(
+        [TokensPrompt(prompt_token_ids=seeded_prompt(llm.get_tokenizer()))],
+        SamplingParams(**SEEDED_SAMPLING),
+        use_tqdm=False,
+    )
+    result = {
+        "scheduler": scheduler_cls,
+        "outputs": [list(o.outputs[0].token_ids) for o in outputs],
+        "seeded": list(seeded[0].outputs[0].token_ids),
+    }
     with open(sys.argv[1], "w") as f:
         json.dump(result, f)

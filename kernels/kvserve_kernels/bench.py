@@ -21,9 +21,23 @@ import torch
 
 # Peak DRAM bandwidth (GB/s) from vendors' data sheets, matched by substring of torch.cuda.get_device_name().
 PEAK_GBPS = {
-    "H200": 4800, "H100 SXM": 3350, "H100 80GB HBM3": 3350, "H100 NVL": 3900, "H100 PCIe": 2000, "H100": 3350,
-    "A100-SXM4-80GB": 2039, "A100 80GB PCIe": 1935, "A100": 1555, "L40S": 864, "L40": 864, "L4": 300, "A10G": 600,
-    "A10": 600, "RTX 4090": 1008, "B200": 8000, "GH200": 4000,
+    "H200": 4800,
+    "H100 SXM": 3350,
+    "H100 80GB HBM3": 3350,
+    "H100 NVL": 3900,
+    "H100 PCIe": 2000,
+    "H100": 3350,
+    "A100-SXM4-80GB": 2039,
+    "A100 80GB PCIe": 1935,
+    "A100": 1555,
+    "L40S": 864,
+    "L40": 864,
+    "L4": 300,
+    "A10G": 600,
+    "A10": 600,
+    "RTX 4090": 1008,
+    "B200": 8000,
+    "GH200": 4000,
 }
 
 
@@ -37,8 +51,13 @@ class Case:
     block_size: int
 
 
-DEFAULT_CASES = [Case(64, 1024, 32, 8, 128, 16), Case(16, 8192, 32, 8, 128, 16), Case(4, 32768, 32, 8, 128, 16),
-                 Case(32, 4096, 32, 32, 128, 16), Case(32, 4096, 32, 8, 64, 32)]
+DEFAULT_CASES = [
+    Case(64, 1024, 32, 8, 128, 16),
+    Case(16, 8192, 32, 8, 128, 16),
+    Case(4, 32768, 32, 8, 128, 16),
+    Case(32, 4096, 32, 32, 128, 16),
+    Case(32, 4096, 32, 8, 64, 32),
+]
 
 
 def peak_from_table(name: str) -> float | None:
@@ -98,24 +117,44 @@ def vllm_decode(q, key_cache, value_cache, table, seq_lens, scale, max_len):
     cu_seqlens_q = torch.arange(num_reqs + 1, dtype=torch.int32, device=q.device)
     descale = torch.ones(1, dtype=torch.float32, device=q.device).expand(num_reqs, num_kv_heads)
     segments = 16  # vLLM's NUM_PAR_SOFTMAX_SEGMENTS; threshold as TritonAttentionMetadataBuilder sets it
-    seg_out = torch.empty(num_reqs, num_q_heads, segments, 1 << (dim - 1).bit_length(), dtype=torch.float32,
-                          device=q.device)
+    seg_out = torch.empty(
+        num_reqs, num_q_heads, segments, 1 << (dim - 1).bit_length(), dtype=torch.float32, device=q.device
+    )
     seg_max = torch.empty(num_reqs, num_q_heads, segments, dtype=torch.float32, device=q.device)
     seg_sum = torch.empty_like(seg_max)
 
     def run():
-        unified_attention(q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=1,
-                          seqused_k=seq_lens, max_seqlen_k=max_len, softmax_scale=scale, causal=True,
-                          window_size=(-1, -1), block_table=table, softcap=0, q_descale=None, k_descale=descale,
-                          v_descale=descale, seq_threshold_3D=128 // num_kv_heads, num_par_softmax_segments=segments,
-                          softmax_segm_output=seg_out, softmax_segm_max=seg_max, softmax_segm_expsum=seg_sum)
+        unified_attention(
+            q=q,
+            k=key_cache,
+            v=value_cache,
+            out=out,
+            cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=1,
+            seqused_k=seq_lens,
+            max_seqlen_k=max_len,
+            softmax_scale=scale,
+            causal=True,
+            window_size=(-1, -1),
+            block_table=table,
+            softcap=0,
+            q_descale=None,
+            k_descale=descale,
+            v_descale=descale,
+            seq_threshold_3D=128 // num_kv_heads,
+            num_par_softmax_segments=segments,
+            softmax_segm_output=seg_out,
+            softmax_segm_max=seg_max,
+            softmax_segm_expsum=seg_sum,
+        )
         return out
 
     return run
 
 
-def bench_case(case: Case, dtype: torch.dtype, do_bench, num_splits: int | None,
-               device: str = "cuda") -> dict[str, float | str]:
+def bench_case(
+    case: Case, dtype: torch.dtype, do_bench, num_splits: int | None, device: str = "cuda"
+) -> dict[str, float | str]:
     from .decode_attention import decode_attention_with_scores
 
     q, key_cache, value_cache, table, seq_lens = make_inputs(case, dtype, device)
@@ -126,10 +165,21 @@ def bench_case(case: Case, dtype: torch.dtype, do_bench, num_splits: int | None,
     first = torch.zeros(case.batch, case.q_heads, dtype=torch.float32, device=device)
     common = dict(max_seq_len=max_len, num_splits=num_splits)
     runs = {
-        "fused": lambda: decode_attention_with_scores(q, key_cache, value_cache, table, seq_lens, scale,
-                                                      scores=scores, last_probs=last, first_logit=first, **common),
-        "h2o": lambda: decode_attention_with_scores(q, key_cache, value_cache, table, seq_lens, scale,
-                                                    scores=scores, **common),
+        "fused": lambda: decode_attention_with_scores(
+            q,
+            key_cache,
+            value_cache,
+            table,
+            seq_lens,
+            scale,
+            scores=scores,
+            last_probs=last,
+            first_logit=first,
+            **common,
+        ),
+        "h2o": lambda: decode_attention_with_scores(
+            q, key_cache, value_cache, table, seq_lens, scale, scores=scores, **common
+        ),
         "plain": lambda: decode_attention_with_scores(q, key_cache, value_cache, table, seq_lens, scale, **common),
         "torch": lambda: torch_decode(q, key_cache, value_cache, table, seq_lens, scale, max_len, scores),
     }
@@ -148,17 +198,28 @@ def bench_case(case: Case, dtype: torch.dtype, do_bench, num_splits: int | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvserve_kernels.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m kvserve_kernels.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    parser.add_argument("--case", nargs=6, type=int, action="append", metavar=("BATCH", "SEQ", "QH", "KVH", "D", "BS"),
-                        help="a shape to run instead of the defaults (repeatable)")
+    parser.add_argument(
+        "--case",
+        nargs=6,
+        type=int,
+        action="append",
+        metavar=("BATCH", "SEQ", "QH", "KVH", "D", "BS"),
+        help="a shape to run instead of the defaults (repeatable)",
+    )
     parser.add_argument("--splits", type=int, default=None, help="num_splits (default: the kernel's heuristic)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("kvserve_kernels.bench needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured. "
-              "On CPU, the kernels' correctness is checked by tests/test_kernels.py under TRITON_INTERPRET=1.",
-              file=sys.stderr)
+        print(
+            "kvserve_kernels.bench needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured. "
+            "On CPU, the kernels' correctness is checked by tests/test_kernels.py under TRITON_INTERPRET=1.",
+            file=sys.stderr,
+        )
         return 2
     import triton.testing
 
@@ -188,9 +249,11 @@ def main(argv: list[str] | None = None) -> int:
             elif value is not None:
                 print(f"{shape:32} {variant:7} {value}")
         plain = results["plain"]
-        print(f"{shape:32} scoring overhead: fused {100 * (results['fused'] / plain - 1):+.1f}%, "
-              f"h2o only {100 * (results['h2o'] / plain - 1):+.1f}%"
-              + (f"; |plain - vllm| max {results['vllm_max_abs_diff']:.2e}" if "vllm_max_abs_diff" in results else ""))
+        print(
+            f"{shape:32} scoring overhead: fused {100 * (results['fused'] / plain - 1):+.1f}%, "
+            f"h2o only {100 * (results['h2o'] / plain - 1):+.1f}%"
+            + (f"; |plain - vllm| max {results['vllm_max_abs_diff']:.2e}" if "vllm_max_abs_diff" in results else "")
+        )
     return 0
 
 

@@ -30,9 +30,21 @@ from .layout import check_cache
 
 @triton.jit
 def _compact_cache_kernel(
-    CACHE, BLOCK_TABLE, KEEP, COUNTS, width,
-    stride_cb, stride_cs, stride_ch, stride_btr, stride_kr, stride_kh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_J: tl.constexpr,
+    CACHE,
+    BLOCK_TABLE,
+    KEEP,
+    COUNTS,
+    width,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_btr,
+    stride_kr,
+    stride_kh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_J: tl.constexpr,
     HAS_COUNTS: tl.constexpr,
 ):
     req = tl.program_id(0)
@@ -60,8 +72,16 @@ def _compact_cache_kernel(
 
 @triton.jit
 def _compact_rows_kernel(
-    STAT, KEEP, COUNTS, width, stride_sr, stride_sh, stride_kr, stride_kh,
-    BLOCK_J: tl.constexpr, HAS_COUNTS: tl.constexpr,
+    STAT,
+    KEEP,
+    COUNTS,
+    width,
+    stride_sr,
+    stride_sh,
+    stride_kr,
+    stride_kh,
+    BLOCK_J: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -80,8 +100,14 @@ def _compact_rows_kernel(
 
 
 def compact(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, keep_indices: torch.Tensor, *,
-    keep_counts: torch.Tensor | None = None, stats: Sequence[torch.Tensor] = (), block_j: int = 32,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    keep_indices: torch.Tensor,
+    *,
+    keep_counts: torch.Tensor | None = None,
+    stats: Sequence[torch.Tensor] = (),
+    block_j: int = 32,
 ) -> None:
     """Move each (request, KV head)'s kept entries to the front of the request's blocks, in place.
 
@@ -96,8 +122,9 @@ def compact(
     """
     block_size, num_kv_heads, head_dim = check_cache(key_cache, value_cache)
     if keep_indices.dim() != 3 or keep_indices.shape[1] != num_kv_heads or keep_indices.shape[0] > block_table.shape[0]:
-        raise ValueError(f"keep_indices must be [R, {num_kv_heads}, B] with R <= block_table rows, "
-                         f"got {tuple(keep_indices.shape)}")
+        raise ValueError(
+            f"keep_indices must be [R, {num_kv_heads}, B] with R <= block_table rows, got {tuple(keep_indices.shape)}"
+        )
     num_reqs, _, width = keep_indices.shape
     if num_reqs == 0 or width == 0:
         return
@@ -107,17 +134,37 @@ def compact(
     block_d = min(pow2(head_dim, 16), 64)
     for cache in (key_cache, value_cache):
         _compact_cache_kernel[(num_reqs, num_kv_heads, triton.cdiv(head_dim, block_d))](
-            cache, block_table, keep_indices, counts, width,
-            cache.stride(0), cache.stride(1), cache.stride(2), block_table.stride(0),
-            keep_indices.stride(0), keep_indices.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=block_size, BLOCK_J=block_j,
+            cache,
+            block_table,
+            keep_indices,
+            counts,
+            width,
+            cache.stride(0),
+            cache.stride(1),
+            cache.stride(2),
+            block_table.stride(0),
+            keep_indices.stride(0),
+            keep_indices.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            PAGE=block_size,
+            BLOCK_J=block_j,
             HAS_COUNTS=keep_counts is not None,
         )
     for stat in stats:
         if stat.dim() != 3 or tuple(stat.shape[:2]) != (num_reqs, num_kv_heads) or stat.stride(-1) != 1:
-            raise ValueError(f"stats must be [{num_reqs}, {num_kv_heads}, slots] with a contiguous last dim, "
-                             f"got {tuple(stat.shape)}")
+            raise ValueError(
+                f"stats must be [{num_reqs}, {num_kv_heads}, slots] with a contiguous last dim, got {tuple(stat.shape)}"
+            )
         _compact_rows_kernel[(num_reqs, num_kv_heads)](
-            stat, keep_indices, counts, width, stat.stride(0), stat.stride(1),
-            keep_indices.stride(0), keep_indices.stride(1), BLOCK_J=block_j, HAS_COUNTS=keep_counts is not None,
+            stat,
+            keep_indices,
+            counts,
+            width,
+            stat.stride(0),
+            stat.stride(1),
+            keep_indices.stride(0),
+            keep_indices.stride(1),
+            BLOCK_J=block_j,
+            HAS_COUNTS=keep_counts is not None,
         )

@@ -27,16 +27,41 @@ from .layout import check_cache
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, BLOCK_TABLE, SEQ_LENS, MID_O, MID_M, MID_L, LOGITS, FIRST,
+    Q,
+    K,
+    V,
+    BLOCK_TABLE,
+    SEQ_LENS,
+    MID_O,
+    MID_M,
+    MID_L,
+    LOGITS,
+    FIRST,
     scale,
-    stride_qr, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_btr, stride_lr, stride_lh, stride_fr,
-    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, STORE_LOGITS: tl.constexpr, STORE_FIRST: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    stride_qr,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_btr,
+    stride_lr,
+    stride_lh,
+    stride_fr,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    STORE_LOGITS: tl.constexpr,
+    STORE_FIRST: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -51,8 +76,11 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + offs_g
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(Q + req * stride_qr + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        Q + req * stride_qr + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if DOT_F32:
         q = q.to(tl.float32)
 
@@ -64,8 +92,24 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        k, v = load_kv_tile(K, V, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head, stride_kb, stride_ks, stride_kh,
-                            stride_vb, stride_vs, stride_vh, PAGE, DOT_F32)
+        k, v = load_kv_tile(
+            K,
+            V,
+            bt_row,
+            offs_n,
+            n_mask,
+            offs_d,
+            d_mask,
+            kv_head,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            PAGE,
+            DOT_F32,
+        )
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         if STORE_LOGITS:
@@ -84,15 +128,25 @@ def _decode_split_kernel(
     mid = (req * NUM_Q_HEADS + heads) * NUM_SPLITS + split  # an empty split stores m = -inf, l = 0, acc = 0
     tl.store(MID_M + mid, m_i, mask=g_mask)
     tl.store(MID_L + mid, l_i, mask=g_mask)
-    tl.store(MID_O + mid[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :], acc,
-             mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(
+        MID_O + mid[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :]
+    )
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    MID_O, MID_M, MID_L, OUT, LSE, stride_or, stride_oh,
-    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    MID_O,
+    MID_M,
+    MID_L,
+    OUT,
+    LSE,
+    stride_or,
+    stride_oh,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -106,8 +160,11 @@ def _decode_reduce_kernel(
     m_max = tl.max(m, axis=0)
     w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
     total = tl.sum(l_part * w, axis=0)
-    acc = tl.load(MID_O + (base + offs_s)[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
-                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = tl.load(
+        MID_O + (base + offs_s)[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     out = tl.sum(acc * w[:, None], axis=0) / total
     tl.store(OUT + req * stride_or + head * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=d_mask)
     tl.store(LSE + req * NUM_Q_HEADS + head, m_max + tl.log(total))
@@ -115,10 +172,25 @@ def _decode_reduce_kernel(
 
 @triton.jit
 def _decode_scores_kernel(
-    LOGITS, LSE, SEQ_LENS, SCORES, LAST,
-    stride_lr, stride_lh, stride_sr, stride_sh, stride_pr, stride_ph, score_slots, last_slots,
-    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_SCORES: tl.constexpr, HAS_LAST: tl.constexpr,
+    LOGITS,
+    LSE,
+    SEQ_LENS,
+    SCORES,
+    LAST,
+    stride_lr,
+    stride_lh,
+    stride_sr,
+    stride_sh,
+    stride_pr,
+    stride_ph,
+    score_slots,
+    last_slots,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_SCORES: tl.constexpr,
+    HAS_LAST: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -130,8 +202,11 @@ def _decode_scores_kernel(
     g_mask = offs_g < GROUP
     heads = kv_head * GROUP + offs_g
     lse = tl.load(LSE + req * NUM_Q_HEADS + heads, mask=g_mask, other=0.0)
-    s = tl.load(LOGITS + req.to(tl.int64) * stride_lr + heads[:, None] * stride_lh + offs[None, :],
-                mask=g_mask[:, None] & n_mask[None, :], other=float("-inf"))
+    s = tl.load(
+        LOGITS + req.to(tl.int64) * stride_lr + heads[:, None] * stride_lh + offs[None, :],
+        mask=g_mask[:, None] & n_mask[None, :],
+        other=float("-inf"),
+    )
     total = tl.sum(tl.exp(s - lse[:, None]), axis=0)
     if HAS_SCORES:
         mask = n_mask & (offs < score_slots)
@@ -150,10 +225,19 @@ def default_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, devic
 
 
 def decode_attention_with_scores(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, *, scores: torch.Tensor | None = None,
-    last_probs: torch.Tensor | None = None, first_logit: torch.Tensor | None = None,
-    max_seq_len: int | None = None, num_splits: int | None = None, block_n: int | None = None,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    scores: torch.Tensor | None = None,
+    last_probs: torch.Tensor | None = None,
+    first_logit: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over the paged cache, with the eviction statistics from the same pass.
@@ -213,19 +297,54 @@ def decode_attention_with_scores(
     block_g = pow2(group, 16)
     block_d = pow2(head_dim, 16)
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
-        q, key_cache, value_cache, block_table, seq_lens, mid_o, mid_m, mid_l, logits, first,
+        q,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        mid_o,
+        mid_m,
+        mid_l,
+        logits,
+        first,
         scale,
-        q.stride(0), q.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_table.stride(0), logits.stride(0), logits.stride(1), first.stride(0),
-        NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, STORE_LOGITS=need_logits,
-        STORE_FIRST=first_logit is not None, DOT_F32=dot_f32, PRECISION=precision,
+        q.stride(0),
+        q.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_table.stride(0),
+        logits.stride(0),
+        logits.stride(1),
+        first.stride(0),
+        NUM_Q_HEADS=num_q_heads,
+        GROUP=group,
+        BLOCK_G=block_g,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE=block_size,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        STORE_LOGITS=need_logits,
+        STORE_FIRST=first_logit is not None,
+        DOT_F32=dot_f32,
+        PRECISION=precision,
     )
     _decode_reduce_kernel[(num_reqs, num_q_heads)](
-        mid_o, mid_m, mid_l, out, lse, out.stride(0), out.stride(1),
-        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        mid_o,
+        mid_m,
+        mid_l,
+        out,
+        lse,
+        out.stride(0),
+        out.stride(1),
+        NUM_Q_HEADS=num_q_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
         BLOCK_S=pow2(num_splits, 2),
     )
     if need_logits:
@@ -233,12 +352,24 @@ def decode_attention_with_scores(
         last_buf = last_probs if last_probs is not None else lse
         block_s = 128
         _decode_scores_kernel[(num_reqs, num_kv_heads, triton.cdiv(max_seq_len, block_s))](
-            logits, lse, seq_lens, score_buf, last_buf,
-            logits.stride(0), logits.stride(1),
-            score_buf.stride(0), score_buf.stride(1) if score_buf.dim() == 3 else 0,
-            last_buf.stride(0), last_buf.stride(1) if last_buf.dim() == 3 else 0,
-            score_buf.shape[-1], last_buf.shape[-1],
-            NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=pow2(group, 2), BLOCK_S=block_s,
-            HAS_SCORES=scores is not None, HAS_LAST=last_probs is not None,
+            logits,
+            lse,
+            seq_lens,
+            score_buf,
+            last_buf,
+            logits.stride(0),
+            logits.stride(1),
+            score_buf.stride(0),
+            score_buf.stride(1) if score_buf.dim() == 3 else 0,
+            last_buf.stride(0),
+            last_buf.stride(1) if last_buf.dim() == 3 else 0,
+            score_buf.shape[-1],
+            last_buf.shape[-1],
+            NUM_Q_HEADS=num_q_heads,
+            GROUP=group,
+            BLOCK_G=pow2(group, 2),
+            BLOCK_S=block_s,
+            HAS_SCORES=scores is not None,
+            HAS_LAST=last_probs is not None,
         )
     return out, lse

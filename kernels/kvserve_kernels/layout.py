@@ -28,14 +28,22 @@ def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor
     splits it; writing through the views writes the cache.
     """
     if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
-        raise ValueError(f"expected [num_blocks, num_kv_heads, block_size, {2 * head_size}], "
-                         f"got {tuple(kv_cache.shape)}")
+        raise ValueError(
+            f"expected [num_blocks, num_kv_heads, block_size, {2 * head_size}], got {tuple(kv_cache.shape)}"
+        )
     key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)
     return key_cache, value_cache
 
 
-def new_kv_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_size: int, dtype: torch.dtype,
-                 device: torch.device | str, physical: str = "LBNHC") -> torch.Tensor:
+def new_kv_cache(
+    num_blocks: int,
+    num_kv_heads: int,
+    block_size: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    physical: str = "LBNHC",
+) -> torch.Tensor:
     """An uninitialised per-layer cache in vLLM's logical shape with a `KVCacheLayout`'s memory order.
 
     ``physical="LBNHC"`` (vLLM's default: memory [block, slot, head, K|V]) or ``"LBHNC"`` (memory [block, head, slot,
@@ -49,15 +57,18 @@ def new_kv_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_size:
     raise ValueError(f"unknown layout {physical!r}")
 
 
-def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor,
-                contiguous_head: bool = True) -> tuple[int, int, int]:
+def check_cache(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, contiguous_head: bool = True
+) -> tuple[int, int, int]:
     """Validate the two views; return (block_size, num_kv_heads, head_size).
 
     The Triton kernels need a contiguous head dimension; the PyTorch references (`contiguous_head=False`) read any
     strides, which is how kvserve's CPU path passes vLLM's CPU cache (keys stored transposed per block)."""
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError(f"key/value caches must be [num_blocks, block_size, num_kv_heads, head_size] and equal, "
-                         f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+        raise ValueError(
+            f"key/value caches must be [num_blocks, block_size, num_kv_heads, head_size] and equal, "
+            f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
     if contiguous_head and (key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1):
         raise ValueError("the head dimension of the key/value caches must be contiguous")
     if key_cache.dtype != value_cache.dtype:

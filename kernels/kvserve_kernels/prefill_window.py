@@ -26,15 +26,39 @@ from .reference import expand_logit_scale
 
 @triton.jit
 def _prefill_attention_kernel(
-    Q, K, V, BLOCK_TABLE, SEQ_LENS, QSL, GAIN, OUT, LSE, LSE_SCORE,
+    Q,
+    K,
+    V,
+    BLOCK_TABLE,
+    SEQ_LENS,
+    QSL,
+    GAIN,
+    OUT,
+    LSE,
+    LSE_SCORE,
     scale,
-    stride_qt, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_btr, stride_ot, stride_oh, stride_gh,
-    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GAIN: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_btr,
+    stride_ot,
+    stride_oh,
+    stride_gh,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_GAIN: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -51,8 +75,11 @@ def _prefill_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if DOT_F32:
         q = q.to(tl.float32)
     if HAS_GAIN:
@@ -68,8 +95,24 @@ def _prefill_attention_kernel(
     for n0 in range(0, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < seq_len
-        k, v = load_kv_tile(K, V, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head, stride_kb, stride_ks, stride_kh,
-                            stride_vb, stride_vs, stride_vh, PAGE, DOT_F32)
+        k, v = load_kv_tile(
+            K,
+            V,
+            bt_row,
+            offs_n,
+            n_mask,
+            offs_d,
+            d_mask,
+            kv_head,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            PAGE,
+            DOT_F32,
+        )
         raw = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         visible = n_mask[None, :] & (offs_n[None, :] <= context + offs_m[:, None])
         s = tl.where(visible, raw, float("-inf"))  # slot 0 is visible to every row: m_new is finite from tile 0
@@ -86,8 +129,11 @@ def _prefill_attention_kernel(
             m_s = m2
 
     out = acc / l_i[:, None]
-    tl.store(OUT + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out.to(OUT.dtype.element_ty),
-             mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(
+        OUT + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(OUT.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
     tl.store(LSE + rows * NUM_Q_HEADS + head, m_i + tl.log(l_i), mask=m_mask)
     if HAS_GAIN:
         tl.store(LSE_SCORE + rows * NUM_Q_HEADS + head, m_s + tl.log(l_s), mask=m_mask)
@@ -95,12 +141,37 @@ def _prefill_attention_kernel(
 
 @triton.jit
 def _window_sums_kernel(
-    Q, K, BLOCK_TABLE, SEQ_LENS, QSL, GAIN, LSE_SCORE, SUMS,
-    scale, window, num_slots,
-    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_btr, stride_gh, stride_sr, stride_sh,
-    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GAIN: tl.constexpr,
-    ACCUMULATE: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    BLOCK_TABLE,
+    SEQ_LENS,
+    QSL,
+    GAIN,
+    LSE_SCORE,
+    SUMS,
+    scale,
+    window,
+    num_slots,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_btr,
+    stride_gh,
+    stride_sr,
+    stride_sh,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_GAIN: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -118,8 +189,11 @@ def _window_sums_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     block = tl.load(BLOCK_TABLE + req.to(tl.int64) * stride_btr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-    k = tl.load(K + block[:, None] * stride_kb + (offs_n % PAGE)[:, None] * stride_ks + kv_head * stride_kh
-                + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    k = tl.load(
+        K + block[:, None] * stride_kb + (offs_n % PAGE)[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+        mask=n_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if DOT_F32:
         k = k.to(tl.float32)
     colsum = tl.zeros([BLOCK_N], tl.float32)
@@ -129,8 +203,11 @@ def _window_sums_kernel(
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_mask = offs_m < q_len
             rows = (q_start + offs_m).to(tl.int64)
-            q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                        mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+            q = tl.load(
+                Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :],
+                other=0.0,
+            )
             if DOT_F32:
                 q = q.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
@@ -146,11 +223,24 @@ def _window_sums_kernel(
 
 
 def prefill_attention_with_window_sums(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, window: int, *,
-    window_sums: torch.Tensor | None = None, accumulate: bool = False, score_logit_scale: torch.Tensor | None = None,
-    max_slots: int | None = None, max_seq_len: int | None = None, max_query_len: int | None = None,
-    block_m: int | None = None, block_n: int | None = None, out: torch.Tensor | None = None,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    window: int,
+    *,
+    window_sums: torch.Tensor | None = None,
+    accumulate: bool = False,
+    score_logit_scale: torch.Tensor | None = None,
+    max_slots: int | None = None,
+    max_seq_len: int | None = None,
+    max_query_len: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal varlen prefill attention plus the window queries' attention column sums.
 
@@ -187,8 +277,13 @@ def prefill_attention_with_window_sums(
     if max_seq_len is None:
         max_seq_len = int(seq_lens[:num_reqs].max()) if num_reqs else 0
     if window_sums is None:
-        window_sums = torch.zeros(num_reqs, num_kv_heads, max_slots if max_slots is not None else max_seq_len,
-                                  dtype=torch.float32, device=device)
+        window_sums = torch.zeros(
+            num_reqs,
+            num_kv_heads,
+            max_slots if max_slots is not None else max_seq_len,
+            dtype=torch.float32,
+            device=device,
+        )
     check_buffer("window_sums", window_sums, (num_reqs, num_kv_heads, 1), device, min_last=True)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -206,25 +301,71 @@ def prefill_attention_with_window_sums(
     block_n = block_n or (64 if head_dim <= 128 else 32)
     block_d = pow2(head_dim, 16)
     dot_f32, precision = dot_settings(key_cache.dtype, _prefill_attention_kernel)
-    common = dict(NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=block_size,
-                  HAS_GAIN=gain is not None, DOT_F32=dot_f32, PRECISION=precision)
+    common = dict(
+        NUM_Q_HEADS=num_q_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE=block_size,
+        HAS_GAIN=gain is not None,
+        DOT_F32=dot_f32,
+        PRECISION=precision,
+    )
     _prefill_attention_kernel[(num_reqs, num_q_heads, triton.cdiv(max_query_len, block_m))](
-        q, key_cache, value_cache, block_table, seq_lens, query_start_loc, gain_arg, out, lse, lse_score,
+        q,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        gain_arg,
+        out,
+        lse,
+        lse_score,
         scale,
-        q.stride(0), q.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_table.stride(0), out.stride(0), out.stride(1), gain_arg.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, **common,
+        q.stride(0),
+        q.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        gain_arg.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        **common,
     )
     num_slots = window_sums.shape[-1]
     slot_tiles = triton.cdiv(min(max_seq_len, num_slots), block_n)
     if slot_tiles > 0:  # window == 0 still runs: it writes zeros (or adds nothing), like the reference
         _window_sums_kernel[(num_reqs, num_kv_heads, slot_tiles)](
-            q, key_cache, block_table, seq_lens, query_start_loc, gain_arg, lse_score, window_sums,
-            scale, window, num_slots,
-            q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            block_table.stride(0), gain_arg.stride(0), window_sums.stride(0), window_sums.stride(1),
-            BLOCK_M=min(block_m, pow2(window, 16)), BLOCK_N=block_n, ACCUMULATE=accumulate, **common,
+            q,
+            key_cache,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            gain_arg,
+            lse_score,
+            window_sums,
+            scale,
+            window,
+            num_slots,
+            q.stride(0),
+            q.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            block_table.stride(0),
+            gain_arg.stride(0),
+            window_sums.stride(0),
+            window_sums.stride(1),
+            BLOCK_M=min(block_m, pow2(window, 16)),
+            BLOCK_N=block_n,
+            ACCUMULATE=accumulate,
+            **common,
         )
     return out, window_sums, lse

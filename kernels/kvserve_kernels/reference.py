@@ -15,8 +15,9 @@ from .layout import check_cache
 QUERY_CHUNK = 256  # prefill queries per step: the reference never materialises a [q, n] matrix larger than this
 
 
-def gather_entries(key_cache: torch.Tensor, value_cache: torch.Tensor, block_row: torch.Tensor,
-                   num_entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_entries(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_row: torch.Tensor, num_entries: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `num_entries` entries of one request (its block-table row): keys and values, each [H, n, D]."""
     block_size = key_cache.shape[1]
     slots = torch.arange(num_entries, device=key_cache.device)
@@ -26,9 +27,17 @@ def gather_entries(key_cache: torch.Tensor, value_cache: torch.Tensor, block_row
 
 
 def decode_attention_reference(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, *, scores: torch.Tensor | None = None,
-    last_probs: torch.Tensor | None = None, first_logit: torch.Tensor | None = None, need_output: bool = True,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    scores: torch.Tensor | None = None,
+    last_probs: torch.Tensor | None = None,
+    first_logit: torch.Tensor | None = None,
+    need_output: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One decode query per request. See `decode_attention.decode_attention_with_scores` for the contract.
 
@@ -66,8 +75,9 @@ def decode_attention_reference(
     return out, lse
 
 
-def expand_logit_scale(score_logit_scale: torch.Tensor, num_q_heads: int, num_kv_heads: int,
-                       total: int) -> torch.Tensor:
+def expand_logit_scale(
+    score_logit_scale: torch.Tensor, num_q_heads: int, num_kv_heads: int, total: int
+) -> torch.Tensor:
     """[T], [Hkv, T] or [Hq, T] -> contiguous float32 [Hq, T]."""
     gain = score_logit_scale.float()
     if gain.dim() == 1:
@@ -75,16 +85,27 @@ def expand_logit_scale(score_logit_scale: torch.Tensor, num_q_heads: int, num_kv
     elif gain.shape[0] == num_kv_heads and num_kv_heads != num_q_heads:
         gain = gain.repeat_interleave(num_q_heads // num_kv_heads, dim=0)
     if tuple(gain.shape) != (num_q_heads, total):
-        raise ValueError(f"score_logit_scale: expected [T], [Hkv, T] or [Hq, T] with T={total}, "
-                         f"got {tuple(score_logit_scale.shape)}")
+        raise ValueError(
+            f"score_logit_scale: expected [T], [Hkv, T] or [Hq, T] with T={total}, got {tuple(score_logit_scale.shape)}"
+        )
     return gain.contiguous()
 
 
 def prefill_attention_reference(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, window: int, *,
-    window_sums: torch.Tensor | None = None, accumulate: bool = False, score_logit_scale: torch.Tensor | None = None,
-    max_slots: int | None = None, need_output: bool = True,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    window: int,
+    *,
+    window_sums: torch.Tensor | None = None,
+    accumulate: bool = False,
+    score_logit_scale: torch.Tensor | None = None,
+    max_slots: int | None = None,
+    need_output: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Causal varlen (chunked-)prefill attention plus the window queries' column sums.
 
@@ -143,8 +164,13 @@ def prefill_attention_reference(
 
 
 def compact_reference(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, keep_indices: torch.Tensor, *,
-    keep_counts: torch.Tensor | None = None, stats: Sequence[torch.Tensor] = (),
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    keep_indices: torch.Tensor,
+    *,
+    keep_counts: torch.Tensor | None = None,
+    stats: Sequence[torch.Tensor] = (),
 ) -> None:
     """In place: entry keep_indices[r, h, j] of request r, KV head h moves to slot j (j < keep_counts[r]).
 

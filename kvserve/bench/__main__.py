@@ -46,8 +46,9 @@ def prompts(count: int, tokens: int, model: str) -> list[list[int]]:
     return [haystack(tokenizer, tokens, seed=1000 + number) for number in range(count)]
 
 
-def run(servers: list[tuple[str, str, list[str], list[Setting]]], env: dict, workload: dict,
-        log_dir: Path) -> list[dict]:
+def run(
+    servers: list[tuple[str, str, list[str], list[Setting]]], env: dict, workload: dict, log_dir: Path
+) -> list[dict]:
     """Each server (label, kind, engine flags, settings) in turn, vanilla first, every setting of it on the same
     workload; one result each, its `server` the label."""
     results = []
@@ -57,37 +58,51 @@ def run(servers: list[tuple[str, str, list[str], list[Setting]]], env: dict, wor
             run_workload(url, SERVED_NAME, [workload["warmup"]], 2, Setting("full", None))
             for setting in settings:
                 result = run_workload(url, SERVED_NAME, workload["prompts"], workload["max_tokens"], setting)
-                result.update(server=label, policy=setting.policy, budget=setting.budget,
-                              evict_every_chunk=setting.evict_every_chunk)
+                result.update(
+                    server=label,
+                    policy=setting.policy,
+                    budget=setting.budget,
+                    evict_every_chunk=setting.evict_every_chunk,
+                )
                 results.append(result)
-                print(f"{label} {setting.policy} {setting.budget or '-'}: " + ", ".join(
-                    f"{c}={result[c]:.3g}" for c in COLUMNS), flush=True)
+                print(
+                    f"{label} {setting.policy} {setting.budget or '-'}: "
+                    + ", ".join(f"{c}={result[c]:.3g}" for c in COLUMNS),
+                    flush=True,
+                )
     return results
 
 
 def report(results: list[dict], prompt_tokens: int) -> str:
     vanilla = next(r for r in results if r["server"] == "vanilla")
-    header = ("| server | policy | budget | " + " | ".join(COLUMNS) + " | preemptions | blocks freed | compactions "
-              "| mean compaction ms |")
+    header = (
+        "| server | policy | budget | " + " | ".join(COLUMNS) + " | preemptions | blocks freed | compactions "
+        "| mean compaction ms |"
+    )
     lines = [header, "|---" * (header.count("|") - 1) + "|"]
     for r in results:
         mean_ms = 1000 * r["compaction_seconds"] / r["compactions"] if r["compactions"] else 0.0
-        lines.append(f"| {r['server']} | {r['policy']} | {r['budget'] or '-'} | "
-                     + " | ".join(f"{r[c]:.3g}" for c in COLUMNS)
-                     + f" | {r['preemptions']:.0f} | {r['blocks_freed']:.0f} | {r['compactions']:.0f}"
-                     + f" | {mean_ms:.1f} |")
+        lines.append(
+            f"| {r['server']} | {r['policy']} | {r['budget'] or '-'} | "
+            + " | ".join(f"{r[c]:.3g}" for c in COLUMNS)
+            + f" | {r['preemptions']:.0f} | {r['blocks_freed']:.0f} | {r['compactions']:.0f}"
+            + f" | {mean_ms:.1f} |"
+        )
     lines += ["", "Ratios kvserve / vanilla (time columns: lower is better; theoretical = prompt tokens / budget):", ""]
-    header = ("| policy | budget | " + " | ".join(COLUMNS)
-              + " | theoretical | peak running / theoretical / pool's limit |")
+    header = (
+        "| policy | budget | " + " | ".join(COLUMNS) + " | theoretical | peak running / theoretical / pool's limit |"
+    )
     lines += [header, "|---" * (header.count("|") - 1) + "|"]
     for r in results:
         if r["server"] == "vanilla":
             continue
         theoretical = f"{prompt_tokens / r['budget']:.1f}" if r["budget"] and r["budget"] < prompt_tokens else "-"
         name = r["policy"] if r["server"] == "kvserve" else f"{r['server']} ({r['policy']})"
-        lines.append(f"| {name} | {r['budget'] or '-'} | "
-                     + " | ".join(f"{r[c] / vanilla[c]:.2f}" if vanilla[c] else "-" for c in COLUMNS)
-                     + f" | {theoretical} | {r['peak_running']:.0f} / {r['theoretical']:.0f} / {r['pool_limit']} |")
+        lines.append(
+            f"| {name} | {r['budget'] or '-'} | "
+            + " | ".join(f"{r[c] / vanilla[c]:.2f}" if vanilla[c] else "-" for c in COLUMNS)
+            + f" | {theoretical} | {r['peak_running']:.0f} / {r['theoretical']:.0f} / {r['pool_limit']} |"
+        )
     lines += ["", "Engine time by phase, seconds (share of the run's wall time; model = worker minus the rest):", ""]
     header = "| policy | budget | wall | worker | model | attention | statistics | compaction | pages | schedule |"
     lines += [header, "|---" * (header.count("|") - 1) + "|"]
@@ -96,10 +111,20 @@ def report(results: list[dict], prompt_tokens: int) -> str:
             continue
         phase = r["phase_seconds"]
         model = phase["worker"] - sum(phase[p] for p in ("attention", "statistics", "compaction", "pages"))
-        cells = [phase["worker"], model, phase["attention"], phase["statistics"], phase["compaction"], phase["pages"],
-                 phase["schedule"]]
-        lines.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['wall_s']:.1f} | "
-                     + " | ".join(f"{c:.1f} ({100 * c / r['wall_s']:.0f}%)" for c in cells) + " |")
+        cells = [
+            phase["worker"],
+            model,
+            phase["attention"],
+            phase["statistics"],
+            phase["compaction"],
+            phase["pages"],
+            phase["schedule"],
+        ]
+        lines.append(
+            f"| {r['policy']} | {r['budget'] or '-'} | {r['wall_s']:.1f} | "
+            + " | ".join(f"{c:.1f} ({100 * c / r['wall_s']:.0f}%)" for c in cells)
+            + " |"
+        )
     if any(r["compactions"] for r in results):
         lines += ["", "Compaction time histogram (steps per bucket, upper bound in seconds):", ""]
     for r in results:
@@ -126,8 +151,9 @@ def add_capacity_limits(results: list[dict], args: argparse.Namespace) -> None:
         else:
             held, compression = args.prompt_tokens + args.max_tokens, 1.0
         blocks = -(-held // args.block_size)
-        result["pool_limit"] = min(args.prompts, pool_tokens // (blocks * args.block_size)) if pool_tokens \
-            else args.prompts
+        result["pool_limit"] = (
+            min(args.prompts, pool_tokens // (blocks * args.block_size)) if pool_tokens else args.prompts
+        )
         result["theoretical"] = min(args.prompts, vanilla["peak_running"] * compression)
 
 
@@ -159,15 +185,20 @@ def plot(results: list[dict], prompt_tokens: int, path: str) -> None:
     for policy in sorted({r["policy"] for r in results if r["server"] == "kvserve" and r["budget"]}):
         rows = sorted((r for r in results if r["policy"] == policy and r["budget"]), key=lambda r: -r["budget"])
         ratio = [prompt_tokens / r["budget"] for r in rows]
-        throughput.plot(ratio, [r["output_tokens_per_s"] / vanilla["output_tokens_per_s"] for r in rows], "o-",
-                        label=policy)
+        throughput.plot(
+            ratio, [r["output_tokens_per_s"] / vanilla["output_tokens_per_s"] for r in rows], "o-", label=policy
+        )
         concurrency.plot(ratio, [r["peak_running"] for r in rows], "o-", label=f"{policy} measured")
         concurrency.plot(ratio, [r["theoretical"] for r in rows], "x--", label=f"{policy} theoretical")
         concurrency.plot(ratio, [r["pool_limit"] for r in rows], "+:", label=f"{policy} pool's limit")
     throughput.axhline(1.0, color="grey", linestyle=":", label="vanilla")
     for ceiling in (r for r in results if r["server"] == CEILING):
-        throughput.axhline(ceiling["output_tokens_per_s"] / vanilla["output_tokens_per_s"], color="black",
-                           linestyle="--", label="vanilla, unlimited pool")
+        throughput.axhline(
+            ceiling["output_tokens_per_s"] / vanilla["output_tokens_per_s"],
+            color="black",
+            linestyle="--",
+            label="vanilla, unlimited pool",
+        )
     concurrency.axhline(vanilla["peak_running"], color="grey", linestyle=":", label="vanilla")
     for axes, title in ((throughput, "output tokens/s vs vanilla"), (concurrency, "peak requests running")):
         axes.set_xscale("log", base=2)
@@ -196,8 +227,9 @@ def main(argv: list[str] | None = None) -> None:
 
         return crash_main(argv[1:])
 
-    parser = argparse.ArgumentParser(prog="kvserve bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvserve bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("command", choices=("capacity", "overhead"))
     parser.add_argument("--model", default=str(default_model_dir()))
     parser.add_argument("--prompts", type=int, default=8, help="requests, all sent at once")
@@ -210,17 +242,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--kv-space-gib", default="4", help="VLLM_CPU_KVCACHE_SPACE for both servers")
     parser.add_argument("--server-args", default="", help="more engine flags for both servers, one string")
-    parser.add_argument("--attention", choices=("vllm", "kernels"), default="vllm",
-                        help="kvserve's attention mode (KVSERVE_ATTENTION): vLLM's CPU kernel then kvserve's "
-                             "statistics, or kvserve's own kernel operations for both")
+    parser.add_argument(
+        "--attention",
+        choices=("vllm", "kernels"),
+        default="vllm",
+        help="kvserve's attention mode (KVSERVE_ATTENTION): vLLM's CPU kernel then kvserve's "
+        "statistics, or kvserve's own kernel operations for both",
+    )
     parser.add_argument("--out", default=None, help="JSON file for the results")
-    parser.add_argument("--decode-heavy", action="store_true",
-                        help="capacity preset: 16 prompts of 1,500 tokens, 256 output tokens each, a pool that holds "
-                             "2 of them without eviction, budgets compressing 4x, 8x and 16x (other flags still apply "
-                             "when given explicitly)")
-    parser.add_argument("--ceiling", action="store_true",
-                        help="capacity: also run vanilla with a pool that holds every request (what this machine "
-                             "computes when memory is no limit: the bound on any eviction's gain)")
+    parser.add_argument(
+        "--decode-heavy",
+        action="store_true",
+        help="capacity preset: 16 prompts of 1,500 tokens, 256 output tokens each, a pool that holds "
+        "2 of them without eviction, budgets compressing 4x, 8x and 16x (other flags still apply "
+        "when given explicitly)",
+    )
+    parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="capacity: also run vanilla with a pool that holds every request (what this machine "
+        "computes when memory is no limit: the bound on any eviction's gain)",
+    )
     parser.add_argument("--plot", default=None, help="capacity: PNG of throughput and peak concurrency vs budget")
     args = parser.parse_args(argv)
     if args.decode_heavy:
@@ -229,29 +271,44 @@ def main(argv: list[str] | None = None) -> None:
 
     policies = args.policy.split(",")
     max_model_len = args.prompt_tokens + args.max_tokens + args.block_size
-    engine_args = ["--served-model-name", SERVED_NAME, "--max-model-len", str(max_model_len),
-                   "--block-size", str(args.block_size), *shlex.split(args.server_args)]
+    engine_args = [
+        "--served-model-name",
+        SERVED_NAME,
+        "--max-model-len",
+        str(max_model_len),
+        "--block-size",
+        str(args.block_size),
+        *shlex.split(args.server_args),
+    ]
     if not has_dtype_flag(engine_args):  # what `kvserve serve` would pick, given to vanilla as well
         dtype, why = default_dtype()
         engine_args += ["--dtype", dtype]
         print(f"bench: --dtype {dtype} for both servers: {why}", flush=True)
     if args.command == "capacity":
         engine_args += ["--num-gpu-blocks-override", str(args.num_blocks)]
-        kvserve_settings = [Setting(policy, int(b), args.evict_every_chunk)
-                            for policy in policies for b in args.budgets.split(",")]
+        kvserve_settings = [
+            Setting(policy, int(b), args.evict_every_chunk) for policy in policies for b in args.budgets.split(",")
+        ]
     else:  # scoring on, nothing evicted: the budget is above every sequence in the workload
         kvserve_settings = [Setting("full", None)] + [Setting(policy, max_model_len) for policy in policies]
     workload_prompts = prompts(args.prompts + 1, args.prompt_tokens, args.model)
-    workload = {"model": args.model, "prompts": workload_prompts[1:], "warmup": workload_prompts[0][:64],
-                "max_tokens": args.max_tokens}
+    workload = {
+        "model": args.model,
+        "prompts": workload_prompts[1:],
+        "warmup": workload_prompts[0][:64],
+        "max_tokens": args.max_tokens,
+    }
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as log_dir:
         env = {"VLLM_CPU_KVCACHE_SPACE": args.kv_space_gib, "KVSERVE_ATTENTION": args.attention}  # vanilla: no plugin
         servers = [("vanilla", "vanilla", engine_args, [Setting("full", None)])]
         if args.command == "capacity" and args.ceiling:
             unlimited = args.prompts * -(-(args.prompt_tokens + args.max_tokens) // args.block_size)
-            ceiling_args = [*engine_args[: engine_args.index("--num-gpu-blocks-override")],
-                            "--num-gpu-blocks-override", str(unlimited),
-                            *engine_args[engine_args.index("--num-gpu-blocks-override") + 2 :]]
+            ceiling_args = [
+                *engine_args[: engine_args.index("--num-gpu-blocks-override")],
+                "--num-gpu-blocks-override",
+                str(unlimited),
+                *engine_args[engine_args.index("--num-gpu-blocks-override") + 2 :],
+            ]
             servers.append((CEILING, "vanilla", ceiling_args, [Setting("full", None)]))
         servers.append(("kvserve", "kvserve", engine_args, kvserve_settings))
         results = run(servers, env, workload, Path(log_dir))
@@ -262,8 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         plot(results, args.prompt_tokens, args.plot)
     if args.out:
         recorded = {**vars(args), "model": Path(args.model).name}  # no machine paths in published results
-        Path(args.out).write_text(json.dumps({"command": args.command, "args": recorded, "results": results},
-                                             indent=1))
+        Path(args.out).write_text(json.dumps({"command": args.command, "args": recorded, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -40,15 +40,26 @@ def engine_process(server_pid: int) -> psutil.Process:
 
 def _send_in_flight(base: str, model: str, count: int, results: list[Any]) -> list[threading.Thread]:
     """`count` long streamed completions, each in a thread; each appends what became of it."""
+
     def one() -> None:
-        body = {"model": model, "prompt": "Count: one, two, three,", "max_tokens": 1000, "ignore_eos": True,
-                "stream": True}
+        body = {
+            "model": model,
+            "prompt": "Count: one, two, three,",
+            "max_tokens": 1000,
+            "ignore_eos": True,
+            "stream": True,
+        }
         try:
             with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as response:
                 lines = list(response.iter_lines())
                 error_event = any(x.startswith("data: {") and '"error"' in x for x in lines)
-                results.append({"status": response.status_code, "error_event": error_event,
-                                "completed": "data: [DONE]" in lines and not error_event})
+                results.append(
+                    {
+                        "status": response.status_code,
+                        "error_event": error_event,
+                        "completed": "data: [DONE]" in lines and not error_event,
+                    }
+                )
         except httpx.HTTPError as error:
             results.append({"status": None, "transport_error": type(error).__name__})
 
@@ -65,8 +76,9 @@ def _health(base: str) -> int | None:
         return None
 
 
-def kill_engine_and_measure(proc, base: str, model: str, in_flight: int = 2, limit_s: float = 120,
-                            healthcheck: list[str] | None = None) -> dict[str, Any]:
+def kill_engine_and_measure(
+    proc, base: str, model: str, in_flight: int = 2, limit_s: float = 120, healthcheck: list[str] | None = None
+) -> dict[str, Any]:
     """Kill the engine of the running server (`proc`, its API server process) with requests in flight; times are
     seconds from the kill. `healthcheck`: a command run before the kill and after /health failed (its exit codes)."""
     report: dict[str, Any] = {"health_before": _health(base)}
@@ -98,11 +110,16 @@ def kill_engine_and_measure(proc, base: str, model: str, in_flight: int = 2, lim
     for thread in threads:
         thread.join(timeout=max(1.0, limit_s - (time.monotonic() - killed)))
     report["in_flight"] = results
-    report["passed"] = (report["health_before"] == 200 and report["health_failed_s"] is not None
-                        and report["exit_code"] not in (None, 0) and len(results) == in_flight
-                        and not any(r.get("completed") for r in results)  # none claims it finished
-                        and (not healthcheck or (report["healthcheck_exit_before"] == 0
-                                                 and report.get("healthcheck_exit_after", 0) != 0)))
+    report["passed"] = (
+        report["health_before"] == 200
+        and report["health_failed_s"] is not None
+        and report["exit_code"] not in (None, 0)
+        and len(results) == in_flight
+        and not any(r.get("completed") for r in results)  # none claims it finished
+        and (
+            not healthcheck or (report["healthcheck_exit_before"] == 0 and report.get("healthcheck_exit_after", 0) != 0)
+        )
+    )
     return report
 
 
@@ -110,7 +127,7 @@ def image_healthcheck(port: int, dockerfile: Path) -> list[str]:
     """The image's HEALTHCHECK command (docker/Dockerfile), pointed at `port`, to run here as the container would."""
     lines = dockerfile.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("HEALTHCHECK"))
-    command = " ".join(line.rstrip("\\").strip() for line in lines[start:start + 2]).split(" CMD ", 1)[1]
+    command = " ".join(line.rstrip("\\").strip() for line in lines[start : start + 2]).split(" CMD ", 1)[1]
     argv = shlex.split(command.replace("127.0.0.1:8000", f"127.0.0.1:{port}"))
     return [sys.executable if argv[0] == "python3" else argv[0], *argv[1:]]
 
@@ -123,8 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     from kvserve.bench.servers import running_server_process
     from kvserve.model import default_model_dir
 
-    parser = argparse.ArgumentParser(prog="kvserve bench crash", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvserve bench crash", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=str(default_model_dir()))
     parser.add_argument("--in-flight", type=int, default=2, help="streamed requests running when the engine dies")
     parser.add_argument("--server-args", default="--max-model-len 2048 --block-size 32 --enforce-eager --dtype float32")
@@ -136,7 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     engine_args = [*shlex.split(args.server_args), "--served-model-name", "crash"]
     dockerfile = Path(__file__).resolve().parents[2] / "docker" / "Dockerfile"
     with running_server_process("kvserve", args.model, engine_args, log, {"VLLM_CPU_KVCACHE_SPACE": "1"}) as (
-            proc, base):
+        proc,
+        base,
+    ):
         check = image_healthcheck(int(base.rsplit(":", 1)[1]), dockerfile) if dockerfile.exists() else None
         report = kill_engine_and_measure(proc, base, "crash", args.in_flight, args.limit_seconds, check)
     report["server_log"] = str(log)

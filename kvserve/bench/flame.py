@@ -21,7 +21,7 @@ def summarize(lines: list[str], root: str | None, top: int = 20) -> str:
             starts = [i for i, frame in enumerate(frames) if frame.startswith(root + " ")]
             if not starts:
                 continue
-            frames = frames[starts[0]:]
+            frames = frames[starts[0] :]
         samples = int(count)
         total += samples
         for frame in set(frames):

@@ -148,6 +148,7 @@ def valid_settings(rng: random.Random, policy: str, mix: Mix, max_model_len: int
 
 def _invalid_cases(max_model_len: int) -> dict[str, Callable[[random.Random], tuple[list, dict, str]]]:
     """Each way of being invalid: (headers, vllm_xargs, the field the 400 must name)."""
+
     def too_small(rng: random.Random) -> tuple[list, dict, str]:
         policy = rng.choice([p for p in POLICY_MIX if p != "full"])
         return [("x-kv-policy", policy), ("x-kv-budget", str(_protected(policy, {})))], {}, "kv_budget"
@@ -159,17 +160,31 @@ def _invalid_cases(max_model_len: int) -> dict[str, Callable[[random.Random], tu
         "non_numeric_budget_body": lambda rng: ([], {"kv_policy": "h2o", "kv_budget": "ten"}, "kv_budget"),
         "budget_too_small": too_small,
         "budget_above_max_model_len": lambda rng: (
-            [("x-kv-policy", "streamingllm"), ("x-kv-budget", str(max_model_len + rng.randint(1, 512)))], {},
-            "kv_budget"),
+            [("x-kv-policy", "streamingllm"), ("x-kv-budget", str(max_model_len + rng.randint(1, 512)))],
+            {},
+            "kv_budget",
+        ),
         "knob_of_another_policy": lambda rng: (
-            [("x-kv-policy", "streamingllm"), ("x-kv-budget", "64"), ("x-kv-window", "8")], {}, "kv_window"),
+            [("x-kv-policy", "streamingllm"), ("x-kv-budget", "64"), ("x-kv-window", "8")],
+            {},
+            "kv_window",
+        ),
         "even_kernel": lambda rng: (
-            [("x-kv-policy", "snapkv"), ("x-kv-budget", "64"), ("x-kv-kernel-size", "4")], {}, "kv_kernel_size"),
+            [("x-kv-policy", "snapkv"), ("x-kv-budget", "64"), ("x-kv-kernel-size", "4")],
+            {},
+            "kv_kernel_size",
+        ),
         "duplicate_header": lambda rng: (
-            [("x-kv-policy", "snapkv"), ("x-kv-budget", "64"), ("x-kv-budget", "128")], {}, "x-kv-budget"),
+            [("x-kv-policy", "snapkv"), ("x-kv-budget", "64"), ("x-kv-budget", "128")],
+            {},
+            "x-kv-budget",
+        ),
         "oversized_header": lambda rng: ([("x-kv-policy", "a" * 300)], {}, "x-kv-policy"),
         "header_body_conflict": lambda rng: (
-            [("x-kv-budget", "300")], {"kv_policy": "snapkv", "kv_budget": 200}, "kv_budget"),
+            [("x-kv-budget", "300")],
+            {"kv_policy": "snapkv", "kv_budget": 200},
+            "kv_budget",
+        ),
     }
 
 
@@ -201,11 +216,30 @@ def plan(mix: Mix, max_model_len: int) -> list[Case]:
         in_body = rng.random() < mix.xargs_share
         headers, xargs = ([], settings) if in_body else (_as_headers(settings), {})
         if kind == "abort":
-            case = Case(index, kind, chat, True, policy, headers, xargs, prompt_tokens, mix.abort_max_tokens,
-                        abort_after=rng.randint(0, 3))
+            case = Case(
+                index,
+                kind,
+                chat,
+                True,
+                policy,
+                headers,
+                xargs,
+                prompt_tokens,
+                mix.abort_max_tokens,
+                abort_after=rng.randint(0, 3),
+            )
         else:
-            case = Case(index, kind, chat, rng.random() < mix.stream_share, policy, headers, xargs, prompt_tokens,
-                        rng.randint(*mix.max_tokens))
+            case = Case(
+                index,
+                kind,
+                chat,
+                rng.random() < mix.stream_share,
+                policy,
+                headers,
+                xargs,
+                prompt_tokens,
+                rng.randint(*mix.max_tokens),
+            )
         if rng.random() < mix.sampling_share:
             draw = sampling_fuzz.Draw(chat, case.max_tokens, case.stream, aborted=kind == "abort")
             case.sampling = sampling_fuzz.draw_valid(rng, draw, dealer.deal(draw), rng.randint(*mix.sampling_extra))
@@ -214,25 +248,40 @@ def plan(mix: Mix, max_model_len: int) -> list[Case]:
     return cases
 
 
-def _invalid_case(rng: random.Random, index: int, chat: bool, name: str, invalid_kinds: dict, prompt_tokens: int,
-                  mix: Mix) -> Case:
+def _invalid_case(
+    rng: random.Random, index: int, chat: bool, name: str, invalid_kinds: dict, prompt_tokens: int, mix: Mix
+) -> Case:
     stream = rng.random() < mix.stream_share
     if name in sampling_fuzz.INVALID:  # valid eviction settings, one broken sampling parameter
         chat = chat and name not in sampling_fuzz.COMPLETIONS_ONLY
         body, fields = sampling_fuzz.invalid_body(name, chat)
-        return Case(index, "invalid", chat, stream, name, [], {}, prompt_tokens, mix.max_tokens[0],
-                    expect_param=fields[0], sampling={name: body}, expect_fields=fields)
+        return Case(
+            index,
+            "invalid",
+            chat,
+            stream,
+            name,
+            [],
+            {},
+            prompt_tokens,
+            mix.max_tokens[0],
+            expect_param=fields[0],
+            sampling={name: body},
+            expect_fields=fields,
+        )
     headers, xargs, param = invalid_kinds[name](rng)
-    return Case(index, "invalid", chat, stream, name, headers, xargs, prompt_tokens, mix.max_tokens[0],
-                expect_param=param)
+    return Case(
+        index, "invalid", chat, stream, name, headers, xargs, prompt_tokens, mix.max_tokens[0], expect_param=param
+    )
 
 
 def prompt_texts(tokenizer, cases: list[Case], seed: int) -> dict[int, str]:
     """Haystack prose per case (a different passage each, so no prefix cache shortcut between them)."""
     from kvserve.eval.haystack import haystack
 
-    return {c.index: tokenizer.decode(haystack(tokenizer, c.prompt_tokens, seed=seed * 100_000 + c.index))
-            for c in cases}
+    return {
+        c.index: tokenizer.decode(haystack(tokenizer, c.prompt_tokens, seed=seed * 100_000 + c.index)) for c in cases
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- sending
@@ -269,8 +318,11 @@ def _short(message: str) -> str:
 
 def judge_error(case: Case, status: int, payload: bytes, outcome: Outcome) -> Outcome:
     param, message = _error_of(payload)
-    named = (sampling_fuzz.names_the_field(case.expect_fields, param, message) if case.expect_fields
-             else param == case.expect_param)
+    named = (
+        sampling_fuzz.names_the_field(case.expect_fields, param, message)
+        if case.expect_fields
+        else param == case.expect_param
+    )
     if case.kind == "invalid" and status == 400 and named:
         outcome.result, outcome.detail = "rejected", case.expect_param
     elif case.kind == "invalid":
@@ -293,7 +345,7 @@ async def _streamed_error(response: httpx.Response, case: Case) -> str:
         return ""
     async for line in response.aiter_lines():
         if line.startswith("data: {"):
-            error = json.loads(line[len("data: "):]).get("error")
+            error = json.loads(line[len("data: ") :]).get("error")
             return f" with an error event param={error.get('param')}" if isinstance(error, dict) else ""
     return ""
 
@@ -310,7 +362,7 @@ async def read_stream(response: httpx.Response, case: Case, outcome: Outcome, st
         if line == "data: [DONE]":
             outcome.result = "ok"
             return outcome
-        event = json.loads(line[len("data: "):])
+        event = json.loads(line[len("data: ") :])
         if "error" in event:  # vLLM reports an engine failure inside a 200 stream
             outcome.result, outcome.detail = "unexpected", f"stream error {_short(str(event['error']))}"
             return outcome
@@ -330,8 +382,16 @@ async def read_stream(response: httpx.Response, case: Case, outcome: Outcome, st
 async def send(client: httpx.AsyncClient, base: str, model: str, case: Case, text: str) -> Outcome:
     """One request, judged against what its case must get."""
     path = "/v1/chat/completions" if case.chat else "/v1/completions"
-    outcome = Outcome(case.index, case.kind, case.policy, "unexpected", None, chat=case.chat, stream=case.stream,
-                      params=list(case.sampling))
+    outcome = Outcome(
+        case.index,
+        case.kind,
+        case.policy,
+        "unexpected",
+        None,
+        chat=case.chat,
+        stream=case.stream,
+        params=list(case.sampling),
+    )
     body = request_body(case, model, text)
     start = time.perf_counter()
     async with client.stream("POST", base + path, json=body, headers=case.headers) as response:
@@ -357,20 +417,37 @@ async def send(client: httpx.AsyncClient, base: str, model: str, case: Case, tex
     return outcome
 
 
-async def send_bounded(client: httpx.AsyncClient, base: str, model: str, case: Case, text: str,
-                       timeout: float) -> Outcome:
+async def send_bounded(
+    client: httpx.AsyncClient, base: str, model: str, case: Case, text: str, timeout: float
+) -> Outcome:
     """`send` under a total time limit; a transport failure or the limit is an unexpected outcome, not a crash."""
     start = time.perf_counter()
     try:
         return await asyncio.wait_for(send(client, base, model, case, text), timeout)
     except (httpx.HTTPError, TimeoutError, json.JSONDecodeError) as exc:
-        return Outcome(case.index, case.kind, case.policy, "unexpected", None, f"client {type(exc).__name__}",
-                       latency=time.perf_counter() - start, chat=case.chat, stream=case.stream,
-                       params=list(case.sampling))
+        return Outcome(
+            case.index,
+            case.kind,
+            case.policy,
+            "unexpected",
+            None,
+            f"client {type(exc).__name__}",
+            latency=time.perf_counter() - start,
+            chat=case.chat,
+            stream=case.stream,
+            params=list(case.sampling),
+        )
 
 
-async def drive(base: str, model: str, cases: list[Case], texts: dict[int, str], concurrency: int,
-                max_seconds: float, request_timeout: float) -> tuple[list[Outcome], bool, float]:
+async def drive(
+    base: str,
+    model: str,
+    cases: list[Case],
+    texts: dict[int, str],
+    concurrency: int,
+    max_seconds: float,
+    request_timeout: float,
+) -> tuple[list[Outcome], bool, float]:
     """`concurrency` workers take the next case until none is left or `max_seconds` passed (no new ones after)."""
     queue = iter(cases)
     outcomes: list[Outcome] = []
@@ -396,8 +473,12 @@ async def drive(base: str, model: str, cases: list[Case], texts: dict[int, str],
 
 
 # all zero once every request has finished and returned its blocks (usage 0: the block pool is full again)
-IDLE_GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
-               "kvserve:requests_with_evicted_cache")
+IDLE_GAUGES = (
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "kvserve:requests_with_evicted_cache",
+)
 
 
 def _gauge(text: str, name: str) -> float:
@@ -433,8 +514,10 @@ def end_state(health: int | None, before: str, after: str) -> dict[str, Any]:
     return {
         "checks": checks,
         "values": {name: _gauge(after, name) for name in IDLE_GAUGES},
-        "evictions": delta("kvserve:evictions_total"), "tokens_evicted": delta("kvserve:tokens_evicted_total"),
-        "blocks_freed": delta("kvserve:blocks_freed_total"), "preemptions": delta("vllm:num_preemptions_total"),
+        "evictions": delta("kvserve:evictions_total"),
+        "tokens_evicted": delta("kvserve:tokens_evicted_total"),
+        "blocks_freed": delta("kvserve:blocks_freed_total"),
+        "preemptions": delta("vllm:num_preemptions_total"),
     }
 
 
@@ -454,28 +537,47 @@ def summarize(cases: list[Case], outcomes: list[Outcome], wall: float, hit: bool
     ok = [o for o in outcomes if o.result == "ok"]
     unexpected = Counter(o.detail for o in outcomes if o.result == "unexpected")
     by_index = {c.index: c for c in cases}
-    invalid = [{"index": o.index, "kind": o.policy, "status": o.status, "detail": o.detail,
-                "expected_param": by_index[o.index].expect_param, "rejected_as_expected": o.result == "rejected"}
-               for o in outcomes if o.kind == "invalid"]
+    invalid = [
+        {
+            "index": o.index,
+            "kind": o.policy,
+            "status": o.status,
+            "detail": o.detail,
+            "expected_param": by_index[o.index].expect_param,
+            "rejected_as_expected": o.result == "rejected",
+        }
+        for o in outcomes
+        if o.kind == "invalid"
+    ]
     policies = sorted({o.policy for o in ok}, key=POLICY_MIX.index)
-    latency = {"all": percentiles([o.latency for o in ok]),
-               **{p: percentiles([o.latency for o in ok if o.policy == p]) for p in policies}}
-    ttft = {"all": percentiles([o.ttft for o in ok if o.stream and o.ttft is not None]),
-            **{p: percentiles([o.ttft for o in ok if o.policy == p and o.stream and o.ttft is not None])
-               for p in policies}}
+    latency = {
+        "all": percentiles([o.latency for o in ok]),
+        **{p: percentiles([o.latency for o in ok if o.policy == p]) for p in policies},
+    }
+    ttft = {
+        "all": percentiles([o.ttft for o in ok if o.stream and o.ttft is not None]),
+        **{p: percentiles([o.ttft for o in ok if o.policy == p and o.stream and o.ttft is not None]) for p in policies},
+    }
     by_param: dict[str, Counter] = {}
     for o in outcomes:
         for name in o.params:
             by_param.setdefault(name, Counter())[o.result] += 1
     report = {
-        "planned": len(cases), "sent": len(outcomes), "ok": len(ok),
+        "planned": len(cases),
+        "sent": len(outcomes),
+        "ok": len(ok),
         "aborted": sum(o.result == "aborted" for o in outcomes),
         "rejected_as_expected": sum(o.result == "rejected" for o in outcomes),
-        "invalid_planned_sent": len(invalid), "unexpected": dict(unexpected),
-        "max_seconds_hit": hit, "wall_s": wall,
+        "invalid_planned_sent": len(invalid),
+        "unexpected": dict(unexpected),
+        "max_seconds_hit": hit,
+        "wall_s": wall,
         "output_tokens": sum(o.output_tokens for o in ok),
         "output_tokens_per_s": sum(o.output_tokens for o in ok) / wall if wall else 0.0,
-        "latency_s": latency, "ttft_s": ttft, "invalid": invalid, "end_state": end,
+        "latency_s": latency,
+        "ttft_s": ttft,
+        "invalid": invalid,
+        "end_state": end,
         "by_parameter": {name: dict(by_param[name]) for name in sorted(by_param)},
         "outcomes": [asdict(o) for o in outcomes],
     }
@@ -488,12 +590,15 @@ def _fmt(stats: dict[str, float] | None) -> str:
 
 
 def render(report: dict[str, Any]) -> str:
-    lines = [f"requests planned {report['planned']}, sent {report['sent']}, completed OK {report['ok']}, "
-             f"aborted by client {report['aborted']}, rejected with the expected 400 "
-             f"{report['rejected_as_expected']}/{report['invalid_planned_sent']}, unexpected "
-             f"{sum(report['unexpected'].values())}",
-             f"wall {report['wall_s']:.1f} s, max-seconds hit: {report['max_seconds_hit']}, output tokens "
-             f"{report['output_tokens']} ({report['output_tokens_per_s']:.1f}/s)", ""]
+    lines = [
+        f"requests planned {report['planned']}, sent {report['sent']}, completed OK {report['ok']}, "
+        f"aborted by client {report['aborted']}, rejected with the expected 400 "
+        f"{report['rejected_as_expected']}/{report['invalid_planned_sent']}, unexpected "
+        f"{sum(report['unexpected'].values())}",
+        f"wall {report['wall_s']:.1f} s, max-seconds hit: {report['max_seconds_hit']}, output tokens "
+        f"{report['output_tokens']} ({report['output_tokens_per_s']:.1f}/s)",
+        "",
+    ]
     lines += ["unexpected outcomes by kind:"] + [f"  {n} x {kind}" for kind, n in report["unexpected"].items()]
     if not report["unexpected"]:
         lines.append("  none")
@@ -501,22 +606,33 @@ def render(report: dict[str, Any]) -> str:
     lines += ["", "invalid requests (kind: rejected with 400 naming the field / sent):"]
     for kind in sorted({k for k, _ in kinds}):
         lines.append(f"  {kind}: {kinds[(kind, True)]}/{kinds[(kind, True)] + kinds[(kind, False)]}")
-    lines += ["", "sampling parameters (requests that carried or broke each; outcomes):",
-              "| parameter | requests | ok | aborted | rejected (400 naming it) | unexpected |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "sampling parameters (requests that carried or broke each; outcomes):",
+        "| parameter | requests | ok | aborted | rejected (400 naming it) | unexpected |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, counts in report["by_parameter"].items():
-        lines.append(f"| {name} | {sum(counts.values())} | {counts.get('ok', 0)} | {counts.get('aborted', 0)} | "
-                     f"{counts.get('rejected', 0)} | {counts.get('unexpected', 0)} |")
-    lines += ["", "| policy | n | latency p50 | p90 | p99 (s) | streamed n | TTFT p50 | p90 | p99 (s) |",
-              "|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {name} | {sum(counts.values())} | {counts.get('ok', 0)} | {counts.get('aborted', 0)} | "
+            f"{counts.get('rejected', 0)} | {counts.get('unexpected', 0)} |"
+        )
+    lines += [
+        "",
+        "| policy | n | latency p50 | p90 | p99 (s) | streamed n | TTFT p50 | p90 | p99 (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, stats in report["latency_s"].items():
         ttft = report["ttft_s"].get(name)
-        lines.append(f"| {name} | {stats['n'] if stats else 0} | {_fmt(stats)} | {ttft['n'] if ttft else 0} | "
-                     f"{_fmt(ttft)} |")
+        lines.append(
+            f"| {name} | {stats['n'] if stats else 0} | {_fmt(stats)} | {ttft['n'] if ttft else 0} | {_fmt(ttft)} |"
+        )
     end = report["end_state"]
     lines += ["", "end state (after settle):"] + [f"  [{'ok' if v else 'FAIL'}] {k}" for k, v in end["checks"].items()]
-    lines.append(f"  evictions {end['evictions']:.0f}, tokens evicted {end['tokens_evicted']:.0f}, blocks freed "
-                 f"{end['blocks_freed']:.0f}, preemptions {end['preemptions']:.0f}")
+    lines.append(
+        f"  evictions {end['evictions']:.0f}, tokens evicted {end['tokens_evicted']:.0f}, blocks freed "
+        f"{end['blocks_freed']:.0f}, preemptions {end['preemptions']:.0f}"
+    )
     lines.append(f"\n{'PASSED' if report['passed'] else 'FAILED'}")
     return "\n".join(lines)
 
@@ -530,8 +646,15 @@ def server_info(base: str) -> tuple[str, int]:
     return card["id"], int(card["max_model_len"])
 
 
-def run_load(base: str, tokenizer_path: str, mix: Mix, concurrency: int = 16, max_seconds: float = 1200,
-             request_timeout: float = 600, settle_s: float = 30) -> dict[str, Any]:
+def run_load(
+    base: str,
+    tokenizer_path: str,
+    mix: Mix,
+    concurrency: int = 16,
+    max_seconds: float = 1200,
+    request_timeout: float = 600,
+    settle_s: float = 30,
+) -> dict[str, Any]:
     """The whole load test against a running server at `base`; returns the report."""
     from transformers import AutoTokenizer
 
@@ -547,8 +670,9 @@ def run_load(base: str, tokenizer_path: str, mix: Mix, concurrency: int = 16, ma
 def main(argv: list[str] | None = None) -> None:
     from kvserve.model import default_model_dir
 
-    parser = argparse.ArgumentParser(prog="kvserve bench load", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvserve bench load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--url", help="a running server (default: start a kvserve server for this run)")
     parser.add_argument("--model", default=str(default_model_dir()), help="model (served, and its tokenizer)")
     parser.add_argument("--requests", type=int, default=300)
@@ -558,16 +682,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--request-timeout", type=float, default=600, help="total seconds one request may take")
     parser.add_argument("--settle-seconds", type=float, default=30, help="how long to wait for the idle end state")
     # fp32: on a CPU with AMX, vLLM serves bf16 with its "amx" cache layout, which kvserve's eviction does not support
-    parser.add_argument("--server-args", default="--max-model-len 2048 --block-size 32 --enforce-eager --dtype float32 "
-                        "--max-num-batched-tokens 256",
-                        help="engine flags of the server this command starts")
+    parser.add_argument(
+        "--server-args",
+        default="--max-model-len 2048 --block-size 32 --enforce-eager --dtype float32 --max-num-batched-tokens 256",
+        help="engine flags of the server this command starts",
+    )
     parser.add_argument("--kv-space-gib", default="1", help="VLLM_CPU_KVCACHE_SPACE of the server it starts")
     parser.add_argument("--out", help="JSON file for the report")
     args = parser.parse_args(argv)
 
     mix = Mix(requests=args.requests, seed=args.seed)
-    bounds = {"concurrency": args.concurrency, "max_seconds": args.max_seconds,
-              "request_timeout": args.request_timeout, "settle_s": args.settle_seconds}
+    bounds = {
+        "concurrency": args.concurrency,
+        "max_seconds": args.max_seconds,
+        "request_timeout": args.request_timeout,
+        "settle_s": args.settle_seconds,
+    }
     if args.url:
         report = run_load(args.url.rstrip("/"), args.model, mix, **bounds)
     else:
@@ -587,8 +717,9 @@ def _with_own_server(args: argparse.Namespace, mix: Mix, bounds: dict[str, Any])
 
     engine_args = [*shlex.split(args.server_args), "--served-model-name", SERVED_NAME]
     log_dir = Path(tempfile.mkdtemp(prefix="kvserve-load-"))
-    with running_server("kvserve", args.model, engine_args, log_dir / "kvserve.log",
-                        {"VLLM_CPU_KVCACHE_SPACE": args.kv_space_gib}) as base:
+    with running_server(
+        "kvserve", args.model, engine_args, log_dir / "kvserve.log", {"VLLM_CPU_KVCACHE_SPACE": args.kv_space_gib}
+    ) as base:
         report = run_load(base, args.model, mix, **bounds)
     report["server_log"] = str(log_dir / "kvserve.log")
     return report
@@ -596,4 +727,3 @@ def _with_own_server(args: argparse.Namespace, mix: Mix, bounds: dict[str, Any])
 
 if __name__ == "__main__":
     main()
-

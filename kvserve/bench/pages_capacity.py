@@ -31,9 +31,16 @@ def main(argv: list[str] | None = None) -> None:
     from kvserve.metrics import metrics
     from kvserve.model import ensure_default_model
 
-    llm = LLM(model=str(ensure_default_model()), dtype="float32", enforce_eager=True, block_size=32,
-              max_model_len=args.prompt_tokens + args.max_tokens + 32, num_gpu_blocks_override=args.num_blocks,
-              max_num_batched_tokens=1024, seed=0)
+    llm = LLM(
+        model=str(ensure_default_model()),
+        dtype="float32",
+        enforce_eager=True,
+        block_size=32,
+        max_model_len=args.prompt_tokens + args.max_tokens + 32,
+        num_gpu_blocks_override=args.num_blocks,
+        max_num_batched_tokens=1024,
+        seed=0,
+    )
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     tokenizer = llm.get_tokenizer()
     prompts = [haystack(tokenizer, args.prompt_tokens, seed=200 + i) for i in range(args.prompts)]
@@ -49,13 +56,26 @@ def main(argv: list[str] | None = None) -> None:
         seconds = time.perf_counter() - start
         freed = metrics().blocks_freed.labels(policy=name)._value.get() - freed_before
         evicted = [(o.kv_transfer_params or {}).get("kv_tokens_evicted", 0) for o in outputs]
-        rows.append({"policy": spec, "requests": len(prompts), "peak_decoding": scheduler.peak_decoding,
-                     "peak_running": scheduler.peak_running, "preemptions": scheduler.num_preemptions,
-                     "blocks_freed_per_request": freed / len(prompts),
-                     "tokens_evicted_per_request": sum(evicted) / len(prompts), "seconds": round(seconds, 1)})
+        rows.append(
+            {
+                "policy": spec,
+                "requests": len(prompts),
+                "peak_decoding": scheduler.peak_decoding,
+                "peak_running": scheduler.peak_running,
+                "preemptions": scheduler.num_preemptions,
+                "blocks_freed_per_request": freed / len(prompts),
+                "tokens_evicted_per_request": sum(evicted) / len(prompts),
+                "seconds": round(seconds, 1),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
-    result = {"pool_blocks": args.num_blocks, "block_size": 32, "prompt_tokens": args.prompt_tokens,
-              "max_tokens": args.max_tokens, "rows": rows}
+    result = {
+        "pool_blocks": args.num_blocks,
+        "block_size": 32,
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "rows": rows,
+    }
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -27,8 +27,11 @@ class Draw:
     aborted: bool = False  # closed by the client mid-stream: it must still be running then
 
     def allows(self, name: str) -> bool:
-        return not ((self.chat and name in COMPLETIONS_ONLY) or (self.aborted and name in SHORTENING)
-                    or (self.stream and name in NOT_STREAMED))
+        return not (
+            (self.chat and name in COMPLETIONS_ONLY)
+            or (self.aborted and name in SHORTENING)
+            or (self.stream and name in NOT_STREAMED)
+        )
 
 
 def _logprobs(rng: random.Random, draw: Draw) -> dict[str, Any]:
@@ -65,8 +68,9 @@ VALID: dict[str, Callable[[random.Random, Draw], dict[str, Any]]] = {
     "presence_penalty": lambda rng, d: {"presence_penalty": round(rng.uniform(-2, 2), 2)},
     "frequency_penalty": lambda rng, d: {"frequency_penalty": round(rng.uniform(-2, 2), 2)},
     "repetition_penalty": lambda rng, d: {"repetition_penalty": round(rng.uniform(0.8, 1.5), 2)},
-    "logit_bias": lambda rng, d: {"logit_bias": {str(rng.randrange(1000)): round(rng.uniform(-100, 100), 1)
-                                                 for _ in range(rng.randint(1, 3))}},
+    "logit_bias": lambda rng, d: {
+        "logit_bias": {str(rng.randrange(1000)): round(rng.uniform(-100, 100), 1) for _ in range(rng.randint(1, 3))}
+    },
     "echo": lambda rng, d: {"echo": True},
     "min_tokens": lambda rng, d: {"min_tokens": rng.randint(1, d.max_tokens)},
     "structured_output": _structured,
@@ -93,8 +97,10 @@ INVALID: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "bad_stop": ({"stop": list(STOP_STRINGS)}, ("stop",)),  # at most 4
     "bad_seed": ({"seed": "abc"}, ("seed",)),
     "bad_regex": ({"structured_outputs": {"regex": "[0-9"}}, ("structured_outputs", "regex")),
-    "bad_json_schema": ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "no-such-type"}}}}, ("response_format", "json_schema", "type")),
+    "bad_json_schema": (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}},
+        ("response_format", "json_schema", "type"),
+    ),
     "removed_guided_regex": ({"guided_regex": "[0-9]+"}, ("guided_regex",)),
     # valid OpenAI, but vLLM 0.32 breaks it mid-stream: kvserve answers 400 (completions only, always streamed)
     "stream_echo_logprobs_n": ({"echo": True, "logprobs": 1, "n": 2, "temperature": 1.0, "stream": True}, ("echo",)),
@@ -196,7 +202,7 @@ def _check_choice(body: dict[str, Any], choice: dict[str, Any], prompt_text: str
     if body.get("echo") and not chat:
         if not text.startswith(prompt_text[:64]):
             return "echo: the text does not start with the prompt"
-        text = text[len(prompt_text):]
+        text = text[len(prompt_text) :]
     if body.get("logprobs") is not None and body.get("logprobs") is not False:
         logprobs = choice.get("logprobs")
         entries = (logprobs or {}).get("content") if chat else (logprobs or {}).get("tokens")

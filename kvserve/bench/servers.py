@@ -37,16 +37,18 @@ def server_command(kind: str, model: str | None, port: int, args: list[str]) -> 
 
 
 @contextmanager
-def running_server(kind: str, model: str | None, args: list[str], log_path: Path, env: dict | None = None,
-                   startup_timeout: float = 600) -> Iterator[str]:
+def running_server(
+    kind: str, model: str | None, args: list[str], log_path: Path, env: dict | None = None, startup_timeout: float = 600
+) -> Iterator[str]:
     """Yields the base URL; stops the server on exit. Vanilla runs with vLLM's plugins off (`VLLM_PLUGINS=none`)."""
     with running_server_process(kind, model, args, log_path, env, startup_timeout) as (_, base):
         yield base
 
 
 @contextmanager
-def running_server_process(kind: str, model: str | None, args: list[str], log_path: Path, env: dict | None = None,
-                           startup_timeout: float = 600) -> Iterator[tuple[subprocess.Popen, str]]:
+def running_server_process(
+    kind: str, model: str | None, args: list[str], log_path: Path, env: dict | None = None, startup_timeout: float = 600
+) -> Iterator[tuple[subprocess.Popen, str]]:
     """`running_server`, also yielding the API server's process (tests that kill its engine need it)."""
     port = free_port()
     server_env = dict(os.environ, **(env or {}))
@@ -57,8 +59,13 @@ def running_server_process(kind: str, model: str | None, args: list[str], log_pa
         server_env.update(allocator_env(server_env)[0])  # the allocator `kvserve serve` would choose
     base = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(server_command(kind, model, port, args), env=server_env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            server_command(kind, model, port, args),
+            env=server_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.time() + startup_timeout
         while True:

@@ -40,12 +40,20 @@ def main(argv: list[str] | None = None) -> None:
     from kvserve.eval.haystack import haystack
     from kvserve.model import ensure_default_model
 
-    llm = LLM(model=str(ensure_default_model()), dtype=args.dtype, enforce_eager=True, block_size=args.block_size,
-              max_model_len=args.prompt_tokens + args.max_tokens + args.block_size, max_num_batched_tokens=2048,
-              seed=0)
+    llm = LLM(
+        model=str(ensure_default_model()),
+        dtype=args.dtype,
+        enforce_eager=True,
+        block_size=args.block_size,
+        max_model_len=args.prompt_tokens + args.max_tokens + args.block_size,
+        max_num_batched_tokens=2048,
+        seed=0,
+    )
     tokenizer = llm.get_tokenizer()
-    prompts = [TokensPrompt(prompt_token_ids=haystack(tokenizer, args.prompt_tokens, seed=300 + i))
-               for i in range(args.prompts + 1)]
+    prompts = [
+        TokensPrompt(prompt_token_ids=haystack(tokenizer, args.prompt_tokens, seed=300 + i))
+        for i in range(args.prompts + 1)
+    ]
     kv = {} if args.vanilla else {"kv_policy": args.policy, **({"kv_budget": args.budget} if args.budget else {})}
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, extra_args=kv), use_tqdm=False)  # warm-up
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, extra_args=kv)
@@ -65,15 +73,21 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - start)
-    decode = steps[-(args.max_tokens - 1):]  # every request decodes together after the prefill steps
-    result = {"policy": "vanilla" if args.vanilla else args.policy, "budget": args.budget, "steps": len(steps),
-              "total_s": round(sum(steps), 2), "median_decode_step_ms": round(1000 * statistics.median(decode), 1)}
+    decode = steps[-(args.max_tokens - 1) :]  # every request decodes together after the prefill steps
+    result = {
+        "policy": "vanilla" if args.vanilla else args.policy,
+        "budget": args.budget,
+        "steps": len(steps),
+        "total_s": round(sum(steps), 2),
+        "median_decode_step_ms": round(1000 * statistics.median(decode), 1),
+    }
     if not args.vanilla:
         result["phases_s"] = {p: round(phase_counter.labels(phase=p)._value.get() - before[p], 3) for p in PHASES}
         count = _count(histogram) - compactions_before
         result["compactions"] = count
-        result["mean_compaction_step_ms"] = round(1000 * (histogram._sum.get() - compaction_sum_before) / count, 1) \
-            if count else None
+        result["mean_compaction_step_ms"] = (
+            round(1000 * (histogram._sum.get() - compaction_sum_before) / count, 1) if count else None
+        )
     print(json.dumps(result), flush=True)
 
 

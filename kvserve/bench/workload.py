@@ -22,10 +22,18 @@ class RequestTiming:
     output_tokens: int
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
-               setting: Setting) -> RequestTiming:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def _one(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int, setting: Setting
+) -> RequestTiming:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     first = None
     output_tokens = 0
@@ -35,15 +43,16 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
             if chunk.get("choices") and chunk["choices"][0].get("text") and first is None:
                 first = time.perf_counter()
             if chunk.get("usage"):
                 output_tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
     first = end if first is None else first
-    return RequestTiming(ttft=first - start, tpot=(end - first) / max(output_tokens - 1, 1),
-                         output_tokens=output_tokens)
+    return RequestTiming(
+        ttft=first - start, tpot=(end - first) / max(output_tokens - 1, 1), output_tokens=output_tokens
+    )
 
 
 async def _sample_running(client: httpx.AsyncClient, url: str, stop: asyncio.Event, peak: list[float]) -> None:
@@ -75,8 +84,9 @@ def _percentile(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
-def summarize(timings: list[RequestTiming], wall: float, peak_running: float, metrics_before: str,
-              metrics_after: str) -> dict:
+def summarize(
+    timings: list[RequestTiming], wall: float, peak_running: float, metrics_before: str, metrics_after: str
+) -> dict:
     ttft = [t.ttft for t in timings]
     tpot = [t.tpot for t in timings]
     output_tokens = sum(t.output_tokens for t in timings)
@@ -85,10 +95,15 @@ def summarize(timings: list[RequestTiming], wall: float, peak_running: float, me
         return metric_sum(metrics_after, name) - metric_sum(metrics_before, name)
 
     return {
-        "requests": len(timings), "wall_s": wall, "peak_running": peak_running,
-        "requests_per_s": len(timings) / wall, "output_tokens_per_s": output_tokens / wall,
-        "ttft_p50": _percentile(ttft, 50), "ttft_p90": _percentile(ttft, 90),
-        "tpot_p50": _percentile(tpot, 50), "tpot_p90": _percentile(tpot, 90),
+        "requests": len(timings),
+        "wall_s": wall,
+        "peak_running": peak_running,
+        "requests_per_s": len(timings) / wall,
+        "output_tokens_per_s": output_tokens / wall,
+        "ttft_p50": _percentile(ttft, 50),
+        "ttft_p90": _percentile(ttft, 90),
+        "tpot_p50": _percentile(tpot, 50),
+        "tpot_p90": _percentile(tpot, 90),
         "preemptions": delta("vllm:num_preemptions_total"),
         "blocks_freed": delta("kvserve:blocks_freed_total"),
         "compactions": delta("kvserve:compaction_seconds_count"),
@@ -113,8 +128,9 @@ def compaction_histogram(before: str, after: str) -> dict[str, float]:
 
     def buckets(text: str) -> dict[str, float]:
         counts: dict[str, float] = {}
-        for bound, value in re.findall(r'^kvserve:compaction_seconds_bucket\{[^}]*le="([^"]+)"[^}]*\} (\S+)$', text,
-                                       re.M):
+        for bound, value in re.findall(
+            r'^kvserve:compaction_seconds_bucket\{[^}]*le="([^"]+)"[^}]*\} (\S+)$', text, re.M
+        ):
             counts[bound] = counts.get(bound, 0.0) + float(value)
         return counts
 

@@ -28,15 +28,38 @@ from kvserve.engine.step import StepPages, current_step, layer_index, refuse_unp
 
 
 class KVServeAttentionImpl(CPUAttentionBackendImpl):
-    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
-                 logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
-                 sinks=None) -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
-                         logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
+    def __init__(
+        self,
+        num_heads,
+        head_size,
+        scale,
+        num_kv_heads,
+        alibi_slopes,
+        sliding_window,
+        kv_cache_dtype,
+        logits_soft_cap=None,
+        attn_type=AttentionType.DECODER,
+        kv_sharing_target_layer_name=None,
+        sinks=None,
+    ) -> None:
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+            sinks,
+        )
         refuse_unpaged_features(self, "KVSERVE_ATTENTION=vllm", kv_sharing_target_layer_name)
 
-    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                           slot_mapping: torch.Tensor) -> None:
+    def do_kv_cache_update(
+        self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         step = current_step()
         if step is None or self.attn_type != AttentionType.DECODER:  # a dummy run: vLLM's own slots
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
@@ -44,18 +67,26 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         tokens = pages.num_tokens
         page_keys, page_values = split_pages(pages)
         with phases.timed("attention"):
-            ops.cpu_attn_reshape_and_cache(key[:tokens].reshape(-1, 1, self.head_size),
-                                           value[:tokens].reshape(-1, 1, self.head_size), page_keys, page_values,
-                                           pages.slots[layer_index(layer, pages.layout)], layer.isa,
-                                           k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-                                           kv_cache_dtype=self.kv_cache_dtype)
+            ops.cpu_attn_reshape_and_cache(
+                key[:tokens].reshape(-1, 1, self.head_size),
+                value[:tokens].reshape(-1, 1, self.head_size),
+                page_keys,
+                page_values,
+                pages.slots[layer_index(layer, pages.layout)],
+                layer.isa,
+                k_scale=layer._k_scale_float,
+                v_scale=layer._v_scale_float,
+                kv_cache_dtype=self.kv_cache_dtype,
+            )
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None) -> torch.Tensor:
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+    ) -> torch.Tensor:
         step = current_step()
         if step is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                                   output_block_scale)
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            )
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by kvserve's attention")
         pages = step.pages
@@ -66,15 +97,30 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
             out_rows = torch.empty_like(rows)
             page_keys, page_values = split_pages(pages)
             ops.cpu_attention_with_kv_cache(
-                query=rows, key_cache=page_keys, value_cache=page_values, output=out_rows,
-                query_start_loc=pages.query_start_loc, seq_lens=pages.seq_lens[layer_idx], scale=self.scale,
-                causal=True, alibi_slopes=None, sliding_window=-1, block_table=pages.tables[layer_idx],
+                query=rows,
+                key_cache=page_keys,
+                value_cache=page_values,
+                output=out_rows,
+                query_start_loc=pages.query_start_loc,
+                seq_lens=pages.seq_lens[layer_idx],
+                scale=self.scale,
+                causal=True,
+                alibi_slopes=None,
+                sliding_window=-1,
+                block_table=pages.tables[layer_idx],
                 softcap=self.logits_soft_cap,
                 scheduler_metadata=pages.metadata(layer_idx, self._metadata_builder(layer, query, pages)),
-                s_aux=None, dynamic_causal=None, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-                kv_cache_dtype=self.kv_cache_dtype)
-            output[:tokens] = out_rows.view(self.num_kv_heads, tokens, -1, self.head_size).transpose(0, 1).reshape(
-                output[:tokens].shape)
+                s_aux=None,
+                dynamic_causal=None,
+                k_scale=layer._k_scale_float,
+                v_scale=layer._v_scale_float,
+                kv_cache_dtype=self.kv_cache_dtype,
+            )
+            output[:tokens] = (
+                out_rows.view(self.num_kv_heads, tokens, -1, self.head_size)
+                .transpose(0, 1)
+                .reshape(output[:tokens].shape)
+            )
         if step.rows:
             self._evict(step, layer, layer_idx, query, output)
         return output
@@ -85,10 +131,19 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
 
         def build(seq_lens: torch.Tensor):
             return ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=seq_lens.shape[0], num_heads=group, num_kv_heads=1, head_dim=self.head_size,
-                seq_lens=seq_lens, dtype=query.dtype, query_start_loc=rows_start, causal=True,
-                sliding_window_size=-1, isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-                kv_cache_dtype=self.kv_cache_dtype)
+                num_reqs=seq_lens.shape[0],
+                num_heads=group,
+                num_kv_heads=1,
+                head_dim=self.head_size,
+                seq_lens=seq_lens,
+                dtype=query.dtype,
+                query_start_loc=rows_start,
+                causal=True,
+                sliding_window_size=-1,
+                isa=layer.isa,
+                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+                kv_cache_dtype=self.kv_cache_dtype,
+            )
 
         return build
 
@@ -96,8 +151,15 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         pages = step.pages
         if getattr(layer, "isa", "vec") != "amx":
             cache = cpu_views(pages.pages)
-            after_attention(step, layer_idx, query, cache, {plan.req_id: plan.table(layer_idx) for plan in step.rows},
-                            self.scale, output)
+            after_attention(
+                step,
+                layer_idx,
+                query,
+                cache,
+                {plan.req_id: plan.table(layer_idx) for plan in step.rows},
+                self.scale,
+                output,
+            )
             return
         # AMX pages: no view addresses an entry, so the pages this step reads are decoded into views first, and
         # written back if a compaction rewrote them. Steps that only record window queries copy nothing.
@@ -105,8 +167,11 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         if not reading:
             after_attention(step, layer_idx, query, None, {}, self.scale, output)
             return
-        staged = stage_pages(pages.pages, {plan.req_id: plan.table(layer_idx) for plan in reading},
-                             {plan.req_id: plan.lengths(layer_idx) for plan in reading})
+        staged = stage_pages(
+            pages.pages,
+            {plan.req_id: plan.table(layer_idx) for plan in reading},
+            {plan.req_id: plan.lengths(layer_idx) for plan in reading},
+        )
         after_attention(step, layer_idx, query, staged.cache, staged.tables, self.scale, output)
         if step.compacts():
             staged.write_back(pages.pages)

@@ -46,8 +46,9 @@ class EvictingFullAttentionManager(FullAttentionManager):
         if report is None:
             return None
         new_tokens = max(num_tokens - report.logical_tokens, 0)
-        return [(stage.pages + pages_needed(stage.free_slots, new_tokens), stage.pages_per_block)
-                for stage in report.stages]
+        return [
+            (stage.pages + pages_needed(stage.free_slots, new_tokens), stage.pages_per_block) for stage in report.stages
+        ]
 
     def longest_list(self, request_id: str, num_tokens: int) -> int:
         """Entries in the request's longest list once it covers `num_tokens` logical tokens."""
@@ -65,22 +66,36 @@ class EvictingFullAttentionManager(FullAttentionManager):
         blocks = self.blocks_held(request_id, num_tokens)
         return num_tokens if blocks is None else blocks * self.block_size
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: Sequence,
-                                   total_computed_tokens: int, num_local_computed_tokens: int,
-                                   num_tokens_main_model: int, apply_admission_cap: bool = False,
-                                   prefill_end: int = 0) -> int:
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
         if apply_admission_cap and request_id in self.admission_cap and request_id not in self.reports:
             # Admission reserves the whole prompt; a request that evicts after every chunk never holds more than
             # budget + one chunk, so that is what it must reserve.
             num_tokens = min(num_tokens, self.admission_cap[request_id])
         return super().get_num_blocks_to_allocate(
-            request_id, self._page_tokens(request_id, num_tokens), new_computed_blocks, total_computed_tokens,
-            num_local_computed_tokens, self._page_tokens(request_id, num_tokens_main_model),
-            apply_admission_cap=apply_admission_cap, prefill_end=prefill_end)
+            request_id,
+            self._page_tokens(request_id, num_tokens),
+            new_computed_blocks,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            self._page_tokens(request_id, num_tokens_main_model),
+            apply_admission_cap=apply_admission_cap,
+            prefill_end=prefill_end,
+        )
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
-        return super().allocate_new_blocks(request_id, self._page_tokens(request_id, num_tokens),
-                                           self._page_tokens(request_id, num_tokens_main_model))
+        return super().allocate_new_blocks(
+            request_id, self._page_tokens(request_id, num_tokens), self._page_tokens(request_id, num_tokens_main_model)
+        )
 
     def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
         # Compaction rewrites pages in place, so an evicting request's blocks must never enter the prefix cache.

@@ -91,16 +91,27 @@ def write_slots(cache: PagedKV, slots: torch.Tensor, keys: torch.Tensor, values:
     cache.values[blocks, offsets] = values.to(cache.values.dtype)
 
 
-def compact_lists(cache: PagedKV, table: torch.Tensor, keep_indices: torch.Tensor, keep_counts: torch.Tensor,
-                  stats: Sequence[torch.Tensor] = (),
-                  entries: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+def compact_lists(
+    cache: PagedKV,
+    table: torch.Tensor,
+    keep_indices: torch.Tensor,
+    keep_counts: torch.Tensor,
+    stats: Sequence[torch.Tensor] = (),
+    entries: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """In place: head h's kept entries (keep_indices[h, :keep_counts[h]], ascending) move to the front of its page
     list, and each [H, n] statistic's entries with them (its first counts are then the kept entries'). One call for
     all heads: each head's list is a row of one KV head. The Triton kernel on CUDA, whole pages on CPU (`entries`:
     the lists' keys and values as `read_lists` gave them, if the caller holds them)."""
     if kernel_dispatch.use_triton(cache.keys.device):
-        kernel_dispatch.compact(cache.keys, cache.values, table, keep_indices[:, None], keep_counts=keep_counts,
-                                stats=[stat[:, None] for stat in stats])
+        kernel_dispatch.compact(
+            cache.keys,
+            cache.values,
+            table,
+            keep_indices[:, None],
+            keep_counts=keep_counts,
+            stats=[stat[:, None] for stat in stats],
+        )
         return
     compact_rows(cache, table, keep_indices, keep_counts, stats, entries)
 

@@ -29,9 +29,16 @@ from kvserve.policies.base import PassStatistics
 logger = logging.getLogger(__name__)
 
 
-def after_attention(step: StepContext, layer_idx: int, query: torch.Tensor, cache: PagedKV,
-                    tables: dict[str, torch.Tensor], scale: float, output: torch.Tensor,
-                    measured: dict[str, PassStatistics] | None = None) -> None:
+def after_attention(
+    step: StepContext,
+    layer_idx: int,
+    query: torch.Tensor,
+    cache: PagedKV,
+    tables: dict[str, torch.Tensor],
+    scale: float,
+    output: torch.Tensor,
+    measured: dict[str, PassStatistics] | None = None,
+) -> None:
     """For each evicting request of the step: its eviction work on layer `layer_idx` (this step's entries are
     written). `tables[req_id]` ([H, W]) addresses its lists in `cache`; `measured[req_id]` holds what the backend's
     own pass measured. Gated requests get their output rows [q, Hq, D] recomputed with the per-head keep mask."""
@@ -54,11 +61,18 @@ def after_attention(step: StepContext, layer_idx: int, query: torch.Tensor, cach
         start = time.perf_counter()
         try:
             if plan.state.gate is not None:
-                gated_layer_step(plan, plan.state.layer(layer_idx), layer_idx,
-                                 query[plan.query_start : plan.query_end], output, cache, tables[plan.req_id], scale)
+                gated_layer_step(
+                    plan,
+                    plan.state.layer(layer_idx),
+                    layer_idx,
+                    query[plan.query_start : plan.query_end],
+                    output,
+                    cache,
+                    tables[plan.req_id],
+                    scale,
+                )
             else:
-                _evict(plan, layer_idx, query, cache, tables.get(plan.req_id), scale,
-                       (measured or {}).get(plan.req_id))
+                _evict(plan, layer_idx, query, cache, tables.get(plan.req_id), scale, (measured or {}).get(plan.req_id))
         except Exception as error:  # a policy's bug fails its request, never the engine (the scheduler ends it)
             plan.failure = f"kv_policy {plan.state.config.policy!r} failed: {type(error).__name__}: {error}"
             logger.exception("kvserve: request %s: %s", plan.req_id, plan.failure)
@@ -74,8 +88,15 @@ def record_times(step: StepContext) -> None:
             metrics().compaction_seconds.labels(policy=plan.state.config.policy).observe(plan.eviction_seconds)
 
 
-def _evict(plan: RowPlan, layer_idx: int, query: torch.Tensor, cache: PagedKV, table: torch.Tensor | None,
-           scale: float, given: PassStatistics | None) -> None:
+def _evict(
+    plan: RowPlan,
+    layer_idx: int,
+    query: torch.Tensor,
+    cache: PagedKV,
+    table: torch.Tensor | None,
+    scale: float,
+    given: PassStatistics | None,
+) -> None:
     layer = plan.state.layer(layer_idx)
     policy = plan.state.policy
     queries = query[plan.query_start : plan.query_end]
@@ -86,8 +107,9 @@ def _evict(plan: RowPlan, layer_idx: int, query: torch.Tensor, cache: PagedKV, t
         return
     lengths = plan.lengths(layer_idx)
     obs = _observe(plan, layer, layer_idx, cache, lengths, scale)
-    obs.measured = measure_pass(policy, obs, queries, cache, table, lengths, compacting=plan.compaction is not None,
-                                given=given)
+    obs.measured = measure_pass(
+        policy, obs, queries, cache, table, lengths, compacting=plan.compaction is not None, given=given
+    )
     if plan.compaction is not None or _reads_entries(policy, obs.measured):
         obs.keys, obs.values = read_lists(cache, table, lengths)
     if policy.stat_names:
@@ -102,8 +124,9 @@ def _record_window(layer: LayerState, queries: torch.Tensor, plan: RowPlan, wind
     layer.window.record(queries, plan.logical_len - queries.shape[0])
 
 
-def _observe(plan: RowPlan, layer: LayerState, layer_idx: int, cache: PagedKV, lengths: torch.Tensor,
-             scale: float) -> LayerObservation:
+def _observe(
+    plan: RowPlan, layer: LayerState, layer_idx: int, cache: PagedKV, lengths: torch.Tensor, scale: float
+) -> LayerObservation:
     """The layer's observation without its entries: keys and values are shape-only (meta) tensors until the caller
     reads them from the cache. A step that only accumulates measured statistics never copies the cache, and a policy
     that touched them without asking would fail loudly instead of scoring garbage."""
@@ -113,24 +136,34 @@ def _observe(plan: RowPlan, layer: LayerState, layer_idx: int, cache: PagedKV, l
     stats = {}
     for name in plan.state.policy.stat_names:  # entries appended since the last step start at zero
         old = layer.stats.get(name)
-        stats[name] = (torch.zeros(num_heads, n, device=cache.keys.device) if old is None
-                       else F.pad(old, (0, n - old.shape[1])))
+        stats[name] = (
+            torch.zeros(num_heads, n, device=cache.keys.device) if old is None else F.pad(old, (0, n - old.shape[1]))
+        )
     ragged = bool((lengths != n).any())
-    return LayerObservation(layer_idx=layer_idx + plan.state.pages.layout.first_layer, keys=keys, values=values,
-                            positions=layer.positions(lengths, plan.state.since), scale=scale,
-                            window_queries=layer.window_queries, window_positions=layer.window_positions,
-                            stats=stats, budget=plan.compaction.keep_tokens if plan.compaction else 0,
-                            lengths=lengths.long() if ragged else None)
+    return LayerObservation(
+        layer_idx=layer_idx + plan.state.pages.layout.first_layer,
+        keys=keys,
+        values=values,
+        positions=layer.positions(lengths, plan.state.since),
+        scale=scale,
+        window_queries=layer.window_queries,
+        window_positions=layer.window_positions,
+        stats=stats,
+        budget=plan.compaction.keep_tokens if plan.compaction else 0,
+        lengths=lengths.long() if ragged else None,
+    )
 
 
-def _compact(plan: RowPlan, layer: LayerState, layer_idx: int, obs: LayerObservation, cache: PagedKV,
-             table: torch.Tensor) -> None:
+def _compact(
+    plan: RowPlan, layer: LayerState, layer_idx: int, obs: LayerObservation, cache: PagedKV, table: torch.Tensor
+) -> None:
     with phases.timed("compaction"):
         _select_and_move(plan, layer, layer_idx, obs, cache, table)
 
 
-def _select_and_move(plan: RowPlan, layer: LayerState, layer_idx: int, obs: LayerObservation, cache: PagedKV,
-                     table: torch.Tensor) -> None:
+def _select_and_move(
+    plan: RowPlan, layer: LayerState, layer_idx: int, obs: LayerObservation, cache: PagedKV, table: torch.Tensor
+) -> None:
     selection = plan.state.policy.select(obs, plan.compaction.keep_tokens)
     keep = selection.keep_indices
     width = keep.shape[1]
@@ -161,13 +194,23 @@ def _reads_entries(policy: Policy, measured: PassStatistics) -> bool:
 def pseudo_queries(queries: torch.Tensor, num_heads: int) -> torch.Tensor:
     """[q, H*G, D] -> [H*q, G, D]: one pseudo row of q queries per KV head, in head order."""
     count, num_q_heads, dim = queries.shape
-    return queries.view(count, num_heads, num_q_heads // num_heads, dim).transpose(0, 1).reshape(
-        num_heads * count, num_q_heads // num_heads, dim)
+    return (
+        queries.view(count, num_heads, num_q_heads // num_heads, dim)
+        .transpose(0, 1)
+        .reshape(num_heads * count, num_q_heads // num_heads, dim)
+    )
 
 
-def measure_pass(policy: Policy, obs: LayerObservation, queries: torch.Tensor, cache: PagedKV,
-                 table: torch.Tensor, lengths: torch.Tensor, compacting: bool,
-                 given: PassStatistics | None = None) -> PassStatistics:
+def measure_pass(
+    policy: Policy,
+    obs: LayerObservation,
+    queries: torch.Tensor,
+    cache: PagedKV,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    compacting: bool,
+    given: PassStatistics | None = None,
+) -> PassStatistics:
     """The statistics of this step's queries [q, Hq, D] that `policy.pass_statistics` names, measured on the layer's
     lists as pseudo rows (one per KV head, `table` [H, W]): page by page on CPU (`kvserve/engine/page_scores.py`,
     after vLLM's own kernel), with the fused Triton kernels of `kvserve.kernel_dispatch` on CUDA.
@@ -196,8 +239,9 @@ def measure_pass(policy: Policy, obs: LayerObservation, queries: torch.Tensor, c
             return measured
         if "column_sums" not in wanted and "first_logits" not in wanted and not window_here:
             return measured
-        sums, first = page_scores.query_sums(rows, cache, table, lengths, obs.scale,
-                                             first_logits="first_logits" in wanted)
+        sums, first = page_scores.query_sums(
+            rows, cache, table, lengths, obs.scale, first_logits="first_logits" in wanted
+        )
         if "column_sums" in wanted:
             measured.column_sums = sums
         if window_here:
@@ -208,31 +252,45 @@ def measure_pass(policy: Policy, obs: LayerObservation, queries: torch.Tensor, c
     if "column_sums" in wanted:
         measured.column_sums, _ = page_scores.query_sums(rows, cache, table, lengths, obs.scale)
     if 0 < window <= num_queries:  # the gain applies to the window rows
-        measured.window_sums, _ = page_scores.query_sums(rows[:, -window:], cache, table, lengths, obs.scale,
-                                                         logit_scale=gain)
+        measured.window_sums, _ = page_scores.query_sums(
+            rows[:, -window:], cache, table, lengths, obs.scale, logit_scale=gain
+        )
     return measured
 
 
-def measure_decode_rows(step: StepContext, layer_idx: int, query: torch.Tensor, cache: PagedKV,
-                        tables: dict[str, torch.Tensor], scale: float) -> dict[str, PassStatistics]:
+def measure_decode_rows(
+    step: StepContext,
+    layer_idx: int,
+    query: torch.Tensor,
+    cache: PagedKV,
+    tables: dict[str, torch.Tensor],
+    scale: float,
+) -> dict[str, PassStatistics]:
     """Column sums and first logits for every decoding request of the step that wants them, in one product over
     all their lists (CPU): per request, what `measure_pass` would measure, without a Python pass per request."""
-    plans = [plan for plan in step.rows
-             if plan.failure is None and plan.state.gate is None and plan.query_end - plan.query_start == 1
-             and plan.req_id in tables
-             and {"column_sums", "first_logits"} & set(plan.state.policy.pass_statistics)]
+    plans = [
+        plan
+        for plan in step.rows
+        if plan.failure is None
+        and plan.state.gate is None
+        and plan.query_end - plan.query_start == 1
+        and plan.req_id in tables
+        and {"column_sums", "first_logits"} & set(plan.state.policy.pass_statistics)
+    ]
     if not plans or kernel_dispatch.use_triton(cache.keys.device):
         return {}
     num_heads = tables[plans[0].req_id].shape[0]
     width = max(tables[plan.req_id].shape[1] for plan in plans)
-    all_tables = torch.cat([F.pad(tables[plan.req_id].long(), (0, width - tables[plan.req_id].shape[1]))
-                            for plan in plans])
+    all_tables = torch.cat(
+        [F.pad(tables[plan.req_id].long(), (0, width - tables[plan.req_id].shape[1])) for plan in plans]
+    )
     lengths = [plan.lengths(layer_idx) for plan in plans]
     rows = torch.cat([pseudo_queries(query[plan.query_start : plan.query_end], num_heads) for plan in plans])
     want_first = any("first_logits" in plan.state.policy.pass_statistics for plan in plans)
     if any("column_sums" in plan.state.policy.pass_statistics for plan in plans):
-        sums, first = page_scores.query_sums(rows[:, None], cache, all_tables, torch.cat(lengths), scale,
-                                             first_logits=want_first)
+        sums, first = page_scores.query_sums(
+            rows[:, None], cache, all_tables, torch.cat(lengths), scale, first_logits=want_first
+        )
     else:  # first logits alone (MAT): entry 0's key, not the whole list
         sums, first = None, page_scores.first_logits(rows, cache, all_tables, scale)
     measured = {}
@@ -241,13 +299,22 @@ def measure_decode_rows(step: StepContext, layer_idx: int, query: torch.Tensor, 
         wanted = plan.state.policy.pass_statistics
         measured[plan.req_id] = PassStatistics(
             column_sums=sums[heads, : int(plan_lengths.max())] if "column_sums" in wanted else None,
-            first_logits=first[heads].reshape(1, -1) if "first_logits" in wanted else None)
+            first_logits=first[heads].reshape(1, -1) if "first_logits" in wanted else None,
+        )
     return measured
 
 
-def _measure_with_kernels(measured: PassStatistics, wanted: list[str], obs: LayerObservation, queries: torch.Tensor,
-                          cache: PagedKV, table: torch.Tensor, lengths: torch.Tensor, window: int,
-                          gain: torch.Tensor | None) -> PassStatistics:
+def _measure_with_kernels(
+    measured: PassStatistics,
+    wanted: list[str],
+    obs: LayerObservation,
+    queries: torch.Tensor,
+    cache: PagedKV,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    window: int,
+    gain: torch.Tensor | None,
+) -> PassStatistics:
     """`measure_pass` with the Triton kernels (CUDA tensors, or the interpreter where KVSERVE_KERNELS=triton)."""
     num_queries, n, num_heads = queries.shape[0], obs.num_tokens, obs.num_heads
     device = cache.keys.device
@@ -260,9 +327,18 @@ def _measure_with_kernels(measured: PassStatistics, wanted: list[str], obs: Laye
         first = torch.empty(num_heads, rows.shape[1], device=device) if "first_logits" in wanted else None
         if sums is None and first is None:
             return measured
-        kernel_dispatch.decode_attention_with_scores(rows, cache.keys, cache.values, table, seq_lens, obs.scale,
-                                                     scores=sums, first_logit=first, max_seq_len=n,
-                                                     need_output=False)
+        kernel_dispatch.decode_attention_with_scores(
+            rows,
+            cache.keys,
+            cache.values,
+            table,
+            seq_lens,
+            obs.scale,
+            scores=sums,
+            first_logit=first,
+            max_seq_len=n,
+            need_output=False,
+        )
         if "column_sums" in wanted:
             measured.column_sums = sums[:, 0]
         if window_here:
@@ -274,8 +350,20 @@ def _measure_with_kernels(measured: PassStatistics, wanted: list[str], obs: Laye
 
     def prefill_sums(window_rows: int, logit_scale: torch.Tensor | None) -> torch.Tensor:
         _, sums, _ = kernel_dispatch.prefill_attention_with_window_sums(
-            rows, cache.keys, cache.values, table, seq_lens, starts, obs.scale, window_rows,
-            score_logit_scale=logit_scale, max_slots=n, max_seq_len=n, max_query_len=num_queries, need_output=False)
+            rows,
+            cache.keys,
+            cache.values,
+            table,
+            seq_lens,
+            starts,
+            obs.scale,
+            window_rows,
+            score_logit_scale=logit_scale,
+            max_slots=n,
+            max_seq_len=n,
+            max_query_len=num_queries,
+            need_output=False,
+        )
         return sums[:, 0]
 
     if "column_sums" in wanted:

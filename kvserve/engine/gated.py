@@ -18,9 +18,15 @@ from kvserve.metrics import metrics
 QUERY_CHUNK = 256  # queries per masked-attention slice: bounds the [H, G, q, n] temporary in a long prefill
 
 
-def masked_attention(queries: torch.Tensor, query_positions: torch.Tensor, keys: torch.Tensor,
-                     values: torch.Tensor, key_positions: torch.Tensor, valid: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def masked_attention(
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_positions: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """queries [m, Hq, D] at positions [m]; entries [H, n, D] at key_positions [H, n], valid [H, n] -> [m, Hq, D]."""
     num_heads, _, dim = keys.shape
     out = []
@@ -46,8 +52,16 @@ def valid_mask(layer, lengths: torch.Tensor) -> torch.Tensor:
     return valid & (torch.arange(width)[None, :] < lengths[:, None])
 
 
-def gated_layer_step(plan, layer, layer_idx: int, queries: torch.Tensor, output: torch.Tensor, cache: PagedKV,
-                     table: torch.Tensor, scale: float) -> None:
+def gated_layer_step(
+    plan,
+    layer,
+    layer_idx: int,
+    queries: torch.Tensor,
+    output: torch.Tensor,
+    cache: PagedKV,
+    table: torch.Tensor,
+    scale: float,
+) -> None:
     state = plan.state
     runtime = state.gate
     query_positions = plan.query_positions()
@@ -56,8 +70,9 @@ def gated_layer_step(plan, layer, layer_idx: int, queries: torch.Tensor, output:
     in_prompt = query_positions < runtime.prompt_len
     if bool(in_prompt[0]):  # a prompt chunk: the gate judges its tokens (every list got them appended)
         model_layer = layer_idx + state.pages.layout.first_layer  # the gates are trained per model layer
-        flags, layer.gate_past = state.policy.gate_flags(runtime.gates[model_layer], queries, query_positions,
-                                                          runtime.rope_theta, layer.gate_past)
+        flags, layer.gate_past = state.policy.gate_flags(
+            runtime.gates[model_layer], queries, query_positions, runtime.rope_theta, layer.gate_past
+        )
         _count_gate_decisions(model_layer, flags[:, in_prompt])
         # after a preemption the recompute chunk also holds generated tokens: never gated, always kept
         fresh = torch.arange(queries.shape[0])[None, :] + (lengths[:, None] - queries.shape[0])

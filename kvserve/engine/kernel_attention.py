@@ -29,18 +29,43 @@ from kvserve.policies.base import PassStatistics
 
 
 class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
-    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
-                 logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
-                 sinks=None) -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
-                         logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
+    def __init__(
+        self,
+        num_heads,
+        head_size,
+        scale,
+        num_kv_heads,
+        alibi_slopes,
+        sliding_window,
+        kv_cache_dtype,
+        logits_soft_cap=None,
+        attn_type=AttentionType.DECODER,
+        kv_sharing_target_layer_name=None,
+        sinks=None,
+    ) -> None:
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+            sinks,
+        )
         refuse_unpaged_features(self, f"{ATTENTION_ENV}=kernels", kv_sharing_target_layer_name)
         if self.logits_soft_cap:
-            raise RuntimeError(f"{ATTENTION_ENV}=kernels does not support logit soft-capping (this model uses it); "
-                               f"run with {ATTENTION_ENV}=vllm")
+            raise RuntimeError(
+                f"{ATTENTION_ENV}=kernels does not support logit soft-capping (this model uses it); "
+                f"run with {ATTENTION_ENV}=vllm"
+            )
 
-    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                           slot_mapping: torch.Tensor) -> None:
+    def do_kv_cache_update(
+        self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         step = current_step()
         if step is None:  # a dummy run: its output is thrown away, and nothing reads what it would write
             return
@@ -48,12 +73,16 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
         tokens = pages.num_tokens
         slots = pages.slots[layer_index(layer, pages.layout)]
         written = slots >= 0  # padded tokens carry slot -1
-        write_slots(flash_views(pages.pages, self.head_size), slots[written],
-                    key[:tokens].reshape(-1, 1, self.head_size)[written],
-                    value[:tokens].reshape(-1, 1, self.head_size)[written])
+        write_slots(
+            flash_views(pages.pages, self.head_size),
+            slots[written],
+            key[:tokens].reshape(-1, 1, self.head_size)[written],
+            value[:tokens].reshape(-1, 1, self.head_size)[written],
+        )
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None) -> torch.Tensor:
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+    ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise RuntimeError(f"{ATTENTION_ENV}=kernels does not fuse output quantisation")
         step = current_step()
@@ -76,13 +105,30 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
             if first_plans:
                 first = torch.empty(heads * num_reqs, rows.shape[1], device=query.device)
             out, _ = kernel_dispatch.decode_attention_with_scores(
-                rows, cache.keys, cache.values, tables, seq_lens, self.scale, scores=sums, first_logit=first,
-                max_seq_len=max_seq_len)
+                rows,
+                cache.keys,
+                cache.values,
+                tables,
+                seq_lens,
+                self.scale,
+                scores=sums,
+                first_logit=first,
+                max_seq_len=max_seq_len,
+            )
         else:  # prefill, chunked prefill or a mixed batch: causal varlen attention (first logits: the policy's)
             out, sums, _ = kernel_dispatch.prefill_attention_with_window_sums(
-                rows, cache.keys, cache.values, tables, seq_lens, pages.query_start_loc, self.scale,
-                attn_metadata.max_query_len if column_plans else 0, max_slots=width, max_seq_len=max_seq_len,
-                max_query_len=attn_metadata.max_query_len)
+                rows,
+                cache.keys,
+                cache.values,
+                tables,
+                seq_lens,
+                pages.query_start_loc,
+                self.scale,
+                attn_metadata.max_query_len if column_plans else 0,
+                max_slots=width,
+                max_seq_len=max_seq_len,
+                max_query_len=attn_metadata.max_query_len,
+            )
         output[:tokens] = out.view(heads, tokens, -1, self.head_size).transpose(0, 1).reshape(output[:tokens].shape)
         if not step.rows:
             return output
@@ -94,7 +140,16 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
             n = int(plan.lengths(layer_idx).max())
             measured[plan.req_id] = PassStatistics(
                 column_sums=sums[head_rows + plan.row, 0, :n] if plan.req_id in with_columns else None,
-                first_logits=first[head_rows + plan.row].reshape(1, -1) if plan.req_id in with_first else None)
-        after_attention(step, layer_idx, query, cache, {plan.req_id: plan.table(layer_idx) for plan in step.rows},
-                        self.scale, output, measured=measured)
+                first_logits=first[head_rows + plan.row].reshape(1, -1) if plan.req_id in with_first else None,
+            )
+        after_attention(
+            step,
+            layer_idx,
+            query,
+            cache,
+            {plan.req_id: plan.table(layer_idx) for plan in step.rows},
+            self.scale,
+            output,
+            measured=measured,
+        )
         return output

@@ -62,9 +62,16 @@ def read_rows(cache: PagedKV, tables: torch.Tensor, width: int) -> tuple[torch.T
     return keys[:, :width], values[:, :width]
 
 
-def query_sums(queries: torch.Tensor, cache: PagedKV, tables: torch.Tensor, lengths: torch.Tensor, scale: float, *,
-               logit_scale: torch.Tensor | None = None, first_logits: bool = False,
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def query_sums(
+    queries: torch.Tensor,
+    cache: PagedKV,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    *,
+    logit_scale: torch.Tensor | None = None,
+    first_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each entry's causal attention probability summed over the queries and their group: [R, max(lengths)].
 
     `queries` [R, Q, G, D] are the newest Q entries' queries of each row, oldest first (query i of row r sits at list
@@ -102,9 +109,14 @@ def first_logits(queries: torch.Tensor, cache: PagedKV, tables: torch.Tensor, sc
     return torch.einsum("rgd,rd->rg", queries.float(), first_keys.float()) * scale
 
 
-def compact_rows(cache: PagedKV, tables: torch.Tensor, keep_indices: torch.Tensor, keep_counts: torch.Tensor,
-                 stats: Sequence[torch.Tensor] = (),
-                 entries: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+def compact_rows(
+    cache: PagedKV,
+    tables: torch.Tensor,
+    keep_indices: torch.Tensor,
+    keep_counts: torch.Tensor,
+    stats: Sequence[torch.Tensor] = (),
+    entries: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """In place: row r's entries keep_indices[r, :keep_counts[r]] (ascending) move to its slots 0 .. count-1, and
     each [R, n] statistic's entries with them; slots at or past a row's count keep what they held (the contract of
     `kvserve_kernels.reference.compact_reference`). The destination pages are read, rewritten and written whole.

@@ -64,16 +64,22 @@ def check_cache_contract(kv_caches: list[torch.Tensor], first_layer: int = 0) ->
             problems.append("layer 0 does not start the KV buffer (offset != 0)")
         for index, cache in enumerate(kv_caches):
             if cache.shape != first.shape or cache.dtype != first.dtype or not cache.is_contiguous():
-                problems.append(f"layer {index} has shape {tuple(cache.shape)} {cache.dtype}, contiguous="
-                                f"{cache.is_contiguous()}, unlike layer 0")
+                problems.append(
+                    f"layer {index} has shape {tuple(cache.shape)} {cache.dtype}, contiguous="
+                    f"{cache.is_contiguous()}, unlike layer 0"
+                )
             elif cache.untyped_storage().data_ptr() != storage:
                 problems.append(f"layer {index} lives in another buffer than layer 0")
             elif cache.data_ptr() - storage != index * layer_bytes:
-                problems.append(f"layer {index} starts {cache.data_ptr() - storage} bytes into the buffer, not "
-                                f"{index * layer_bytes} (layer-outermost layout)")
+                problems.append(
+                    f"layer {index} starts {cache.data_ptr() - storage} bytes into the buffer, not "
+                    f"{index * layer_bytes} (layer-outermost layout)"
+                )
     if problems:
-        raise RuntimeError("kvserve head pages need vLLM's CPU cache as one layer-outermost buffer (LBHNC); this "
-                           "engine's cache is not: " + "; ".join(problems[:3]))
+        raise RuntimeError(
+            "kvserve head pages need vLLM's CPU cache as one layer-outermost buffer (LBHNC); this "
+            "engine's cache is not: " + "; ".join(problems[:3])
+        )
     return PageLayout(len(kv_caches), num_blocks, num_heads, block_size, first_layer)
 
 
@@ -81,8 +87,11 @@ def page_view(kv_caches: list[torch.Tensor], layout: PageLayout) -> torch.Tensor
     """The whole KV buffer as `[L * NB * H, 1, block_size, 2 * D]` pages (a view: writes go to the cache)."""
     first = kv_caches[0]
     page_elems = layout.block_size * first.shape[-1]
-    return first.as_strided((layout.num_layers * layout.num_blocks * layout.num_heads, 1, layout.block_size,
-                             first.shape[-1]), (page_elems, page_elems, first.shape[-1], 1), 0)
+    return first.as_strided(
+        (layout.num_layers * layout.num_blocks * layout.num_heads, 1, layout.block_size, first.shape[-1]),
+        (page_elems, page_elems, first.shape[-1], 1),
+        0,
+    )
 
 
 class HeadPages:
@@ -137,8 +146,10 @@ class HeadPages:
         else:  # this column is full: any free page of the request's blocks serves
             anywhere = np.flatnonzero(~self.used.reshape(-1))
             if not anywhere.size:
-                raise RuntimeError(f"kvserve: no free page in the request's {len(self.blocks)} blocks (the "
-                                   "scheduler granted fewer blocks than the page lists need)")
+                raise RuntimeError(
+                    f"kvserve: no free page in the request's {len(self.blocks)} blocks (the "
+                    "scheduler granted fewer blocks than the page lists need)"
+                )
             index = tuple(int(i) for i in np.unravel_index(int(anywhere[0]), self.used.shape))
         self.used[index] = True
         block, page_layer, page_head = index
@@ -168,15 +179,18 @@ class HeadPages:
 
     def stage_pages(self) -> StagePages:
         """These lists as one stage's part of the request's page report."""
-        return StagePages(pages=self.pages_in_use, free_slots=self.free_slot_counts(),
-                          pages_per_block=self.layout.pages_per_block, longest=int(self.lens.max(initial=0)),
-                          entries=int(self.lens.sum()))
+        return StagePages(
+            pages=self.pages_in_use,
+            free_slots=self.free_slot_counts(),
+            pages_per_block=self.layout.pages_per_block,
+            longest=int(self.lens.max(initial=0)),
+            entries=int(self.lens.sum()),
+        )
 
     def release_blocks(self) -> tuple[list[tuple[int, int]], list[int]]:
         """Give back every block the lists can do without (one worker holds every layer): see `blocks_to_release`.
         Returns (page moves (src, dst), the released vLLM block ids)."""
-        released = blocks_to_release(self.blocks, [(self.pages_in_use, self.layout.pages_per_block,
-                                                    self.live_pages())])
+        released = blocks_to_release(self.blocks, [(self.pages_in_use, self.layout.pages_per_block, self.live_pages())])
         return self.release(released), released
 
     def release(self, released_ids: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
@@ -210,8 +224,9 @@ class HeadPages:
         if free.size:
             index = (blocks[int(free[0])], layer, head)
         else:
-            block, page_layer, page_head = np.unravel_index(int(np.flatnonzero(~candidates.reshape(-1))[0]),
-                                                            candidates.shape)
+            block, page_layer, page_head = np.unravel_index(
+                int(np.flatnonzero(~candidates.reshape(-1))[0]), candidates.shape
+            )
             index = (blocks[int(block)], int(page_layer), int(page_head))
         self.used[index] = True
         return int(self.layout.page_id(index[1], self.blocks[index[0]], index[2]))

@@ -99,8 +99,13 @@ class LayerState:
         request's logical tokens at the last compaction (entries appended after it follow in order)."""
         num_heads, width = lengths.shape[0], int(lengths.max())
         key = self._positions_key
-        if (self._positions is None or self._positions.shape[1] < width or key[0] != since
-                or key[1] is not self.kept_positions or key[2] is not self.kept_counts):
+        if (
+            self._positions is None
+            or self._positions.shape[1] < width
+            or key[0] != since
+            or key[1] is not self.kept_positions
+            or key[2] is not self.kept_counts
+        ):
             # changes only at a compaction: computed once for the next POSITION_HEADROOM decode steps as well
             self._positions = self._unmasked_positions(num_heads, width + POSITION_HEADROOM, since)
             self._positions_key = (since, self.kept_positions, self.kept_counts)
@@ -116,8 +121,7 @@ class LayerState:
         if self.kept_positions is not None:
             head_kept = self.kept_positions[:, :width]
             from_kept = slots[:, : head_kept.shape[1]] < kept[:, None]
-            positions[:, : head_kept.shape[1]] = torch.where(from_kept, head_kept,
-                                                             positions[:, : head_kept.shape[1]])
+            positions[:, : head_kept.shape[1]] = torch.where(from_kept, head_kept, positions[:, : head_kept.shape[1]])
         return positions
 
 

@@ -98,8 +98,9 @@ def _gate_runtime(runner, req_state) -> GateRuntime:
 
     # the same reading of the config as the gates' training model (it refuses RoPE variants the gate cannot undo)
     shape = LlamaShape.from_config(runner.model_config.hf_config.to_dict())
-    gates = load_gates(runner.model_config.model, shape.num_layers, shape.num_heads * shape.head_dim,
-                       shape.num_kv_heads)
+    gates = load_gates(
+        runner.model_config.model, shape.num_layers, shape.num_heads * shape.head_dim, shape.num_kv_heads
+    )
     return GateRuntime(gates=gates, rope_theta=shape.rope_theta, prompt_len=req_state.num_prompt_tokens)
 
 
@@ -137,8 +138,10 @@ def before_update_states(runner, scheduler_output) -> None:
             table.block_table.np[row, : len(kept)] = kept
             table.num_blocks_per_row[row] = len(kept)
     book.released.clear()
-    restarted = [*scheduler_output.scheduled_cached_reqs.resumed_req_ids,
-                 *(request.req_id for request in scheduler_output.scheduled_new_reqs)]
+    restarted = [
+        *scheduler_output.scheduled_cached_reqs.resumed_req_ids,
+        *(request.req_id for request in scheduler_output.scheduled_new_reqs),
+    ]
     for req_id in restarted:  # after a preemption the request recomputes into fresh blocks
         if req_id in book.requests:
             book.requests[req_id].reset()
@@ -163,8 +166,17 @@ def after_prepare_inputs(runner, scheduler_output, num_scheduled_tokens: np.ndar
         compaction = compactions.get(req_id)
         if compaction is not None and compaction.cached_tokens != int(state.pages.lens.max()):
             raise RuntimeError(f"kvserve: scheduler and worker disagree on request {req_id}'s cache length")
-        rows.append(RowPlan(req_id=req_id, state=state, row=row, query_start=int(query_starts[row]),
-                            query_end=int(query_starts[row + 1]), logical_len=logical_len, compaction=compaction))
+        rows.append(
+            RowPlan(
+                req_id=req_id,
+                state=state,
+                row=row,
+                query_start=int(query_starts[row]),
+                query_end=int(query_starts[row + 1]),
+                logical_len=logical_len,
+                compaction=compaction,
+            )
+        )
     pages = _step_pages(runner, book, num_reqs, int(query_starts[num_reqs]), rows, appended)
     set_step(StepContext(pages=pages, rows=rows))
 
@@ -177,8 +189,9 @@ def _take_new_blocks(pages: HeadPages, block_ids: list[int], req_id: str) -> Non
         pages.add_blocks(block_ids[held:])
 
 
-def _step_pages(runner, book: EvictionBook, num_reqs: int, num_tokens: int, rows: list[RowPlan],
-                appended: dict[int, np.ndarray]) -> StepPages:
+def _step_pages(
+    runner, book: EvictionBook, num_reqs: int, num_tokens: int, rows: list[RowPlan], appended: dict[int, np.ndarray]
+) -> StepPages:
     """Every (layer, head, request)'s page list as pseudo rows `h * R + r`: derived from vLLM's block table for
     requests that do not evict, from their own lists for those that do."""
     layout = book.layout
@@ -190,8 +203,9 @@ def _step_pages(runner, book: EvictionBook, num_reqs: int, num_tokens: int, rows
     heads = torch.arange(num_heads)
     layer_base = torch.arange(num_layers) * layout.num_blocks * num_heads
     tables = torch.zeros(num_layers, num_heads, num_reqs, width, dtype=torch.long)
-    tables[..., :vllm_width] = (blocks[None, None] * num_heads + heads[None, :, None, None]
-                                + layer_base[:, None, None, None])
+    tables[..., :vllm_width] = (
+        blocks[None, None] * num_heads + heads[None, :, None, None] + layer_base[:, None, None, None]
+    )
     seq_lens = runner.seq_lens[:num_reqs].to(torch.int32).repeat(num_layers, num_heads, 1)  # [L, H, R]
     slot_mapping = block_table.slot_mapping.gpu[:num_tokens].long()
     page_slots = ((slot_mapping // bs)[:, None] * num_heads + heads[None, :]) * bs + (slot_mapping % bs)[:, None]
@@ -207,11 +221,17 @@ def _step_pages(runner, book: EvictionBook, num_reqs: int, num_tokens: int, rows
     starts = (query_start_loc[:-1][None, :] + heads[:, None] * num_tokens).reshape(-1)
     pseudo_starts = torch.cat([starts, torch.tensor([num_heads * num_tokens])]).to(torch.int32)
     seq_lens = seq_lens.reshape(num_layers, -1)
-    return StepPages(layout=layout, pages=book.pages, num_reqs=num_reqs, num_tokens=num_tokens,
-                     tables=tables.reshape(num_layers, num_heads * num_reqs, width).to(torch.int32),
-                     seq_lens=seq_lens, query_start_loc=pseudo_starts,
-                     slots=slots.reshape(num_layers, -1).contiguous(),
-                     same_lens=not rows or bool((seq_lens == seq_lens[0]).all()))
+    return StepPages(
+        layout=layout,
+        pages=book.pages,
+        num_reqs=num_reqs,
+        num_tokens=num_tokens,
+        tables=tables.reshape(num_layers, num_heads * num_reqs, width).to(torch.int32),
+        seq_lens=seq_lens,
+        query_start_loc=pseudo_starts,
+        slots=slots.reshape(num_layers, -1).contiguous(),
+        same_lens=not rows or bool((seq_lens == seq_lens[0]).all()),
+    )
 
 
 def drop_step() -> None:
@@ -243,8 +263,12 @@ def clear_step(runner) -> None:
     for plan in compacted:
         lists = plan.state.pages
         message.releases.setdefault(plan.req_id, []).append(
-            StageRelease(pages=lists.stage_pages(), block_ids=tuple(lists.blocks),
-                         live_pages=tuple(int(n) for n in lists.live_pages())))
+            StageRelease(
+                pages=lists.stage_pages(),
+                block_ids=tuple(lists.blocks),
+                live_pages=tuple(int(n) for n in lists.live_pages()),
+            )
+        )
     if not link.is_last:
         message.failures.update(book.failures)  # only the last stage's output reaches the scheduler
         book.failures.clear()
@@ -259,8 +283,10 @@ def clear_step(runner) -> None:
             continue  # it failed on some stage: the scheduler frees all its blocks
         if any(stage.block_ids != stages[-1].block_ids for stage in stages):
             raise RuntimeError(f"kvserve: pipeline stages disagree on request {plan.req_id}'s blocks")
-        released = blocks_to_release(list(stages[-1].block_ids), [
-            (stage.pages.pages, stage.pages.pages_per_block, stage.live_pages) for stage in stages])
+        released = blocks_to_release(
+            list(stages[-1].block_ids),
+            [(stage.pages.pages, stage.pages.pages_per_block, stage.live_pages) for stage in stages],
+        )
         lists = plan.state.pages
         _move_pages(book, lists.release(released))
         _release_and_report(book, plan, [stage.pages for stage in stages], released)
@@ -280,8 +306,9 @@ def _mark_compacted(plan: RowPlan) -> None:
 def _release_and_report(book: EvictionBook, plan: RowPlan, stages: list[StagePages], released: list[int]) -> None:
     _mark_compacted(plan)
     book.released[plan.req_id] = released
-    book.reports[plan.req_id] = PageReport(logical_tokens=plan.logical_len, stages=tuple(stages),
-                                           released_block_ids=tuple(released))
+    book.reports[plan.req_id] = PageReport(
+        logical_tokens=plan.logical_len, stages=tuple(stages), released_block_ids=tuple(released)
+    )
 
 
 def attach_failures(runner, output):

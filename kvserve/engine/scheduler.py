@@ -50,13 +50,17 @@ def parallelism_refusal(tensor_parallel_size: int, decode_context_parallel_size:
     heads in the same blocks, but only rank 0's page report reaches the scheduler and the ranks would not agree on
     the blocks to give back, so it is refused rather than served with leaked or overwritten pages."""
     if tensor_parallel_size > 1:
-        return (f"kvserve eviction does not support tensor parallelism (--tensor-parallel-size "
-                f"{tensor_parallel_size}): each rank would evict its own KV heads, but the ranks do not yet agree on "
-                "the blocks to give back. Use --pipeline-parallel-size to split the model, or run vanilla vLLM "
-                "(VLLM_PLUGINS without 'kvserve').")
+        return (
+            f"kvserve eviction does not support tensor parallelism (--tensor-parallel-size "
+            f"{tensor_parallel_size}): each rank would evict its own KV heads, but the ranks do not yet agree on "
+            "the blocks to give back. Use --pipeline-parallel-size to split the model, or run vanilla vLLM "
+            "(VLLM_PLUGINS without 'kvserve')."
+        )
     if decode_context_parallel_size > 1:
-        return (f"kvserve eviction does not support decode context parallelism (--decode-context-parallel-size "
-                f"{decode_context_parallel_size}): its KV cache is split by token across ranks.")
+        return (
+            f"kvserve eviction does not support decode context parallelism (--decode-context-parallel-size "
+            f"{decode_context_parallel_size}): its KV cache is split by token across ranks."
+        )
     return None
 
 
@@ -79,8 +83,11 @@ class EvictingScheduler(Scheduler):
         group = self.kv_cache_config.kv_cache_groups[0]  # one full-attention group, checked above
         self.pipeline_stages = self.vllm_config.parallel_config.pipeline_parallel_size
         # the scheduler's cache config is the first stage's: under pipeline parallelism it names that stage's layers
-        layers = (len(group.layer_names) if self.pipeline_stages == 1
-                  else self.vllm_config.model_config.get_total_num_hidden_layers())
+        layers = (
+            len(group.layer_names)
+            if self.pipeline_stages == 1
+            else self.vllm_config.model_config.get_total_num_hidden_layers()
+        )
         self.pages_per_block = layers * group.kv_cache_spec.num_kv_heads
         managers[0].__class__ = EvictingFullAttentionManager
         managers[0].init_eviction_state(self.pages_per_block)
@@ -114,8 +121,7 @@ class EvictingScheduler(Scheduler):
         except InvalidSetting:
             # Front ends validate before a request gets here; a request that bypassed them still must not bring
             # the engine down, so it runs without eviction and says so.
-            logger.exception("request %s: invalid eviction settings, serving it without eviction",
-                             request.request_id)
+            logger.exception("request %s: invalid eviction settings, serving it without eviction", request.request_id)
             return KVConfig()
 
     def schedule(self, *args, **kwargs):
@@ -144,8 +150,9 @@ class EvictingScheduler(Scheduler):
         self.in_flight.update(req_id for req_id in output.num_scheduled_tokens if req_id in self.kv_configs)
         if self.pipeline_stages > 1:
             running = {request.request_id for request in self.running}
-            setattr(output, RELEASES_ATTR, {req_id: blocks for req_id, blocks in self.releases.items()
-                                            if req_id in running})
+            setattr(
+                output, RELEASES_ATTR, {req_id: blocks for req_id, blocks in self.releases.items() if req_id in running}
+            )
             self.releases = {}
         self.peak_running = max(self.peak_running, len(self.running))
         self.peak_decoding = max(self.peak_decoding, decoding)
@@ -226,7 +233,8 @@ class EvictingScheduler(Scheduler):
                 evicted = self.evicting_manager.evicted_tokens(output.request_id)
                 failure = failures.get(output.request_id)
                 if output.kv_transfer_params is not None or (
-                        failure is None and evicted == self.reported_evicted.get(output.request_id)):
+                    failure is None and evicted == self.reported_evicted.get(output.request_id)
+                ):
                     continue  # finished (_free_request attached the final count), or nothing new since the first
                 output.kv_transfer_params = with_evicted_count(None, output.request_id, evicted, failure)
                 self.reported_evicted[output.request_id] = evicted

@@ -66,5 +66,7 @@ class StageLink:
         payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         destination = self.group.rank_in_group + 1
-        self.pending = [(torch.distributed.isend(buffer, group=self.group.cpu_group, group_dst=destination, tag=tag),
-                         buffer) for buffer, tag in ((size, TAG), (payload, TAG + 1))]
+        self.pending = [
+            (torch.distributed.isend(buffer, group=self.group.cpu_group, group_dst=destination, tag=tag), buffer)
+            for buffer, tag in ((size, TAG), (payload, TAG + 1))
+        ]

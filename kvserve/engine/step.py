@@ -44,8 +44,10 @@ def refuse_unpaged_features(impl, mode: str, kv_sharing_target_layer_name: str |
     }
     refused = [name for name, present in unsupported.items() if present]
     if refused:
-        raise RuntimeError(f"kvserve's head-granular pages ({mode}) do not support {', '.join(refused)} (this model "
-                           "uses it); run vanilla vLLM (VLLM_PLUGINS without 'kvserve')")
+        raise RuntimeError(
+            f"kvserve's head-granular pages ({mode}) do not support {', '.join(refused)} (this model "
+            "uses it); run vanilla vLLM (VLLM_PLUGINS without 'kvserve')"
+        )
 
 
 @dataclass
@@ -99,8 +101,9 @@ class RowPlan:
     def reads_cache(self) -> bool:
         """Whether this step reads or rewrites its cache entries (statistics, a compaction, a gate); otherwise it
         only records window queries."""
-        return self.failure is None and (self.compaction is not None or bool(self.state.policy.stat_names)
-                                         or self.state.gate is not None)
+        return self.failure is None and (
+            self.compaction is not None or bool(self.state.policy.stat_names) or self.state.gate is not None
+        )
 
 
 @dataclass
@@ -114,8 +117,11 @@ class StepContext:
     def pass_rows(self, statistic: str) -> list[RowPlan]:
         """Plans whose policy wants `statistic` (a `PassStatistics` field) from this step's attention: a backend
         that computes attention itself produces it in the same pass."""
-        return [plan for plan in self.rows
-                if plan.failure is None and plan.state.gate is None and statistic in plan.state.policy.pass_statistics]
+        return [
+            plan
+            for plan in self.rows
+            if plan.failure is None and plan.state.gate is None and statistic in plan.state.policy.pass_statistics
+        ]
 
     def failures(self) -> dict[str, str]:
         return {plan.req_id: plan.failure for plan in self.rows if plan.failure is not None}

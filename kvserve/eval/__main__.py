@@ -55,25 +55,41 @@ def _ruler(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(missing)
     unknown = [task for task in args.tasks.split(",") if task not in RULER_TASKS]
     if unknown:
-        parser.error(f"--tasks: {', '.join(unknown)} not among the harness's offline RULER tasks "
-                     f"({', '.join(RULER_TASKS)})")
+        parser.error(
+            f"--tasks: {', '.join(unknown)} not among the harness's offline RULER tasks ({', '.join(RULER_TASKS)})"
+        )
     if "," in args.url:
         parser.error("--url: ruler uses one server (the harness keeps --concurrency requests in flight)")
-    run = RulerRun(server=Server(args.url, args.model), tokenizer=args.tokenizer, tasks=tuple(args.tasks.split(",")),
-                   lengths=tuple(_ints(args.lengths)), samples=args.samples, out=args.out,
-                   concurrency=args.concurrency)
+    run = RulerRun(
+        server=Server(args.url, args.model),
+        tokenizer=args.tokenizer,
+        tasks=tuple(args.tasks.split(",")),
+        lengths=tuple(_ints(args.lengths)),
+        samples=args.samples,
+        out=args.out,
+        concurrency=args.concurrency,
+    )
     rows = run_settings(run, settings(args.policies.split(","), _ints(args.budgets)), progress=not args.quiet)
-    print(f"RULER (lm-evaluation-harness), {args.samples} samples per task and length, lengths {args.lengths}",
-          quality.summary_table(rows), "", quality.summary_table(rows, column="length"), "",
-          quality.matrix_table(rows), "", quality.best_per_budget(rows), sep="\n")
+    print(
+        f"RULER (lm-evaluation-harness), {args.samples} samples per task and length, lengths {args.lengths}",
+        quality.summary_table(rows),
+        "",
+        quality.summary_table(rows, column="length"),
+        "",
+        quality.matrix_table(rows),
+        "",
+        quality.best_per_budget(rows),
+        sep="\n",
+    )
     if args.plot:
         values = {key: mean for key, (mean, _) in quality.mean_scores(rows, ("policy", "budget")).items()}
         plot_vs_budget(values, "mean RULER score", args.plot, f"RULER {args.tasks} at {args.lengths} tokens")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="kvserve eval", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvserve eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     ruler = commands.add_parser("ruler", help="RULER tasks through lm-evaluation-harness (kvserve[ruler])")
     _common(ruler)
@@ -90,8 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     _common(ppl)
     ppl.add_argument("--tokens", type=int, default=2048, help="passage length")
     ppl.add_argument("--passages", type=int, default=2)
-    commands.add_parser("passkey", help="the issue-2/3 passkey table (see python -m kvserve.eval.passkey -h)",
-                        add_help=False)
+    commands.add_parser(
+        "passkey", help="the issue-2/3 passkey table (see python -m kvserve.eval.passkey -h)", add_help=False
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "passkey":
         from kvserve.eval import passkey
@@ -116,8 +133,15 @@ def main(argv: list[str] | None = None) -> None:
 
         cases = make_cases(tokenizer, args.tasks.split(","), _ints(args.lengths), args.samples, args.seed)
         rows = quality.run(servers, settings(policies, budgets), cases, args.out, progress=not args.quiet)
-        print(quality.summary_table(rows), "", quality.matrix_table(rows), "", quality.best_per_budget(rows),
-              quality.gate_summary(rows), sep="\n")
+        print(
+            quality.summary_table(rows),
+            "",
+            quality.matrix_table(rows),
+            "",
+            quality.best_per_budget(rows),
+            quality.gate_summary(rows),
+            sep="\n",
+        )
         values = {key: mean for key, (mean, _) in quality.mean_scores(rows, ("policy", "budget")).items()}
         if args.plot:
             title = f"Mean score over {len(args.tasks.split(','))} tasks at {args.lengths} tokens"
@@ -128,12 +152,23 @@ def main(argv: list[str] | None = None) -> None:
         if len(servers) > 1:
             parser.error("--url: ppl uses one server (prompt chunking is a server setting)")
         passages = perplexity.texts(tokenizer, args.tokens, args.passages, args.seed)
-        rows = perplexity.run(servers[0], settings(policies, budgets, evict_every_chunk=True), passages, args.out,
-                              args.seed, progress=not args.quiet)
+        rows = perplexity.run(
+            servers[0],
+            settings(policies, budgets, evict_every_chunk=True),
+            passages,
+            args.out,
+            args.seed,
+            progress=not args.quiet,
+        )
         print(perplexity.perplexity_table(rows))
         if args.plot:
-            plot_vs_budget(perplexity.perplexities(rows), "perplexity", args.plot,
-                           f"Perplexity, {args.tokens}-token passages, eviction between chunks", log_y=True)
+            plot_vs_budget(
+                perplexity.perplexities(rows),
+                "perplexity",
+                args.plot,
+                f"Perplexity, {args.tokens}-token passages, eviction between chunks",
+                log_y=True,
+            )
 
 
 if __name__ == "__main__":

@@ -70,8 +70,11 @@ class Server:
         return metric_sum(text, "kvserve:gate_tokens_judged_total"), kept
 
     def complete(self, setting: Setting, prompt: str | list[int], **body) -> dict:
-        response = self.http.post(self.url + "/v1/completions", headers=setting.headers(), json={
-            "model": self.model, "prompt": prompt, "temperature": 0, **body})
+        response = self.http.post(
+            self.url + "/v1/completions",
+            headers=setting.headers(),
+            json={"model": self.model, "prompt": prompt, "temperature": 0, **body},
+        )
         if response.status_code != 200:
             raise RuntimeError(f"{self.url} answered {response.status_code}: {response.text[:500]}")
         return response.json()

@@ -44,6 +44,9 @@ def passkey_prompt(tokenizer, num_tokens: int, depth: float, seed: int = 0) -> t
     cut = int(len(filler) * depth)
     text = (
         "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it."
-        + tokenizer.decode(filler[:cut]) + needle + tokenizer.decode(filler[cut:]) + question
+        + tokenizer.decode(filler[:cut])
+        + needle
+        + tokenizer.decode(filler[cut:])
+        + question
     )
     return text, key

@@ -25,8 +25,17 @@ def blocks_freed(url: str) -> float:
     return metric_sum(httpx.get(url + "/metrics", timeout=30).text, "kvserve:blocks_freed_total")
 
 
-def run(url: str, model: str, tokenizer_path: str, tokens: int, policies: list[str], budgets: list[int],
-        depths: list[float], seed: int, out: str) -> list[dict]:
+def run(
+    url: str,
+    model: str,
+    tokenizer_path: str,
+    tokens: int,
+    policies: list[str],
+    budgets: list[int],
+    depths: list[float],
+    seed: int,
+    out: str,
+) -> list[dict]:
     """Runs every case not already in `out` (JSON lines, appended as each answer arrives: a run resumes)."""
     from transformers import AutoTokenizer
 
@@ -42,25 +51,48 @@ def run(url: str, model: str, tokenizer_path: str, tokens: int, policies: list[s
             prompt, key = passkey_prompt(tokenizer, tokens, depth, seed)
             freed_before = blocks_freed(url)
             start = time.time()
-            response = httpx.post(url + "/v1/completions", headers=headers, timeout=600, json={
-                "model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0})
+            response = httpx.post(
+                url + "/v1/completions",
+                headers=headers,
+                timeout=600,
+                json={"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0},
+            )
             response.raise_for_status()
             body = response.json()
             answer = body["choices"][0]["text"]
-            rows.append({"policy": policy, "budget": budget, "depth": depth, "tokens": tokens, "seed": seed,
-                         "key": key, "answer": answer,
-                         "correct": key in answer, "prompt_tokens": body["usage"]["prompt_tokens"],
-                         "blocks_freed": blocks_freed(url) - freed_before, "seconds": time.time() - start})
+            rows.append(
+                {
+                    "policy": policy,
+                    "budget": budget,
+                    "depth": depth,
+                    "tokens": tokens,
+                    "seed": seed,
+                    "key": key,
+                    "answer": answer,
+                    "correct": key in answer,
+                    "prompt_tokens": body["usage"]["prompt_tokens"],
+                    "blocks_freed": blocks_freed(url) - freed_before,
+                    "seconds": time.time() - start,
+                }
+            )
             append_row(out, rows[-1])
             print(json.dumps(rows[-1]), flush=True)
     wanted = {(p, b) for p, b in cases}
-    return [r for r in rows if (r["policy"], r["budget"]) in wanted and r["depth"] in depths
-            and r.get("tokens", tokens) == tokens and r.get("seed", seed) == seed]
+    return [
+        r
+        for r in rows
+        if (r["policy"], r["budget"]) in wanted
+        and r["depth"] in depths
+        and r.get("tokens", tokens) == tokens
+        and r.get("seed", seed) == seed
+    ]
 
 
 def summary(rows: list[dict]) -> str:
-    lines = ["| policy | budget | accuracy | mean prompt tokens | blocks freed per request | answers |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| policy | budget | accuracy | mean prompt tokens | blocks freed per request | answers |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((row["policy"], row["budget"]), []).append(row)
@@ -84,8 +116,9 @@ def matrix(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     from kvserve.model import default_model_dir
 
-    parser = argparse.ArgumentParser(prog="kvserve eval passkey", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvserve eval passkey", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="served model name (default: the server's first model)")
     parser.add_argument("--tokenizer", default=str(default_model_dir()))
@@ -97,9 +130,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="passkey.jsonl", help="answers, one JSON per line; an existing file resumes")
     args = parser.parse_args(argv)
     model = args.model or httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
-    rows = run(args.url, model, args.tokenizer, args.tokens, args.policies.split(","),
-               [int(b) for b in args.budgets.split(",")], [float(d) for d in args.depths.split(",")], args.seed,
-               args.out)
+    rows = run(
+        args.url,
+        model,
+        args.tokenizer,
+        args.tokens,
+        args.policies.split(","),
+        [int(b) for b in args.budgets.split(",")],
+        [float(d) for d in args.depths.split(",")],
+        args.seed,
+        args.out,
+    )
     print(summary(rows))
     print()
     print(matrix(rows))

@@ -39,20 +39,28 @@ def token_logprobs(server: Server, setting: Setting, token_ids: list[int]) -> li
     return logprobs
 
 
-def run(server: Server, settings: list[Setting], passages: list[list[int]], out: str, seed: int = 0,
-        progress: bool = True) -> list[dict]:
+def run(
+    server: Server, settings: list[Setting], passages: list[list[int]], out: str, seed: int = 0, progress: bool = True
+) -> list[dict]:
     from tqdm import tqdm
 
     rows = load_rows(out)
     length = len(passages[0])
     done = {(r["policy"], r["budget"], r["passage"], r["length"], r["seed"]) for r in rows}
-    todo = [(s, i) for s in settings for i in range(len(passages))
-            if (s.policy, s.budget, i, length, seed) not in done]
+    todo = [(s, i) for s in settings for i in range(len(passages)) if (s.policy, s.budget, i, length, seed) not in done]
     for setting, index in tqdm(todo, disable=not progress, desc="passages", unit="req"):
         start = time.time()
         logprobs = token_logprobs(server, setting, passages[index])
-        row = {"policy": setting.policy, "budget": setting.budget, "passage": index, "length": length, "seed": seed,
-               "nll_sum": -sum(logprobs), "tokens": len(logprobs), "seconds": round(time.time() - start, 3)}
+        row = {
+            "policy": setting.policy,
+            "budget": setting.budget,
+            "passage": index,
+            "length": length,
+            "seed": seed,
+            "nll_sum": -sum(logprobs),
+            "tokens": len(logprobs),
+            "seconds": round(time.time() - start, 3),
+        }
         rows.append(row)
         append_row(out, row)
     wanted = {(s.policy, s.budget) for s in settings}

@@ -21,8 +21,9 @@ def row_key(row: dict) -> tuple:
     return (row["policy"], row["budget"], row["task"], row["length"], row["index"], row["seed"])
 
 
-def run(servers: list[Server], settings: list[Setting], cases: list[Case], out: str,
-        progress: bool = True) -> list[dict]:
+def run(
+    servers: list[Server], settings: list[Setting], cases: list[Case], out: str, progress: bool = True
+) -> list[dict]:
     rows = load_rows(out)
     done = {row_key(r) for r in rows}
     todo: queue.Queue = queue.Queue()
@@ -68,11 +69,22 @@ def answer(server: Server, setting: Setting, case: Case) -> dict:
     start = time.time()
     body = server.complete(setting, case.prompt, max_tokens=case.max_tokens)
     text = body["choices"][0]["text"]
-    row = {"policy": setting.policy, "budget": setting.budget, "task": case.task, "length": case.length,
-           "index": case.index, "seed": case.seed, "depth": round(case.depth, 3),
-           "references": list(case.references), "answer": text, "score": score(text, case.references),
-           "prompt_tokens": body["usage"]["prompt_tokens"], "blocks_freed": server.blocks_freed() - freed_before,
-           "kv_tokens_evicted": body["usage"].get("kv_tokens_evicted"), "seconds": round(time.time() - start, 3)}
+    row = {
+        "policy": setting.policy,
+        "budget": setting.budget,
+        "task": case.task,
+        "length": case.length,
+        "index": case.index,
+        "seed": case.seed,
+        "depth": round(case.depth, 3),
+        "references": list(case.references),
+        "answer": text,
+        "score": score(text, case.references),
+        "prompt_tokens": body["usage"]["prompt_tokens"],
+        "blocks_freed": server.blocks_freed() - freed_before,
+        "kv_tokens_evicted": body["usage"].get("kv_tokens_evicted"),
+        "seconds": round(time.time() - start, 3),
+    }
     keep_by_layer = gate_keep_ratios(server, gate_before)
     if keep_by_layer is not None:
         row["gate_keep_by_layer"] = keep_by_layer
@@ -139,8 +151,10 @@ def gate_summary(rows: list[dict]) -> str:
     layers = len(gated[0]["gate_keep_by_layer"])
     per_layer = [sum(r["gate_keep_by_layer"][i] for r in gated) / len(gated) for i in range(layers)]
     keep = sum(per_layer) / layers
-    lines = [f"attention_gate kept {keep:.3f} of prompt tokens on average over {len(gated)} requests "
-             f"(eviction ratio {1 - keep:.3f}); average budget by prompt length: "
-             + ", ".join(f"{length}: {keep * length:.0f}" for length in sorted({r['length'] for r in gated})),
-             "eviction ratio by layer: " + " ".join(f"{i}:{1 - v:.2f}" for i, v in enumerate(per_layer))]
+    lines = [
+        f"attention_gate kept {keep:.3f} of prompt tokens on average over {len(gated)} requests "
+        f"(eviction ratio {1 - keep:.3f}); average budget by prompt length: "
+        + ", ".join(f"{length}: {keep * length:.0f}" for length in sorted({r["length"] for r in gated})),
+        "eviction ratio by layer: " + " ".join(f"{i}:{1 - v:.2f}" for i, v in enumerate(per_layer)),
+    ]
     return "\n".join(lines)

@@ -15,8 +15,10 @@ def _policies(values: Values) -> list[str]:
 def grid_table(values: Values, fmt: str = ".2f") -> str:
     """Markdown: policy rows x budget columns; the `full` reference repeats its one value in every column."""
     budgets: list[int | None] = sorted({b for _, b in values if b is not None}) or [None]  # no budgets: one column
-    lines = ["| policy | " + " | ".join(f"B={b}" if b else "value" for b in budgets) + " |",
-             "|---" * (len(budgets) + 1) + "|"]
+    lines = [
+        "| policy | " + " | ".join(f"B={b}" if b else "value" for b in budgets) + " |",
+        "|---" * (len(budgets) + 1) + "|",
+    ]
     for policy in _policies(values):
         if (policy, None) in values:  # full, or a policy that sets its own counts: one value for every column
             cells = [format(values[(policy, None)], fmt)] * len(budgets)
@@ -42,8 +44,9 @@ def plot_vs_budget(values: Values, ylabel: str, path: str, title: str, log_y: bo
             continue
         points = sorted((b, v) for (p, b), v in values.items() if p == policy and math.isfinite(v))
         style = "--" if "+" in policy else "-"
-        ax.plot([b for b, _ in points], [v for _, v in points], style, marker=markers[number % len(markers)],
-                label=policy)
+        ax.plot(
+            [b for b, _ in points], [v for _, v in points], style, marker=markers[number % len(markers)], label=policy
+        )
     if ("full", None) in values:
         ax.axhline(values[("full", None)], color="black", linestyle=":", label="full cache")
     ax.set_xscale("log", base=2)

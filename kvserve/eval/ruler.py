@@ -26,8 +26,10 @@ def harness_missing() -> str | None:
 
     missing = [name for name in ("lm_eval", "tenacity", "wonderwords", "nltk") if find_spec(name) is None]
     if missing:
-        return (f"lm-evaluation-harness's RULER tasks need {', '.join(missing)}: pip install 'kvserve[ruler]' "
-                "(lm-eval, wonderwords, nltk)")
+        return (
+            f"lm-evaluation-harness's RULER tasks need {', '.join(missing)}: pip install 'kvserve[ruler]' "
+            "(lm-eval, wonderwords, nltk)"
+        )
     return None
 
 
@@ -51,9 +53,17 @@ def harness_model(run: RulerRun, setting: Setting, length: int):
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
     return LocalCompletionsAPI(
-        base_url=run.server.url + "/v1/completions", model=run.server.model, tokenizer=run.tokenizer,
-        tokenizer_backend="huggingface", tokenized_requests=False, max_length=length,
-        num_concurrent=run.concurrency, header=setting.headers(), timeout=1800, max_retries=1)
+        base_url=run.server.url + "/v1/completions",
+        model=run.server.model,
+        tokenizer=run.tokenizer,
+        tokenizer_backend="huggingface",
+        tokenized_requests=False,
+        max_length=length,
+        num_concurrent=run.concurrency,
+        header=setting.headers(),
+        timeout=1800,
+        max_retries=1,
+    )
 
 
 def evaluate(run: RulerRun, setting: Setting, tasks: list[str], length: int) -> dict[str, list[dict]]:
@@ -62,9 +72,17 @@ def evaluate(run: RulerRun, setting: Setting, tasks: list[str], length: int) -> 
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     results = simple_evaluate(
-        model=harness_model(run, setting, length), tasks=tasks, limit=run.samples, log_samples=True,
-        metadata={"max_seq_lengths": [length], "tokenizer": run.tokenizer}, bootstrap_iters=0,
-        random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+        model=harness_model(run, setting, length),
+        tasks=tasks,
+        limit=run.samples,
+        log_samples=True,
+        metadata={"max_seq_lengths": [length], "tokenizer": run.tokenizer},
+        bootstrap_iters=0,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+        fewshot_random_seed=0,
+    )
     return results["samples"]
 
 
@@ -72,9 +90,17 @@ def sample_row(setting: Setting, task: str, length: int, sample: dict) -> dict:
     """One answer as a row of the quality tables; the score is the harness's own (string_match_all)."""
     answer = sample["filtered_resps"][0]
     answer = answer[0] if isinstance(answer, list) else answer
-    return {"policy": setting.policy, "budget": setting.budget, "task": task, "length": length,
-            "index": sample["doc_id"], "seed": 0, "score": float(sample[str(length)]),
-            "references": list(sample["doc"]["outputs"]), "answer": answer}
+    return {
+        "policy": setting.policy,
+        "budget": setting.budget,
+        "task": task,
+        "length": length,
+        "index": sample["doc_id"],
+        "seed": 0,
+        "score": float(sample[str(length)]),
+        "references": list(sample["doc"]["outputs"]),
+        "answer": answer,
+    }
 
 
 def run_settings(run: RulerRun, settings: list[Setting], progress: bool = True) -> list[dict]:
@@ -83,9 +109,13 @@ def run_settings(run: RulerRun, settings: list[Setting], progress: bool = True) 
     done = {row_key(row) for row in rows}
     for setting in settings:
         for length in run.lengths:
-            todo = [task for task in run.tasks
-                    if any((setting.policy, setting.budget, task, length, index) not in done
-                           for index in range(run.samples))]
+            todo = [
+                task
+                for task in run.tasks
+                if any(
+                    (setting.policy, setting.budget, task, length, index) not in done for index in range(run.samples)
+                )
+            ]
             if not todo:
                 continue
             if progress:

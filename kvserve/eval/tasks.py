@@ -23,9 +23,36 @@ from dataclasses import dataclass
 from kvserve.eval.haystack import haystack, passkey_prompt
 
 KEY_WORDS = (
-    "lantern", "walrus", "quartz", "saffron", "glacier", "harbor", "falcon", "juniper", "meadow", "obsidian",
-    "pepper", "raven", "sapphire", "thistle", "umbrella", "velvet", "willow", "zephyr", "anchor", "biscuit",
-    "cobalt", "dolphin", "ember", "fjord", "granite", "hazel", "iris", "jasmine", "kettle", "lilac",
+    "lantern",
+    "walrus",
+    "quartz",
+    "saffron",
+    "glacier",
+    "harbor",
+    "falcon",
+    "juniper",
+    "meadow",
+    "obsidian",
+    "pepper",
+    "raven",
+    "sapphire",
+    "thistle",
+    "umbrella",
+    "velvet",
+    "willow",
+    "zephyr",
+    "anchor",
+    "biscuit",
+    "cobalt",
+    "dolphin",
+    "ember",
+    "fjord",
+    "granite",
+    "hazel",
+    "iris",
+    "jasmine",
+    "kettle",
+    "lilac",
 )
 
 
@@ -55,8 +82,9 @@ def _number(rng: random.Random) -> str:
     return str(rng.randrange(1_000_000, 10_000_000))
 
 
-def _embed(tokenizer, length: int, needles: list[str], depths: list[float], intro: str, question: str,
-           seed: int) -> str:
+def _embed(
+    tokenizer, length: int, needles: list[str], depths: list[float], intro: str, question: str, seed: int
+) -> str:
     """Haystack of the remaining token budget with each needle inserted at its depth (depths sorted)."""
     fixed = len(tokenizer.encode(intro + "".join(needles) + question, add_special_tokens=False))
     filler = haystack(tokenizer, length - fixed, seed)
@@ -69,16 +97,19 @@ def _embed(tokenizer, length: int, needles: list[str], depths: list[float], intr
     return "".join(pieces)
 
 
-NIAH_INTRO = ("Some special magic numbers are hidden inside the following text. Make sure to memorize them. "
-              "I will quiz you about the numbers afterwards.\n")
+NIAH_INTRO = (
+    "Some special magic numbers are hidden inside the following text. Make sure to memorize them. "
+    "I will quiz you about the numbers afterwards.\n"
+)
 
 
 def _needle(key: str, value: str) -> str:
     return f" One of the special magic numbers for {key} is: {value}. "
 
 
-def _niah(tokenizer, length: int, rng: random.Random, seed: int, num_keys: int, values_per_key: int,
-          asked: int) -> tuple[str, tuple[str, ...], float]:
+def _niah(
+    tokenizer, length: int, rng: random.Random, seed: int, num_keys: int, values_per_key: int, asked: int
+) -> tuple[str, tuple[str, ...], float]:
     keys = rng.sample(KEY_WORDS, num_keys)
     needles, answers = [], {}
     for key in keys:
@@ -87,12 +118,16 @@ def _niah(tokenizer, length: int, rng: random.Random, seed: int, num_keys: int, 
     depths = [rng.uniform(0.05, 0.95) for _ in needles]
     queried = keys[:asked]
     if values_per_key > 1:  # multi-value: every value of one key
-        question = (f"\nWhat are all the special magic numbers for {queried[0]} mentioned in the provided text? "
-                    f"The special magic numbers for {queried[0]} mentioned in the provided text are")
+        question = (
+            f"\nWhat are all the special magic numbers for {queried[0]} mentioned in the provided text? "
+            f"The special magic numbers for {queried[0]} mentioned in the provided text are"
+        )
     else:  # multi-query: the values of several keys
         names = ", ".join(queried[:-1]) + f" and {queried[-1]}"
-        question = (f"\nWhat are the special magic numbers for {names} mentioned in the provided text? "
-                    f"The special magic numbers for {names} mentioned in the provided text are")
+        question = (
+            f"\nWhat are the special magic numbers for {names} mentioned in the provided text? "
+            f"The special magic numbers for {names} mentioned in the provided text are"
+        )
     references = tuple(value for key in queried for value in answers[key])
     return _embed(tokenizer, length, needles, depths, NIAH_INTRO, question, seed), references, depths[0]
 
@@ -119,10 +154,22 @@ def make_case(tokenizer, task: str, length: int, index: int, seed: int = 0) -> C
     rng = random.Random(f"{task}/{length}/{index}/{seed}")
     haystack_seed = rng.randrange(1 << 30)
     prompt, references, depth = builder(tokenizer, length, rng, haystack_seed)
-    return Case(task=task, length=length, index=index, seed=seed, prompt=prompt, references=references,
-                max_tokens=max_tokens, depth=depth)
+    return Case(
+        task=task,
+        length=length,
+        index=index,
+        seed=seed,
+        prompt=prompt,
+        references=references,
+        max_tokens=max_tokens,
+        depth=depth,
+    )
 
 
 def make_cases(tokenizer, tasks: list[str], lengths: list[int], samples: int, seed: int = 0) -> list[Case]:
-    return [make_case(tokenizer, task, length, index, seed)
-            for length in lengths for task in tasks for index in range(samples)]
+    return [
+        make_case(tokenizer, task, length, index, seed)
+        for length in lengths
+        for task in tasks
+        for index in range(samples)
+    ]

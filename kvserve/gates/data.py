@@ -38,8 +38,11 @@ def chat_header(model_dir: str | Path) -> str:
         return ""
     import jinja2
 
-    rendered = jinja2.Environment().from_string(template).render(
-        messages=[{"role": "user", "content": MARK}], add_generation_prompt=True, bos_token="", eos_token="")
+    rendered = (
+        jinja2.Environment()
+        .from_string(template)
+        .render(messages=[{"role": "user", "content": MARK}], add_generation_prompt=True, bos_token="", eos_token="")
+    )
     return rendered.split(MARK)[0]
 
 
@@ -52,16 +55,21 @@ class Corpus:
     held_out_docs: list[str] = field(default_factory=list)
 
     def description(self) -> dict:
-        return {"source": "pydoc_data.topics (Python's own documentation, ships with Python)",
-                "split": "by document, seeded shuffle, ~10% of characters held out",
-                "train_docs": len(self.train_docs), "held_out_docs": len(self.held_out_docs),
-                "held_out_topics": sorted(self.held_out_docs),
-                "train_tokens": len(self.train), "held_out_tokens": len(self.held_out),
-                "chat_header_tokens": len(self.header)}
+        return {
+            "source": "pydoc_data.topics (Python's own documentation, ships with Python)",
+            "split": "by document, seeded shuffle, ~10% of characters held out",
+            "train_docs": len(self.train_docs),
+            "held_out_docs": len(self.held_out_docs),
+            "held_out_topics": sorted(self.held_out_docs),
+            "train_tokens": len(self.train),
+            "held_out_tokens": len(self.held_out),
+            "chat_header_tokens": len(self.header),
+        }
 
 
-def load_corpus(model_dir: str | Path, seed: int = 0, held_out_fraction: float = 0.1,
-                topics: dict[str, str] | None = None) -> Corpus:
+def load_corpus(
+    model_dir: str | Path, seed: int = 0, held_out_fraction: float = 0.1, topics: dict[str, str] | None = None
+) -> Corpus:
     if topics is None:
         from pydoc_data.topics import topics
     tokenizer = load_tokenizer(model_dir)
@@ -91,8 +99,9 @@ def window(stream: list[int], header: list[int], seq_len: int, start: int, chat:
     return prefix + stream[start : start + body]
 
 
-def sample_batch(corpus: Corpus, seq_len: int, batch: int, rng: random.Random,
-                 chat_fraction: float = 0.5) -> torch.Tensor:
+def sample_batch(
+    corpus: Corpus, seq_len: int, batch: int, rng: random.Random, chat_fraction: float = 0.5
+) -> torch.Tensor:
     """[batch, seq_len] token ids: windows of the train stream at random offsets, some behind the chat header."""
     rows = []
     for _ in range(batch):
@@ -107,6 +116,8 @@ def fixed_windows(stream: list[int], header: list[int], seq_len: int, count: int
     if len(stream) < seq_len:
         raise ValueError(f"stream of {len(stream)} tokens is shorter than one window of {seq_len}")
     step = max(1, (len(stream) - seq_len) // max(1, count - 1))
-    rows = [window(stream, header, seq_len, min(i * step, len(stream) - seq_len), bool(header) and i % 2 == 1)
-            for i in range(count)]
+    rows = [
+        window(stream, header, seq_len, min(i * step, len(stream) - seq_len), bool(header) and i % 2 == 1)
+        for i in range(count)
+    ]
     return torch.tensor(rows)

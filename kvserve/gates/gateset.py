@@ -31,8 +31,13 @@ class GateSet(nn.Module):
     def save(self, path: str | Path, recipe: dict) -> str:
         """Weights in float16 (the file ships in the repository); returns the file's sha256."""
         tensors = {name: t.detach().to(torch.float16).contiguous() for name, t in self.state_dict().items()}
-        metadata = {"hyper": json.dumps(asdict(self.hyper)), "num_layers": str(len(self)),
-                    "in_dim": str(self.in_dim), "num_kv_heads": str(self.num_kv_heads), "recipe": json.dumps(recipe)}
+        metadata = {
+            "hyper": json.dumps(asdict(self.hyper)),
+            "num_layers": str(len(self)),
+            "in_dim": str(self.in_dim),
+            "num_kv_heads": str(self.num_kv_heads),
+            "recipe": json.dumps(recipe),
+        }
         save_file(tensors, str(path), metadata=metadata)
         return file_sha256(path)
 
@@ -42,8 +47,12 @@ class GateSet(nn.Module):
 
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata()
-        gates = cls(int(metadata["num_layers"]), int(metadata["in_dim"]), int(metadata["num_kv_heads"]),
-                    GateHyper(**json.loads(metadata["hyper"])))
+        gates = cls(
+            int(metadata["num_layers"]),
+            int(metadata["in_dim"]),
+            int(metadata["num_kv_heads"]),
+            GateHyper(**json.loads(metadata["hyper"])),
+        )
         gates.load_state_dict({name: t.float() for name, t in load_file(str(path)).items()})
         gates.recipe = json.loads(metadata.get("recipe", "{}"))
         return gates.eval().requires_grad_(False)

@@ -35,11 +35,15 @@ class LlamaShape:
         rope = config.get("rope_parameters") or {}
         if (rope.get("rope_type") or "default") != "default" or config.get("rope_scaling"):
             raise ValueError("kvserve's gate reference implements Llama's default RoPE only")
-        return cls(num_layers=config["num_hidden_layers"], hidden=config["hidden_size"],
-                   num_heads=config["num_attention_heads"], num_kv_heads=config["num_key_value_heads"],
-                   head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-                   rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-                   rms_eps=float(config["rms_norm_eps"]))
+        return cls(
+            num_layers=config["num_hidden_layers"],
+            hidden=config["hidden_size"],
+            num_heads=config["num_attention_heads"],
+            num_kv_heads=config["num_key_value_heads"],
+            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+            rms_eps=float(config["rms_norm_eps"]),
+        )
 
 
 def masked_softmax(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -90,8 +94,9 @@ class PlainLlama(torch.nn.Module):
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.shape.rms_eps) * weight
 
-    def forward(self, input_ids: torch.Tensor, gates=None, train_gates: bool = False,
-                forced_keep: torch.Tensor | None = None) -> GatedOutput:
+    def forward(
+        self, input_ids: torch.Tensor, gates=None, train_gates: bool = False, forced_keep: torch.Tensor | None = None
+    ) -> GatedOutput:
         """input_ids [B, n]. Without gates: the plain causal model. `forced_keep` [n] (bool): positions always kept
         regardless of the gate (decode-time tokens, which the gate does not judge)."""
         s = self.shape
@@ -110,8 +115,11 @@ class PlainLlama(torch.nn.Module):
                 gate = gates[layer]
                 logits, _ = gate(q.reshape(batch, n, -1))
                 probability = gate.keep_probability(logits)
-                flags = (straight_through(probability, gate.hyper.tau) if train_gates
-                         else (probability > gate.hyper.tau).float())
+                flags = (
+                    straight_through(probability, gate.hyper.tau)
+                    if train_gates
+                    else (probability > gate.hyper.tau).float()
+                )
                 if forced_keep is not None:
                     flags = torch.where(forced_keep[None, :, None], torch.ones_like(flags), flags)
                 probabilities.append(probability)
@@ -144,7 +152,7 @@ class PlainLlama(torch.nn.Module):
             if not flags and gates is not None:
                 flags = [f[0, : len(prompt_ids)].bool() for f in out.flags]
             tokens.append(int(out.logits[0, -1].argmax()))
-        return tokens[len(prompt_ids):], flags
+        return tokens[len(prompt_ids) :], flags
 
 
 __all__ = ["GatePast", "GatedOutput", "LlamaShape", "PlainLlama", "gate_keep_matrix", "masked_softmax"]

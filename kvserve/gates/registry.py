@@ -46,8 +46,7 @@ def _entries() -> dict[str, GateEntry]:
 def _parse_registry(path: Path, modified: int) -> dict[str, GateEntry]:
     """Parsed once per file version: every attention_gate request is validated against it (twice over HTTP)."""
     raw = yaml.safe_load(path.read_text()) or {}
-    return {name: GateEntry(name, (path.parent / spec["file"]).resolve(), spec["sha256"])
-            for name, spec in raw.items()}
+    return {name: GateEntry(name, (path.parent / spec["file"]).resolve(), spec["sha256"]) for name, spec in raw.items()}
 
 
 def gate_entry(model: str) -> GateEntry:
@@ -55,9 +54,11 @@ def gate_entry(model: str) -> GateEntry:
     entries = _entries()
     name = Path(str(model).rstrip("/")).name
     if name not in entries:
-        raise NoGateError(f"no trained Attention-Gate for model {name!r} (gates exist for: "
-                          f"{', '.join(sorted(entries)) or 'none'}; registry {registry_path()}); train one with "
-                          "`python -m kvserve.gates.train` and add it there")
+        raise NoGateError(
+            f"no trained Attention-Gate for model {name!r} (gates exist for: "
+            f"{', '.join(sorted(entries)) or 'none'}; registry {registry_path()}); train one with "
+            "`python -m kvserve.gates.train` and add it there"
+        )
     return entries[name]
 
 
@@ -72,6 +73,8 @@ def load_gates(model: str, num_layers: int, in_dim: int, num_kv_heads: int):
         raise NoGateError(f"gate file {entry.path} has sha256 {digest}, the registry expects {entry.sha256}")
     gates = GateSet.load(entry.path)
     if (len(gates), gates.in_dim, gates.num_kv_heads) != (num_layers, in_dim, num_kv_heads):
-        raise NoGateError(f"gate file {entry.path} is for {len(gates)} layers x {gates.in_dim} inputs x "
-                          f"{gates.num_kv_heads} KV heads, the model has {num_layers} x {in_dim} x {num_kv_heads}")
+        raise NoGateError(
+            f"gate file {entry.path} is for {len(gates)} layers x {gates.in_dim} inputs x "
+            f"{gates.num_kv_heads} KV heads, the model has {num_layers} x {in_dim} x {num_kv_heads}"
+        )
     return gates

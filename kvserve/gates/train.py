@@ -69,8 +69,11 @@ def evaluate(model: PlainLlama, gates: GateSet | None, windows: torch.Tensor, ba
     result = {"lm": total / count}
     if kept:
         per_head = torch.cat(kept).mean(dim=0)  # [layers, H_kv]
-        result.update(keep=float(per_head.mean()), keep_by_layer=[round(float(k), 4) for k in per_head.mean(1)],
-                      keep_by_layer_head=[[round(float(k), 4) for k in row] for row in per_head])
+        result.update(
+            keep=float(per_head.mean()),
+            keep_by_layer=[round(float(k), 4) for k in per_head.mean(1)],
+            keep_by_layer_head=[[round(float(k), 4) for k in row] for row in per_head],
+        )
     return result
 
 
@@ -86,11 +89,12 @@ def update_registry(model_name: str, gate_file: Path, sha256: str, path: Path | 
     """Set `model_name: {file, sha256}` in the registry yaml (file relative to the yaml), keeping other entries."""
     path = Path(path or registry_path())
     entries = (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
-    entries[model_name] = {"file": os.path.relpath(Path(gate_file).resolve(), path.resolve().parent),
-                           "sha256": sha256}
-    header = ("# Trained Attention-Gate files, by model folder name (the last component of vLLM's --model).\n"
-              "# `file` is relative to this file. Written by `python -m kvserve.gates.train`; each file's metadata\n"
-              "# holds its training recipe.\n")
+    entries[model_name] = {"file": os.path.relpath(Path(gate_file).resolve(), path.resolve().parent), "sha256": sha256}
+    header = (
+        "# Trained Attention-Gate files, by model folder name (the last component of vLLM's --model).\n"
+        "# `file` is relative to this file. Written by `python -m kvserve.gates.train`; each file's metadata\n"
+        "# holds its training recipe.\n"
+    )
     path.write_text(header + yaml.safe_dump(entries, sort_keys=True))
     return path
 
@@ -106,16 +110,23 @@ def plot(records: list[dict], final: dict, path: Path) -> None:
     x = [r["step"] for r in steps]
 
     def smooth(values: list[float], width: int = 10) -> list[float]:
-        return [sum(values[max(0, i - width + 1) : i + 1]) / len(values[max(0, i - width + 1) : i + 1])
-                for i in range(len(values))]
+        return [
+            sum(values[max(0, i - width + 1) : i + 1]) / len(values[max(0, i - width + 1) : i + 1])
+            for i in range(len(values))
+        ]
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
     ax = axes[0]
     ax.plot(x, [r["lm"] for r in steps], color="tab:blue", alpha=0.25, lw=0.8)
     ax.plot(x, smooth([r["lm"] for r in steps]), color="tab:blue", label="train LM loss (gated, 10-step mean)")
     if evals:
-        ax.plot([r["step"] for r in evals], [r["held_out"]["lm"] for r in evals], "o-", color="tab:red",
-                label="held-out LM loss, gates on")
+        ax.plot(
+            [r["step"] for r in evals],
+            [r["held_out"]["lm"] for r in evals],
+            "o-",
+            color="tab:red",
+            label="held-out LM loss, gates on",
+        )
         ax.axhline(evals[0]["held_out_no_gates"], color="tab:red", ls="--", label="held-out LM loss, no gates")
     ax.plot(x, smooth([r["evict"] for r in steps]), color="tab:orange", label="evict loss alpha*|keep-beta|")
     ax.set_xlabel("step")
@@ -126,8 +137,13 @@ def plot(records: list[dict], final: dict, path: Path) -> None:
     ax.plot(x, [r["keep"] for r in steps], color="tab:green", alpha=0.3, lw=0.8)
     ax.plot(x, smooth([r["keep"] for r in steps]), color="tab:green", label="train keep ratio (10-step mean)")
     if evals:
-        ax.plot([r["step"] for r in evals], [r["held_out"]["keep"] for r in evals], "o-", color="tab:purple",
-                label="held-out keep ratio")
+        ax.plot(
+            [r["step"] for r in evals],
+            [r["held_out"]["keep"] for r in evals],
+            "o-",
+            color="tab:purple",
+            label="held-out keep ratio",
+        )
     ax.axhline(final["beta"], color="gray", ls=":", label="beta (target keep)")
     ax.set_ylim(0, 1)
     ax.set_xlabel("step")
@@ -148,8 +164,12 @@ def plot(records: list[dict], final: dict, path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m kvserve.gates.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=None,
-                   help="Hugging Face Llama checkpoint folder (default: the default model, converted if needed)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="Hugging Face Llama checkpoint folder (default: the default model, converted if needed)",
+    )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=1)
@@ -169,8 +189,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--registry", type=Path, default=None, help="registry yaml (default: KVSERVE_GATES or the "
-                   "package's registry.yaml)")
+    p.add_argument(
+        "--registry",
+        type=Path,
+        default=None,
+        help="registry yaml (default: KVSERVE_GATES or the package's registry.yaml)",
+    )
     p.add_argument("--no-registry", action="store_true", help="do not write the registry")
     p.add_argument("--plot", type=Path, default=DOCS / "training.png")
     p.add_argument("--log", type=Path, default=DOCS / "training.jsonl")
@@ -206,9 +230,15 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
         log.write(json.dumps(record) + "\n")
         log.flush()
 
-    emit({"kind": "start", "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-          "data": corpus.description(), "held_out_no_gates": held_out_plain,
-          "gate_parameters": sum(p.numel() for p in gates.parameters())})
+    emit(
+        {
+            "kind": "start",
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "data": corpus.description(),
+            "held_out_no_gates": held_out_plain,
+            "gate_parameters": sum(p.numel() for p in gates.parameters()),
+        }
+    )
     bar = tqdm(range(1, args.steps + 1), desc="gates", dynamic_ncols=True)
     for step in bar:
         tick = time.time()
@@ -220,14 +250,27 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
         optimizer.step()
         scheduler.step()
         loss, lm, evict, keep = (t.item() for t in (loss, lm, evict, keep))
-        emit({"kind": "step", "step": step, "loss": loss, "lm": lm, "evict": evict, "keep": keep,
-              "grad_norm": norm.item(), "lr": optimizer.param_groups[0]["lr"], "sec": round(time.time() - tick, 2)})
+        emit(
+            {
+                "kind": "step",
+                "step": step,
+                "loss": loss,
+                "lm": lm,
+                "evict": evict,
+                "keep": keep,
+                "grad_norm": norm.item(),
+                "lr": optimizer.param_groups[0]["lr"],
+                "sec": round(time.time() - tick, 2),
+            }
+        )
         bar.set_postfix(lm=f"{lm:.3f}", evict=f"{evict:.3f}", keep=f"{keep:.3f}")
         if step % args.eval_every == 0 or step == args.steps:
             result = evaluate(model, gates, held_out)
             emit({"kind": "eval", "step": step, "held_out": result, "held_out_no_gates": held_out_plain})
-            bar.write(f"step {step}: held-out LM {result['lm']:.4f} (no gates {held_out_plain:.4f}), "
-                      f"keep {result['keep']:.3f}")
+            bar.write(
+                f"step {step}: held-out LM {result['lm']:.4f} (no gates {held_out_plain:.4f}), "
+                f"keep {result['keep']:.3f}"
+            )
     train_seconds = time.time() - started
 
     # the final numbers are those of the shipped (float16) file, re-loaded
@@ -240,32 +283,60 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
     final_train = evaluate(model, shipped, train_windows)
     train_plain = evaluate(model, None, train_windows)["lm"]
     last = [r for r in records if r["kind"] == "step"][-20:]
-    final = {"held_out_lm_gates": round(final_held_out["lm"], 4), "held_out_lm_no_gates": round(held_out_plain, 4),
-             "train_lm_gates": round(final_train["lm"], 4), "train_lm_no_gates": round(train_plain, 4),
-             "train_lm_last20_steps": round(sum(r["lm"] for r in last) / len(last), 4),
-             "train_evict_last20_steps": round(sum(r["evict"] for r in last) / len(last), 4),
-             "keep": round(final_held_out["keep"], 4), "train_keep": round(final_train["keep"], 4),
-             "keep_by_layer": final_held_out["keep_by_layer"],
-             "keep_by_layer_head": final_held_out["keep_by_layer_head"]}
-    recipe = {"method": "Attention-Gate continual pre-training (arXiv:2410.12876): base model frozen, gates only; "
-                        "loss = LM + alpha*|mean(straight-through flags) - beta|",
-              "model": args.model.name, "data": corpus.description(),
-              "sample": f"{args.seq_len}-token windows at seeded random offsets of the train stream, "
-                        f"{args.chat_fraction:.0%} behind the chat-template header",
-              "steps": args.steps, "seq_len": args.seq_len, "batch": args.batch, "lr": args.lr,
-              "schedule": f"linear warm-up {args.warmup} steps, cosine to 10%", "optimizer": "AdamW",
-              "weight_decay": args.weight_decay, "clip": args.clip, "alpha": args.alpha, "beta": args.beta,
-              "tau": args.tau, "gamma": args.gamma, "gate_heads": args.gate_heads,
-              "gate_head_dim": args.gate_head_dim, "seed": args.seed, "threads": args.threads,
-              "train_seconds": round(train_seconds, 1), "eval": f"{args.eval_windows} fixed windows per split",
-              "final": final, "torch": torch.__version__}
+    final = {
+        "held_out_lm_gates": round(final_held_out["lm"], 4),
+        "held_out_lm_no_gates": round(held_out_plain, 4),
+        "train_lm_gates": round(final_train["lm"], 4),
+        "train_lm_no_gates": round(train_plain, 4),
+        "train_lm_last20_steps": round(sum(r["lm"] for r in last) / len(last), 4),
+        "train_evict_last20_steps": round(sum(r["evict"] for r in last) / len(last), 4),
+        "keep": round(final_held_out["keep"], 4),
+        "train_keep": round(final_train["keep"], 4),
+        "keep_by_layer": final_held_out["keep_by_layer"],
+        "keep_by_layer_head": final_held_out["keep_by_layer_head"],
+    }
+    recipe = {
+        "method": "Attention-Gate continual pre-training (arXiv:2410.12876): base model frozen, gates only; "
+        "loss = LM + alpha*|mean(straight-through flags) - beta|",
+        "model": args.model.name,
+        "data": corpus.description(),
+        "sample": f"{args.seq_len}-token windows at seeded random offsets of the train stream, "
+        f"{args.chat_fraction:.0%} behind the chat-template header",
+        "steps": args.steps,
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "lr": args.lr,
+        "schedule": f"linear warm-up {args.warmup} steps, cosine to 10%",
+        "optimizer": "AdamW",
+        "weight_decay": args.weight_decay,
+        "clip": args.clip,
+        "alpha": args.alpha,
+        "beta": args.beta,
+        "tau": args.tau,
+        "gamma": args.gamma,
+        "gate_heads": args.gate_heads,
+        "gate_head_dim": args.gate_head_dim,
+        "seed": args.seed,
+        "threads": args.threads,
+        "train_seconds": round(train_seconds, 1),
+        "eval": f"{args.eval_windows} fixed windows per split",
+        "final": final,
+        "torch": torch.__version__,
+    }
     sha256 = gates.save(args.out, recipe)
     os.chmod(args.out, 0o644)  # a shipped artifact, readable by the serving user
     registry = None
     if not args.no_registry:
         registry = update_registry(args.model.name, args.out, sha256, args.registry)
-    summary = {"kind": "final", "sha256": sha256, "out": str(args.out), "registry": str(registry),
-               "train_seconds": round(train_seconds, 1), "beta": args.beta, **final}
+    summary = {
+        "kind": "final",
+        "sha256": sha256,
+        "out": str(args.out),
+        "registry": str(registry),
+        "train_seconds": round(train_seconds, 1),
+        "beta": args.beta,
+        **final,
+    }
     emit(summary)
     log.close()
     if args.plot:

@@ -29,9 +29,28 @@ for _base in BASE_POLICIES:
             POLICIES[_variant.name] = _variant
 POLICY_NAMES: tuple[str, ...] = ("full", *POLICIES)
 
-__all__ = ["BASE_POLICIES", "POLICIES", "POLICY_NAMES", "AhaKV", "AttentionGate", "EMS", "H2O", "Knob",
-           "LayerObservation", "MAT", "Policy", "ScoredPolicy", "Selection", "SnapKV", "StreamingLLM", "TOVA",
-           "caote_variant", "knob", "representative_policies", "settings_table"]
+__all__ = [
+    "BASE_POLICIES",
+    "POLICIES",
+    "POLICY_NAMES",
+    "AhaKV",
+    "AttentionGate",
+    "EMS",
+    "H2O",
+    "Knob",
+    "LayerObservation",
+    "MAT",
+    "Policy",
+    "ScoredPolicy",
+    "Selection",
+    "SnapKV",
+    "StreamingLLM",
+    "TOVA",
+    "caote_variant",
+    "knob",
+    "representative_policies",
+    "settings_table",
+]
 
 
 def representative_policies(ragged: bool = True) -> list[str]:
@@ -50,6 +69,7 @@ def settings_table() -> str:
     for cls in BASE_POLICIES:
         for setting in cls.knobs().values():
             allowed = f" ({', '.join(setting.choices)})" if setting.choices else ""
-            rows.append(f"| `{cls.name}` | `{setting.key}` | `{setting.header}` | {setting.default} | "
-                        f"{setting.help}{allowed} |")
+            rows.append(
+                f"| `{cls.name}` | `{setting.key}` | `{setting.header}` | {setting.default} | {setting.help}{allowed} |"
+            )
     return "\n".join(rows)

@@ -24,8 +24,9 @@ class AttentionGate(Policy):
     name = "attention_gate"
     ragged = True  # without kv_budget the cache grows by one entry per generated token
 
-    def gate_flags(self, gate, queries: torch.Tensor, positions: torch.Tensor, rope_theta: float,
-                   past: GatePast | None) -> tuple[torch.Tensor, GatePast]:
+    def gate_flags(
+        self, gate, queries: torch.Tensor, positions: torch.Tensor, rope_theta: float, past: GatePast | None
+    ) -> tuple[torch.Tensor, GatePast]:
         """Keep flags [H, m] for prompt tokens at `positions` [m] from the layer's post-RoPE queries [m, Hq, D]."""
         gate_input = unrotate(queries, positions, rope_theta).reshape(1, queries.shape[0], -1)
         logits, past = gate(gate_input, past)

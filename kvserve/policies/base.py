@@ -66,8 +66,9 @@ class LayerObservation:
             return None
         return self.lengths.clamp(max=budget)
 
-    def attention(self, queries: torch.Tensor, query_positions: torch.Tensor,
-                  logit_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+    def attention(
+        self, queries: torch.Tensor, query_positions: torch.Tensor, logit_scale: torch.Tensor | float = 1.0
+    ) -> torch.Tensor:
         """Softmax attention of `queries` [q, H*G, D] to the cached keys, causal by position: [H, G, q, n].
 
         A query sees only entries at or before its own position (by position, not slot: a window query may be older
@@ -77,12 +78,14 @@ class LayerObservation:
         group = num_q_heads // self.num_heads
         grouped = queries.float().reshape(q, self.num_heads, group, dim).permute(1, 2, 0, 3)
         logits = torch.einsum("hgqd,hnd->hgqn", grouped, self.keys.float()) * self.scale * logit_scale
-        visible = ((self.positions[:, None, None, :] <= query_positions[None, None, :, None])
-                   & (self.positions >= 0)[:, None, None, :])  # -1: a shorter head's padding
+        visible = (self.positions[:, None, None, :] <= query_positions[None, None, :, None]) & (self.positions >= 0)[
+            :, None, None, :
+        ]  # -1: a shorter head's padding
         return torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
 
-    def attention_column_sums(self, queries: torch.Tensor, query_positions: torch.Tensor,
-                              chunk: int = 256) -> torch.Tensor:
+    def attention_column_sums(
+        self, queries: torch.Tensor, query_positions: torch.Tensor, chunk: int = 256
+    ) -> torch.Tensor:
         """Each entry's attention summed over `queries` and the group's query heads: [H, n].
 
         Chunked over queries, so a long prefill never materialises the whole [q, n] attention matrix.
@@ -173,8 +176,9 @@ class Policy:
         """A multiplier of the window queries' logits for their votes, [H, w] (None: the model's own logits)."""
         return None
 
-    def update_stats(self, obs: LayerObservation, queries: torch.Tensor,
-                     query_positions: torch.Tensor) -> dict[str, torch.Tensor]:
+    def update_stats(
+        self, obs: LayerObservation, queries: torch.Tensor, query_positions: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """Fold one step's queries [q, H*G, D] into the statistics; `obs.stats` are zero-padded to n entries."""
         return obs.stats
 
@@ -188,8 +192,9 @@ class Policy:
         return Selection(self.keep_indices(obs, budget), keep_counts=obs.head_budgets(budget))
 
 
-def top_with_protected(scores: torch.Tensor, protected: torch.Tensor, budget: int,
-                       padding: torch.Tensor | None = None) -> torch.Tensor:
+def top_with_protected(
+    scores: torch.Tensor, protected: torch.Tensor, budget: int, padding: torch.Tensor | None = None
+) -> torch.Tensor:
     """The protected entries plus the highest scores, [H, budget] ascending; `padding` [H, n] (a shorter head's
     slots past its length) sorts after every real entry, so a head with `count` < budget entries gets them first.
 

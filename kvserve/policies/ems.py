@@ -70,7 +70,8 @@ class EMS(Policy):
             glo = obs.stats["attention_sum"][h, centres].float().clone()
             if n_tbm and n_imp:
                 similarity = (F.normalize(keys[h, tbm], dim=-1) @ F.normalize(keys[h, centres], dim=-1).T) * (
-                    F.normalize(values[h, tbm], dim=-1) @ F.normalize(values[h, centres], dim=-1).T)
+                    F.normalize(values[h, tbm], dim=-1) @ F.normalize(values[h, centres], dim=-1).T
+                )
                 best, target = similarity.max(dim=-1)
                 merged = best > self.tau  # the rest is the zero class: evicted
                 members, target = tbm[merged], target[merged]
@@ -84,5 +85,9 @@ class EMS(Policy):
             key_rows.append(torch.cat([k_sum / w_sum[:, None], keys[h, window]])[ordered])
             value_rows.append(torch.cat([v_sum / w_sum[:, None], values[h, window]])[ordered])
             stat_rows.append(torch.cat([glo, obs.stats["attention_sum"][h, window].float()])[ordered])
-        return Selection(torch.stack(keep_rows), torch.stack(key_rows), torch.stack(value_rows),
-                         {"attention_sum": torch.stack(stat_rows)})
+        return Selection(
+            torch.stack(keep_rows),
+            torch.stack(key_rows),
+            torch.stack(value_rows),
+            {"attention_sum": torch.stack(stat_rows)},
+        )

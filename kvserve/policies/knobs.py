@@ -56,8 +56,15 @@ class Knob:
         return value
 
 
-def knob(default: Any, help: str, *, minimum: float | None = None, maximum: float | None = None,
-         choices: tuple[str, ...] | None = None, odd: bool = False) -> Any:
+def knob(
+    default: Any,
+    help: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    choices: tuple[str, ...] | None = None,
+    odd: bool = False,
+) -> Any:
     """A dataclass field that is a per-request setting of its policy."""
     limits = Knob(help, minimum=minimum, maximum=maximum, choices=choices, odd=odd)
     return dataclasses.field(default=default, metadata={_METADATA_KEY: limits})

@@ -23,8 +23,9 @@ class MAT(Policy):
     name = "mat"
     shallow_layers: int = knob(2, "first layers that keep sinks + window (L_s)", minimum=0)
     sink_tokens: int = knob(4, "sinks kept in shallow layers", minimum=1)
-    anchor_fraction: float = knob(0.25, "beta / budget: share of the budget for anchors in deep layers",
-                                  minimum=0.0, maximum=1.0)
+    anchor_fraction: float = knob(
+        0.25, "beta / budget: share of the budget for anchors in deep layers", minimum=0.0, maximum=1.0
+    )
     stat_names = ("anchor_logit",)
     pass_statistics = ("first_logits",)
 

@@ -53,14 +53,20 @@ def merge_into_body(body: dict[str, Any], header_xargs: dict[str, str]) -> dict[
         xargs = {}
     if not isinstance(xargs, dict):
         raise InvalidSetting("vllm_xargs", "must be a JSON object")
-    top_level = {key: body.pop(key) for key in list(body)
-                 if isinstance(key, str) and key.startswith(KEY_PREFIX) and key not in VLLM_KV_FIELDS}
+    top_level = {
+        key: body.pop(key)
+        for key in list(body)
+        if isinstance(key, str) and key.startswith(KEY_PREFIX) and key not in VLLM_KV_FIELDS
+    }
     for source, settings in (("header x-kv-", header_xargs), ("body key kv_", top_level)):
         for key, value in settings.items():
             if key in xargs and str(xargs[key]).lower() != str(value).lower():
                 name = source + (key[3:].replace("_", "-") if source.startswith("header") else key[3:])
-                raise InvalidSetting(key, f"given as {name}={value!r} and as {xargs[key]!r} elsewhere in the request "
-                                      "(vllm_xargs, a header or a top-level body key); give it once")
+                raise InvalidSetting(
+                    key,
+                    f"given as {name}={value!r} and as {xargs[key]!r} elsewhere in the request "
+                    "(vllm_xargs, a header or a top-level body key); give it once",
+                )
             xargs.setdefault(key, value)
     if xargs:
         body["vllm_xargs"] = xargs
@@ -68,22 +74,39 @@ def merge_into_body(body: dict[str, Any], header_xargs: dict[str, str]) -> dict[
 
 
 # vLLM 0.32 removed these request fields and ignores them with a log line: the output would silently be unconstrained.
-REMOVED_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                         "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern"}
+REMOVED_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "guided_whitespace_pattern": "whitespace_pattern",
+}
 
 
 def reject_what_vllm_cannot_serve(body: dict[str, Any], path: str) -> None:
     """Requests vLLM 0.32 would answer wrongly (found by `kvserve bench load`'s fuzz): a 400 saying why instead."""
     for field, replacement in REMOVED_GUIDED_FIELDS.items():
         if field in body:
-            raise InvalidSetting(field, f"{field} was removed in vLLM 0.32 and would be ignored (the output would "
-                                 f'not be constrained); send "structured_outputs": {{"{replacement}": ...}} instead')
+            raise InvalidSetting(
+                field,
+                f"{field} was removed in vLLM 0.32 and would be ignored (the output would "
+                f'not be constrained); send "structured_outputs": {{"{replacement}": ...}} instead',
+            )
     n = body.get("n")
-    if (path == "/v1/completions" and body.get("stream") and body.get("echo") and body.get("logprobs") is not None
-            and isinstance(n, int) and n > 1):
-        raise InvalidSetting("echo", "echo with logprobs on a stream with n > 1 breaks in vLLM 0.32 (the echoed "
-                             "prompt's tokens and log-probabilities fall out of step: an error mid-stream); drop one "
-                             "of stream, echo and logprobs, or ask for n=1")
+    if (
+        path == "/v1/completions"
+        and body.get("stream")
+        and body.get("echo")
+        and body.get("logprobs") is not None
+        and isinstance(n, int)
+        and n > 1
+    ):
+        raise InvalidSetting(
+            "echo",
+            "echo with logprobs on a stream with n > 1 breaks in vLLM 0.32 (the echoed "
+            "prompt's tokens and log-probabilities fall out of step: an error mid-stream); drop one "
+            "of stream, echo and logprobs, or ask for n=1",
+        )
 
 
 def error_body(field: str, message: str) -> bytes:
@@ -95,8 +118,12 @@ class KVHeadersMiddleware:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if (scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS
-                or scope.get(HANDLED)):
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or scope["path"] not in GENERATION_PATHS
+            or scope.get(HANDLED)
+        ):
             await self.app(scope, receive, send)
             return
         raw = await _read_body(receive)
@@ -121,8 +148,11 @@ class KVHeadersMiddleware:
         except InvalidSetting as exc:
             await _send_json(send, 400, error_body(exc.field, str(exc)))
             return
-        scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-                     + [(b"content-length", str(len(raw)).encode())])
+        scope = dict(
+            scope,
+            headers=[(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+            + [(b"content-length", str(len(raw)).encode())],
+        )
         scope[HANDLED] = True
         tally = open_tally()
         await self.app(scope, _replay(raw, receive), _with_applied_headers(send, config, tally))
@@ -206,10 +236,15 @@ def _with_applied_headers(send, config, tally: EvictedTally):
             if error is not None:
                 rejected_stream = message.get("more_body", False)
                 body = json.dumps({"error": error}).encode()
-                headers = [(k, v) for k, v in start["headers"]
-                           if k.lower() not in (b"content-type", b"content-length")]
-                await send(dict(start, status=status, headers=headers + [
-                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]))
+                headers = [(k, v) for k, v in start["headers"] if k.lower() not in (b"content-type", b"content-length")]
+                await send(
+                    dict(
+                        start,
+                        status=status,
+                        headers=headers
+                        + [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                    )
+                )
                 await send({"type": "http.response.body", "body": body})
                 return
             await send(start)
@@ -225,7 +260,7 @@ def _client_error_event(body: bytes) -> tuple[int, dict | None]:
     if not body.startswith(b"data: {"):
         return 0, None
     try:
-        error = json.loads(body[len(b"data: "):].split(b"\n\n", 1)[0]).get("error")
+        error = json.loads(body[len(b"data: ") :].split(b"\n\n", 1)[0]).get("error")
     except (ValueError, AttributeError):
         return 0, None
     code = error.get("code") if isinstance(error, dict) else None
@@ -253,7 +288,7 @@ def _add_evicted_to_stream_event(body: bytes, tally: EvictedTally) -> bytes:
     rewritten = _add_evicted_to_usage(payload, tally)
     if prefix or rewritten is payload:
         return body
-    return b"data: " + rewritten + rest[len(payload):]
+    return b"data: " + rewritten + rest[len(payload) :]
 
 
 def name_the_policy(body: bytes, policy: str, failure: str) -> bytes:
@@ -265,12 +300,19 @@ def name_the_policy(body: bytes, policy: str, failure: str) -> bytes:
         return body
     if not isinstance(error, dict) or not isinstance(error.get("message"), str):
         return body
-    error["message"] += (f" (kv_policy {policy!r} failed: {failure}. kvserve fails a request whose eviction policy"
-                         " raises; the server log has the traceback, kvserve:policy_errors_total counts them)")
+    error["message"] += (
+        f" (kv_policy {policy!r} failed: {failure}. kvserve fails a request whose eviction policy"
+        " raises; the server log has the traceback, kvserve:policy_errors_total counts them)"
+    )
     return json.dumps({"error": error}).encode()
 
 
 async def _send_json(send, status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -58,15 +58,29 @@ def sparse_positions(heads, n, total, window, seed):
     return torch.stack(rows)
 
 
-def observation(keys, values, positions, window_queries=None, window_positions=None, stats=None, budget=0,
-                layer_idx=0):
-    return LayerObservation(layer_idx=layer_idx, keys=keys, values=values, positions=positions,
-                            scale=keys.shape[-1] ** -0.5, window_queries=window_queries,
-                            window_positions=window_positions, stats=dict(stats or {}), budget=budget)
+def observation(keys, values, positions, window_queries=None, window_positions=None, stats=None, budget=0, layer_idx=0):
+    return LayerObservation(
+        layer_idx=layer_idx,
+        keys=keys,
+        values=values,
+        positions=positions,
+        scale=keys.shape[-1] ** -0.5,
+        window_queries=window_queries,
+        window_positions=window_positions,
+        stats=dict(stats or {}),
+        budget=budget,
+    )
 
 
-def window_observation(n: int, heads: int = 3, group: int = 3, dim: int = 16, window: int = 8, seed: int = 0,
-                       positions: torch.Tensor | None = None) -> LayerObservation:
+def window_observation(
+    n: int,
+    heads: int = 3,
+    group: int = 3,
+    dim: int = 16,
+    window: int = 8,
+    seed: int = 0,
+    positions: torch.Tensor | None = None,
+) -> LayerObservation:
     """Random keys/values [H, n, D] and `window` random window queries, the last `window` positions of head 0; dense
     positions unless given. (Not `observation`: it draws its own tensors and takes no statistics or budget.)"""
     gen = torch.Generator().manual_seed(seed)
@@ -75,8 +89,15 @@ def window_observation(n: int, heads: int = 3, group: int = 3, dim: int = 16, wi
     queries = torch.randn(window, heads * group, dim, generator=gen)
     if positions is None:
         positions = torch.arange(n).expand(heads, -1)
-    return LayerObservation(layer_idx=0, keys=keys, values=values, positions=positions, scale=dim**-0.5,
-                            window_queries=queries, window_positions=positions[0, -window:].clone())
+    return LayerObservation(
+        layer_idx=0,
+        keys=keys,
+        values=values,
+        positions=positions,
+        scale=dim**-0.5,
+        window_queries=queries,
+        window_positions=positions[0, -window:].clone(),
+    )
 
 
 def run_causal_stats(policy, keys, values, queries, prefill, layer_idx=0):
@@ -89,8 +110,9 @@ def run_causal_stats(policy, keys, values, queries, prefill, layer_idx=0):
     steps = [(0, prefill)] + [(t, t + 1) for t in range(prefill, n)]
     for start, end in steps:
         padded = {name: torch.cat([s, torch.zeros(heads, end - s.shape[1])], dim=1) for name, s in stats.items()}
-        obs = observation(keys[:, :end], values[:, :end], dense_positions(heads, end), stats=padded,
-                          layer_idx=layer_idx)
+        obs = observation(
+            keys[:, :end], values[:, :end], dense_positions(heads, end), stats=padded, layer_idx=layer_idx
+        )
         stats = policy.update_stats(obs, queries[start:end], torch.arange(start, end))
         for name in policy.stat_names:
             assert stats[name].shape == (heads, end)
@@ -187,8 +209,13 @@ def ref_gamma_bar(values_h, kernel):
 def ref_ahakv_scores(obs, recent, kernel, budget):
     """F_hat = gamma_bar * F with F the step-gain attention of the last B_r queries (Eq. 5, 9-12, 13-15)."""
     selected = budget - recent
-    accumulated = ref_window_sums(obs.keys, obs.positions, obs.window_queries, obs.window_positions,
-                                  gain_for=lambda seen: ahakv_gain(seen, selected))
+    accumulated = ref_window_sums(
+        obs.keys,
+        obs.positions,
+        obs.window_queries,
+        obs.window_positions,
+        gain_for=lambda seen: ahakv_gain(seen, selected),
+    )
     return torch.stack([ref_gamma_bar(obs.values[h], kernel) * accumulated[h] for h in range(obs.num_heads)])
 
 

@@ -36,8 +36,15 @@ def test_ahakv_recent_accumulation_is_flat_in_position_unlike_h2o():
     for keys, _, queries in bias_inputs(n, heads, group, dim, trials):
         values = torch.ones(heads, n, dim)  # gamma_bar = 1: isolate the accumulation
         positions = dense_positions(heads, n)
-        obs = observation(keys, values, positions, queries[-recent:], torch.arange(n - recent, n),
-                          stats={"attention_sum": torch.zeros(heads, n)}, budget=budget)
+        obs = observation(
+            keys,
+            values,
+            positions,
+            queries[-recent:],
+            torch.arange(n - recent, n),
+            stats={"attention_sum": torch.zeros(heads, n)},
+            budget=budget,
+        )
         aha_mean += aha.score(obs).to(F64).sum(dim=0)
         h2o_mean += h2o.update_stats(obs, queries, torch.arange(n))["attention_sum"].to(F64).sum(dim=0)
     span = n - recent  # keys every recent row sees
@@ -56,8 +63,9 @@ def test_ahakv_recent_accumulation_is_flat_in_position_unlike_h2o():
 
 
 @pytest.mark.parametrize("sparse", [False, True])
-@pytest.mark.parametrize("group,recent,budget,kernel", [(1, 4, 16, 7), (3, 8, 24, 7), (2, 6, 30, 5), (2, 6, 40, 3),
-                                                        (2, 4, 62, 7)])  # i / k just above 1: lambda' < 1
+@pytest.mark.parametrize(
+    "group,recent,budget,kernel", [(1, 4, 16, 7), (3, 8, 24, 7), (2, 6, 30, 5), (2, 6, 40, 3), (2, 4, 62, 7)]
+)  # i / k just above 1: lambda' < 1
 def test_ahakv_matches_dense_reference(sparse, group, recent, budget, kernel):
     heads, n, dim = 3, 64, 8
     obs = ahakv_obs(n, heads, group, dim, recent, budget, seed=50 + budget + group, sparse=sparse)
@@ -73,8 +81,9 @@ def test_ahakv_rows_seeing_at_most_k_keys_use_the_plain_softmax():
     heads, group, n, dim, recent, budget = 2, 2, 96, 8, 3, 30  # k = 27
     keys, values, queries = causal_inputs(n, heads, group, dim, seed=65)
     window_positions = torch.tensor([9, 20, n - 1])  # rows see 10 and 21 keys (<= k) and 96 keys (> k)
-    obs = observation(keys, values, dense_positions(heads, n), queries[window_positions], window_positions,
-                      budget=budget)
+    obs = observation(
+        keys, values, dense_positions(heads, n), queries[window_positions], window_positions, budget=budget
+    )
     keep = AhaKV(recent=recent, kernel_size=7).keep_indices(obs, budget)
     reference = ref_ahakv_scores(obs, recent, 7, budget)
     assert as_lists(keep) == [ref_top(reference[h], range(n - recent, n), budget) for h in range(heads)]
@@ -115,9 +124,12 @@ def test_ahakv_value_prior_in_unit_interval_with_max_one():
     half = kernel // 2  # away from the ends the mean filter has no padding question
     for h in range(heads):
         reference = ref_gamma_bar(values[h], kernel)
-        torch.testing.assert_close(gamma_bar[h, half : n - half] / gamma_bar[h, half : n - half].max(),
-                                   reference[half : n - half] / reference[half : n - half].max(), rtol=1e-5,
-                                   atol=1e-6)
+        torch.testing.assert_close(
+            gamma_bar[h, half : n - half] / gamma_bar[h, half : n - half].max(),
+            reference[half : n - half] / reference[half : n - half].max(),
+            rtol=1e-5,
+            atol=1e-6,
+        )
 
 
 def test_ahakv_value_prior_edges_follow_snapkv_mean_pooling():
@@ -127,8 +139,14 @@ def test_ahakv_value_prior_edges_follow_snapkv_mean_pooling():
     gen = generator(71)
     values = torch.randn(heads, n, dim, generator=gen)
     queries = torch.randn(recent, heads * group, dim, generator=gen)
-    obs = observation(torch.zeros(heads, n, dim), values, dense_positions(heads, n), queries,
-                      torch.arange(n - recent, n), budget=budget)
+    obs = observation(
+        torch.zeros(heads, n, dim),
+        values,
+        dense_positions(heads, n),
+        queries,
+        torch.arange(n - recent, n),
+        budget=budget,
+    )
     accumulated = torch.zeros(n, dtype=F64)
     for p in range(n - recent, n):
         accumulated[: p + 1] += group / (p + 1)
@@ -145,8 +163,9 @@ def test_ahakv_step_gain_row_entropy_is_log_budget():
     gen = generator(80)
     keys = torch.randn(heads, n, dim, generator=gen)
     query = torch.randn(1, heads, dim, generator=gen)
-    obs = observation(keys, torch.ones(heads, n, dim), dense_positions(heads, n), query, torch.tensor([n - 1]),
-                      budget=selected + 1)
+    obs = observation(
+        keys, torch.ones(heads, n, dim), dense_positions(heads, n), query, torch.tensor([n - 1]), budget=selected + 1
+    )
     rows = AhaKV(recent=1, kernel_size=1).score(obs).to(F64)
     lam = math.sqrt(2 * math.log(n / selected) / dim)
     raw = torch.einsum("hnd,hd->hn", keys.to(F64), query[0].to(F64)) * lam

@@ -86,8 +86,13 @@ def test_tova_caote_evicts_the_token_whose_removal_changes_the_output_least():
     for h in range(heads):
         logits = keys[h] @ queries[-1, h] * dim**-0.5
         output = torch.softmax(logits, 0) @ values[h]
-        change = [torch.linalg.vector_norm(output - torch.softmax(logits[[i for i in range(n) if i != j]], 0)
-                                           @ values[h][[i for i in range(n) if i != j]]) for j in range(n)]
+        change = [
+            torch.linalg.vector_norm(
+                output
+                - torch.softmax(logits[[i for i in range(n) if i != j]], 0) @ values[h][[i for i in range(n) if i != j]]
+            )
+            for j in range(n)
+        ]
         evicted = set(range(n)) - set(keep[h].tolist())
         assert evicted == {int(torch.argmin(torch.stack(change)))}
 
@@ -112,12 +117,14 @@ def test_fastcaote_equals_caote_with_uniform_attention():
     gen = generator(92)
     values = torch.randn(heads, n, dim, generator=gen, dtype=F64)
     uniform = torch.full((heads, n), 1.0 / n, dtype=F64)
-    torch.testing.assert_close(caote_score(uniform, values, True), caote_score(uniform, values, False),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        caote_score(uniform, values, True), caote_score(uniform, values, False), rtol=1e-6, atol=1e-6
+    )
     # and both are the reference formula
     for h in range(heads):
-        torch.testing.assert_close(caote_score(uniform, values, True)[h].to(F64),
-                                   ref_caote(uniform[h], values[h], True), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            caote_score(uniform, values, True)[h].to(F64), ref_caote(uniform[h], values[h], True), rtol=1e-5, atol=1e-6
+        )
     # with non-uniform scores they differ (the test above is not vacuous)
     skewed = torch.softmax(torch.randn(heads, n, generator=gen, dtype=F64) * 2, dim=-1)
     assert not torch.allclose(caote_score(skewed, values, True), caote_score(skewed, values, False), atol=1e-4)
@@ -170,8 +177,9 @@ def test_tova_caote_matches_dense_reference(fast, group, budget):
 def test_snapkv_caote_matches_dense_reference(fast, group, window, budget, kernel):
     heads, n, dim = 3, 50, 8
     keys, values, queries = causal_inputs(n, heads, group, dim, seed=120 + group + 2 * fast)
-    obs = observation(keys, values, dense_positions(heads, n), queries[-window:], torch.arange(n - window, n),
-                      budget=budget)
+    obs = observation(
+        keys, values, dense_positions(heads, n), queries[-window:], torch.arange(n - window, n), budget=budget
+    )
     keep = caote_variant(SnapKV, fast)(window=window, kernel_size=kernel).keep_indices(obs, budget)
     base = ref_snapkv_scores(obs, window, kernel)
     expected = [ref_top(ref_caote(base[h], values[h], fast), range(n - window, n), budget) for h in range(heads)]
@@ -184,7 +192,8 @@ def test_ahakv_caote_matches_dense_reference(fast, group, recent, budget):
     heads, n, dim, kernel = 3, 56, 8, 7
     obs = ahakv_obs(n, heads, group, dim, recent, budget, seed=130 + group + 2 * fast, sparse=False)
     keep = POLICIES["ahakv+fastcaote" if fast else "ahakv+caote"](recent=recent, kernel_size=kernel).keep_indices(
-        obs, budget)
+        obs, budget
+    )
     base = ref_ahakv_scores(obs, recent, kernel, budget)
     expected = [ref_top(ref_caote(base[h], obs.values[h], fast), range(n - recent, n), budget) for h in range(heads)]
     assert as_lists(keep) == expected

@@ -51,8 +51,9 @@ def inputs(seed: int, tied: bool = False) -> tuple[torch.Tensor, torch.Tensor, t
     return keys.contiguous(), values.contiguous(), queries.contiguous()
 
 
-def observe(policy: Policy, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
-            budget: int) -> LayerObservation:
+def observe(
+    policy: Policy, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, budget: int
+) -> LayerObservation:
     """The observation the engine builds at a compaction: statistics folded in step by step (a prefill chunk, then
     one query at a time), the policy's window of newest queries, and the budget."""
     positions = torch.arange(LENGTH).expand(HEADS, LENGTH)
@@ -64,8 +65,17 @@ def observe(policy: Policy, keys: torch.Tensor, values: torch.Tensor, queries: t
         assert set(stats) == set(policy.stat_names)
         assert all(stat.shape == (HEADS, end) for stat in stats.values()), policy.name
     window = max(policy.window_size(), 1)
-    return LayerObservation(LAYER, keys, values, positions, DIM**-0.5, window_queries=queries[-window:],
-                            window_positions=torch.arange(LENGTH - window, LENGTH), stats=stats, budget=budget)
+    return LayerObservation(
+        LAYER,
+        keys,
+        values,
+        positions,
+        DIM**-0.5,
+        window_queries=queries[-window:],
+        window_positions=torch.arange(LENGTH - window, LENGTH),
+        stats=stats,
+        budget=budget,
+    )
 
 
 def kept_rows(keep_indices: torch.Tensor) -> list[list[int]]:

@@ -60,8 +60,9 @@ def ref_ems(obs, s_glo, window, kernel, tau, gamma, budget):
         centres, tbm = ranked[:n_imp], ranked[n_imp : n_imp + n_tbm]
         members = {c: [c] for c in centres}
         for i in tbm:
-            similarity = [cosine(obs.keys[h, i], obs.keys[h, c]) * cosine(obs.values[h, i], obs.values[h, c])
-                          for c in centres]
+            similarity = [
+                cosine(obs.keys[h, i], obs.keys[h, c]) * cosine(obs.values[h, i], obs.values[h, c]) for c in centres
+            ]
             best = max(range(len(centres)), key=lambda d, s=similarity: (s[d], -d))
             if similarity[best] > tau:
                 members[centres[best]].append(i)
@@ -90,23 +91,32 @@ def test_ems_attention_sum_step_by_step_matches_dense_causal_column_sums(group):
     heads, n, prefill, dim = 2, 40, 30, 8
     keys, values, queries = ems_case(n, heads, group, dim, seed=200 + group)
     stats = run_causal_stats(EMS(window=6), keys, values, queries, prefill)
-    torch.testing.assert_close(stats["attention_sum"].to(F64), ref_attention_sum(keys, queries), rtol=1e-5,
-                               atol=1e-5)
+    torch.testing.assert_close(stats["attention_sum"].to(F64), ref_attention_sum(keys, queries), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("group,window,budget,kernel,tau,gamma", [
-    (1, 6, 14, 7, 0.6, 4.0),
-    (2, 8, 20, 7, 0.6, 3.0),
-    (2, 4, 12, 5, 0.3, 2.5),
-    (3, 6, 16, 3, 0.8, 4.0),
-])
+@pytest.mark.parametrize(
+    "group,window,budget,kernel,tau,gamma",
+    [
+        (1, 6, 14, 7, 0.6, 4.0),
+        (2, 8, 20, 7, 0.6, 3.0),
+        (2, 4, 12, 5, 0.3, 2.5),
+        (3, 6, 16, 3, 0.8, 4.0),
+    ],
+)
 def test_ems_matches_dense_reference(group, window, budget, kernel, tau, gamma):
     heads, n, prefill, dim = 3, 80, 68, 8
     keys, values, queries = ems_case(n, heads, group, dim, seed=210 + budget)
     policy = EMS(window=window, kernel_size=kernel, tau=tau, gamma=gamma)
     stats = run_causal_stats(policy, keys, values, queries, prefill)
-    obs = observation(keys, values, dense_positions(heads, n), queries[-window:], torch.arange(n - window, n),
-                      stats=stats, budget=budget)
+    obs = observation(
+        keys,
+        values,
+        dense_positions(heads, n),
+        queries[-window:],
+        torch.arange(n - window, n),
+        stats=stats,
+        budget=budget,
+    )
     selection = policy.select(obs, budget)
     s_glo = ref_attention_sum(keys, queries)
     keep, ref_keys, ref_values, merged, zero_class = ref_ems(obs, s_glo, window, kernel, tau, gamma, budget)
@@ -123,8 +133,15 @@ def test_ems_reduces_to_evict_only(tau, gamma):
     keys, values, queries = ems_case(n, heads, group, dim, seed=220)
     policy = EMS(window=window, kernel_size=kernel, tau=tau, gamma=gamma)
     stats = run_causal_stats(policy, keys, values, queries, prefill)
-    obs = observation(keys, values, dense_positions(heads, n), queries[-window:], torch.arange(n - window, n),
-                      stats=stats, budget=budget)
+    obs = observation(
+        keys,
+        values,
+        dense_positions(heads, n),
+        queries[-window:],
+        torch.arange(n - window, n),
+        stats=stats,
+        budget=budget,
+    )
     selection = policy.select(obs, budget)
     # pooled global-local top (budget - window) plus the window, from the reference scores
     s_glo = ref_attention_sum(keys, queries)
@@ -136,10 +153,12 @@ def test_ems_reduces_to_evict_only(tau, gamma):
         expected.append(sorted(prefix + list(range(n - window, n))))
     assert as_lists(selection.keep_indices) == expected
     index = selection.keep_indices
-    torch.testing.assert_close(selection.keys, keys.gather(1, index[..., None].expand(-1, -1, dim)), rtol=1e-6,
-                               atol=1e-6)
-    torch.testing.assert_close(selection.values, values.gather(1, index[..., None].expand(-1, -1, dim)), rtol=1e-6,
-                               atol=1e-6)
+    torch.testing.assert_close(
+        selection.keys, keys.gather(1, index[..., None].expand(-1, -1, dim)), rtol=1e-6, atol=1e-6
+    )
+    torch.testing.assert_close(
+        selection.values, values.gather(1, index[..., None].expand(-1, -1, dim)), rtol=1e-6, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -152,8 +171,15 @@ def test_ems_every_head_keeps_exactly_budget(seed):
     keys, values, queries = ems_case(n, heads, group, dim, seed=240 + seed)
     policy = EMS(window=window, kernel_size=7, tau=0.5, gamma=4.0)
     stats = run_causal_stats(policy, keys, values, queries, n - 5)
-    obs = observation(keys, values, dense_positions(heads, n), queries[-window:], torch.arange(n - window, n),
-                      stats=stats, budget=budget)
+    obs = observation(
+        keys,
+        values,
+        dense_positions(heads, n),
+        queries[-window:],
+        torch.arange(n - window, n),
+        stats=stats,
+        budget=budget,
+    )
     selection = policy.select(obs, budget)
     assert selection.keep_indices.shape == (heads, budget)
     assert selection.keys.shape == selection.values.shape == (heads, budget, dim)
@@ -174,8 +200,9 @@ def test_ems_merged_entry_is_s_loc_weighted_mean_of_its_members():
     gen = generator(250)
     window_queries = 1.5 * e[0] + 0.1 * torch.randn(window, 1, dim, generator=gen)  # token 2 gets most s_loc
     stats = {"attention_sum": torch.tensor([[600.0, 500.0, 1.0, 1.0, 1.0, 1.0]])}
-    obs = observation(keys, values, dense_positions(1, n), window_queries, torch.arange(n - window, n), stats=stats,
-                      budget=budget)
+    obs = observation(
+        keys, values, dense_positions(1, n), window_queries, torch.arange(n - window, n), stats=stats, budget=budget
+    )
     selection = EMS(window=window, kernel_size=1, tau=0.6, gamma=1.5).select(obs, budget)
     assert selection.keep_indices.tolist() == [[0, 1, 4, 5]]
     s_loc = ref_window_sums(keys, obs.positions, window_queries, obs.window_positions)[0]
@@ -206,8 +233,15 @@ def test_ems_global_local_alignment_eq2_on_hand_made_tensors():
     s_gl = torch.maximum(aligned, s_loc)  # ties on the s_loc plateau go to the earlier token
     expected = sorted(sorted(range(n - window), key=lambda j: (-float(s_gl[j]), j))[: budget - window] + [6, 7])
     assert expected == [0, 4, 6, 7]
-    obs = observation(keys, values, dense_positions(1, n), window_queries, torch.arange(n - window, n),
-                      stats={"attention_sum": s_glo}, budget=budget)
+    obs = observation(
+        keys,
+        values,
+        dense_positions(1, n),
+        window_queries,
+        torch.arange(n - window, n),
+        stats={"attention_sum": s_glo},
+        budget=budget,
+    )
     selection = EMS(window=window, kernel_size=1, tau=1.0, gamma=1.0).select(obs, budget)
     assert selection.keep_indices.tolist() == [expected]
     # with kernel 3 the mean pooling (zero padding) decides: token 3 and 5 inherit a third of token 4's score

@@ -50,8 +50,9 @@ def test_h2o_column_sums_of_causal_pass_total_n_per_query_head(group):
     heads, n, prefill, dim = 3, 64, 50, 16
     keys, values, queries = causal_inputs(n, heads, group, dim, seed=31)
     stats = run_causal_stats(H2O(recent=0), keys, values, queries, prefill)["attention_sum"]
-    torch.testing.assert_close(stats.sum(dim=-1).to(F64), torch.full((heads,), float(group * n), dtype=F64),
-                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        stats.sum(dim=-1).to(F64), torch.full((heads,), float(group * n), dtype=F64), rtol=1e-5, atol=1e-4
+    )
 
 
 def test_h2o_position_bias_matches_harmonic_sum():

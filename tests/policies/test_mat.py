@@ -81,8 +81,9 @@ def test_mat_deep_keeps_first_token_window_and_exactly_budget(seed):
     keys, values, queries = causal_inputs(n, heads, group, dim, seed=180 + seed)
     policy = MAT(shallow_layers=1, sink_tokens=4, anchor_fraction=fraction)
     stats = run_causal_stats(policy, keys, values, queries, n // 2, layer_idx=3)
-    keep = policy.keep_indices(observation(keys, values, dense_positions(heads, n), stats=stats, budget=budget,
-                                           layer_idx=3), budget)
+    keep = policy.keep_indices(
+        observation(keys, values, dense_positions(heads, n), stats=stats, budget=budget, layer_idx=3), budget
+    )
     assert keep.shape == (heads, budget)
     for row in keep.tolist():
         assert len(set(row)) == budget and row == sorted(row)
@@ -101,7 +102,8 @@ def test_mat_anchors_have_low_logit_to_first_token():
             queries[t, h * group : (h + 1) * group] = -10 * direction
     policy = MAT(shallow_layers=0, anchor_fraction=0.25)
     stats = run_causal_stats(policy, keys, values, queries, 20, layer_idx=4)
-    keep = policy.keep_indices(observation(keys, values, dense_positions(heads, n), stats=stats, budget=budget,
-                                           layer_idx=4), budget)
+    keep = policy.keep_indices(
+        observation(keys, values, dense_positions(heads, n), stats=stats, budget=budget, layer_idx=4), budget
+    )
     expected = [0] + planted + list(range(n - 12, n))
     assert as_lists(keep) == [expected] * heads
