@@ -242,7 +242,9 @@ def plan(mix: Mix, max_model_len: int) -> list[Case]:
             )
         if rng.random() < mix.sampling_share:
             draw = sampling_fuzz.Draw(chat, case.max_tokens, case.stream, aborted=kind == "abort")
-            case.sampling = sampling_fuzz.draw_valid(rng, draw, dealer.deal(draw), rng.randint(*mix.sampling_extra))
+            # only requests whose response is checked take the dealt (covering) parameter; an aborted one draws freely
+            first = dealer.deal(draw) if kind == "valid" else None
+            case.sampling = sampling_fuzz.draw_valid(rng, draw, first, rng.randint(*mix.sampling_extra))
             case.max_tokens = case.sampling.get("max_tokens_1", {}).get("max_tokens", case.max_tokens)
         cases.append(case)
     return cases
