@@ -22,6 +22,7 @@ from kvserve.config import DEFAULTS_ENV, parse_kv_config
 from kvserve.cpu_dtype import default_dtype, has_dtype_flag
 from kvserve.errors import InvalidSetting
 from kvserve.policies import POLICY_NAMES
+from kvserve.policies.allocation import ALLOCATIONS
 
 # Eviction is on by default: SnapKV keeping 1,024 tokens per layer and KV head (configs/default.yaml says the same).
 BUILTIN_DEFAULTS = {"kv_policy": "snapkv", "kv_budget": 1024}
@@ -50,6 +51,16 @@ def _serve_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="evict after every prefill chunk (bounds a long prompt's cache)",
+    )
+    general.add_argument(
+        "--kv-allocation",
+        dest="kv_allocation",
+        default=None,
+        help=f"how the budget spreads over layers and heads: {', '.join(ALLOCATIONS)} (default uniform; B stays "
+        "the average per layer and KV head)",
+    )
+    general.add_argument(
+        "--kv-span", dest="kv_span", default=None, help="score-based policies keep whole spans of this many tokens"
     )
     knobs = parser.add_argument_group("policy settings (each applies to the policies that declare it)")
     for key, help_text in sorted(_knob_help().items()):

@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.errors import InvalidSetting
-from kvserve.policies import POLICIES, POLICY_NAMES, Policy
+from kvserve.policies import POLICIES, POLICY_NAMES, Policy, ScoredPolicy
+from kvserve.policies.allocation import ALLOCATIONS
 from kvserve.policies.knobs import KEY_PREFIX, parse_bool, parse_int
 
 # Server-wide defaults travel to every vLLM process (API server, engine core, worker) in this variable.
 DEFAULTS_ENV = "KVSERVE_DEFAULTS"
-GENERAL_KEYS = ("kv_policy", "kv_budget", "kv_evict_every_chunk")
+GENERAL_KEYS = ("kv_policy", "kv_budget", "kv_evict_every_chunk", "kv_allocation", "kv_span")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class KVConfig:
     budget: int | None = None
     evict_every_chunk: bool = False
     knobs: tuple[tuple[str, Any], ...] = field(default_factory=tuple)  # (field name, value) of the policy's knobs
+    allocation: str = "uniform"  # how the L*H*B entries spread over layers and heads (kvserve/policies/allocation.py)
+    span: int = 1  # score whole spans of this many token positions (1: single tokens)
 
     @property
     def evicts(self) -> bool:
@@ -108,8 +111,57 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
     every_chunk = parse_bool(
         "kv_evict_every_chunk", request.get("kv_evict_every_chunk", defaults.get("kv_evict_every_chunk", False))
     )
+    allocation, span = _allocation_and_span(request, defaults, cls, budget, protected)
     knobs = tuple((name, getattr(policy_obj, name)) for name in cls.knobs())
-    return KVConfig(policy=policy, budget=budget, evict_every_chunk=every_chunk, knobs=knobs)
+    return KVConfig(
+        policy=policy, budget=budget, evict_every_chunk=every_chunk, knobs=knobs, allocation=allocation, span=span
+    )
+
+
+def _allocation_and_span(
+    request: dict[str, Any], defaults: dict[str, Any], cls: type[Policy], budget: int | None, protected: int
+) -> tuple[str, int]:
+    """kv_allocation and kv_span, refused (with the reason) where the policy cannot use them."""
+    allocation = request.get("kv_allocation", defaults.get("kv_allocation", "uniform"))
+    if allocation not in ALLOCATIONS:
+        raise InvalidSetting("kv_allocation", f"must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
+    span = parse_int("kv_span", request.get("kv_span", defaults.get("kv_span", 1)))
+    if span < 1:
+        raise InvalidSetting("kv_span", f"must be >= 1, got {span}")
+    # a server default that does not fit this request's policy is dropped, as default knobs of another policy are
+    requested = {key for key in ("kv_allocation", "kv_span") if key in request}
+    if cls.ragged:
+        if "kv_allocation" in requested and allocation != "uniform":
+            raise InvalidSetting(
+                "kv_allocation",
+                f"{cls.name} decides each head's count with its gate; an allocation of the budget does not apply",
+            )
+        if "kv_span" in requested and span != 1:
+            raise InvalidSetting("kv_span", f"{cls.name} flags tokens with its gate, it has no scores to sum")
+        return "uniform", 1
+    scored = issubclass(cls, ScoredPolicy)
+    if not scored and allocation in ("heads", "global"):
+        if "kv_allocation" in requested:
+            raise InvalidSetting(
+                "kv_allocation",
+                f"{allocation} ranks entries by one score per token across heads, "
+                f"and {cls.name} selects by a fixed rule, not by scores; with {cls.name} use uniform "
+                "or pyramid",
+            )
+        allocation = "uniform"
+    if not scored and span != 1:
+        if "kv_span" in requested:
+            raise InvalidSetting(
+                "kv_span", f"spans sum per-token scores, and {cls.name} selects by a fixed rule, not by scores"
+            )
+        span = 1
+    if budget is not None and span > budget - protected:
+        raise InvalidSetting(
+            "kv_span",
+            f"{span} leaves no whole span in the {budget - protected} entries the budget "
+            f"has beside the {protected} {cls.name} always keeps",
+        )
+    return allocation, span
 
 
 def _unsupported_combination(policy: Any) -> str | None:

@@ -65,6 +65,11 @@ class Metrics:
         self.gate_tokens_kept = Counter(
             "kvserve:gate_tokens_kept", "Prompt tokens Attention-Gate kept", ["layer", "kv_head"]
         )
+        self.kept_entries = Counter(
+            "kvserve:kept_entries",
+            "Entries kept by compactions, summed over the layer's KV heads (where kv_allocation put the memory)",
+            ["layer", "allocation"],
+        )
         self.compaction_seconds = Histogram(
             "kvserve:compaction_seconds",
             "Worker time of one request's eviction step: scoring and compacting every layer, outside vLLM's attention",

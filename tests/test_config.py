@@ -61,3 +61,45 @@ def test_an_unknown_policy_lists_the_allowed_ones():
     with pytest.raises(InvalidSetting) as error:
         parse_kv_config({"kv_policy": "lru+caote", "kv_budget": 128}, defaults={})
     assert "unknown policy" in error.value.message and "snapkv+caote" in error.value.message
+
+
+@pytest.mark.parametrize(
+    "bad,why",
+    [
+        ({"kv_policy": "snapkv", "kv_budget": 64, "kv_allocation": "layers"}, "must be one of"),
+        ({"kv_policy": "mat", "kv_budget": 64, "kv_allocation": "heads"}, "fixed rule"),
+        ({"kv_policy": "ems", "kv_budget": 64, "kv_allocation": "global"}, "fixed rule"),
+        ({"kv_policy": "attention_gate", "kv_allocation": "pyramid"}, "gate"),
+        ({"kv_policy": "full", "kv_allocation": "heads"}, "no effect"),
+    ],
+)
+def test_an_allocation_a_policy_cannot_use_is_refused_with_the_reason(bad, why):
+    with pytest.raises(InvalidSetting) as error:
+        parse_kv_config(bad, defaults={})
+    assert error.value.field == "kv_allocation" and why in error.value.message
+
+
+@pytest.mark.parametrize(
+    "bad,why",
+    [
+        ({"kv_policy": "snapkv", "kv_budget": 64, "kv_span": 0}, ">= 1"),
+        ({"kv_policy": "snapkv", "kv_budget": 64, "kv_span": "wide"}, "integer"),
+        ({"kv_policy": "snapkv", "kv_budget": 64, "kv_span": 40}, "no whole span"),
+        ({"kv_policy": "streamingllm", "kv_budget": 64, "kv_span": 4}, "fixed rule"),
+        ({"kv_policy": "attention_gate", "kv_span": 4}, "gate"),
+    ],
+)
+def test_a_span_a_policy_cannot_use_is_refused_with_the_reason(bad, why):
+    with pytest.raises(InvalidSetting) as error:
+        parse_kv_config(bad, defaults={})
+    assert error.value.field == "kv_span" and why in error.value.message
+
+
+def test_allocation_and_span_parse_and_a_default_another_policy_cannot_use_is_dropped():
+    config = parse_kv_config({"kv_policy": "h2o+caote", "kv_budget": "96", "kv_allocation": "global", "kv_span": "4"})
+    assert (config.allocation, config.span) == ("global", 4)
+    defaults = {"kv_policy": "snapkv", "kv_budget": 256, "kv_allocation": "heads", "kv_span": 8}
+    assert (parse_kv_config({}, defaults).allocation, parse_kv_config({}, defaults).span) == ("heads", 8)
+    mat = parse_kv_config({"kv_policy": "mat"}, defaults)  # MAT has no scores: the server's heads/span do not apply
+    assert (mat.allocation, mat.span) == ("uniform", 1)
+    assert parse_kv_config({"kv_policy": "mat", "kv_allocation": "pyramid"}, defaults).allocation == "pyramid"

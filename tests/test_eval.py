@@ -177,3 +177,19 @@ def test_eval_ruler_runs_the_harness_through_kvserve_and_resumes(server, tmp_pat
     requests_before = _requests_done(server)
     eval_main(argv)  # everything is in the file: nothing is asked again
     assert len(load_rows(str(out))) == len(rows) and _requests_done(server) == requests_before
+
+
+def test_eval_settings_cross_allocations_and_spans_where_the_server_accepts_them():
+    from kvserve.config import parse_kv_config
+    from kvserve.eval.client import settings
+
+    grid = settings(["full", "snapkv", "mat"], [64, 128], allocations=("uniform", "heads", "pyramid"), spans=(1, 8))
+    labels = [(s.label, s.budget) for s in grid]
+    assert len(labels) == len(set(labels))  # every row of a results table has its own name
+    assert ("full", None) in labels and ("snapkv/heads/span8", 128) in labels and ("mat/pyramid", 64) in labels
+    assert not any(label.startswith("mat/heads") or label.startswith("mat/span") for label, _ in labels)
+    assert len(grid) == 1 + 2 * 3 * 2 + 2 * 2  # full; snapkv: budgets x allocations x spans; mat: budgets x 2
+    for setting in grid:  # each is a request the server accepts, with exactly that allocation and span
+        xargs = {key.removeprefix("x-").replace("-", "_"): value for key, value in setting.headers().items()}
+        config = parse_kv_config(xargs, defaults={})
+        assert (config.allocation, config.span) == (setting.allocation, setting.span)

@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from kvserve import kernel_dispatch
-from kvserve.engine import page_scores, phases
+from kvserve.engine import allocated, page_scores, phases
 from kvserve.engine.cache_layout import PagedKV, compact_lists, read_lists, write_lists
 from kvserve.engine.gated import gated_layer_step
 from kvserve.engine.request_state import LayerState, QueryWindow
 from kvserve.engine.step import RowPlan, StepContext
 from kvserve.metrics import metrics
-from kvserve.policies import LayerObservation, Policy
+from kvserve.policies import LayerObservation, Policy, Selection
 from kvserve.policies.base import PassStatistics
 
 logger = logging.getLogger(__name__)
@@ -158,13 +158,28 @@ def _compact(
     plan: RowPlan, layer: LayerState, layer_idx: int, obs: LayerObservation, cache: PagedKV, table: torch.Tensor
 ) -> None:
     with phases.timed("compaction"):
-        _select_and_move(plan, layer, layer_idx, obs, cache, table)
+        config = plan.state.config
+        if config.allocation == "uniform" and config.span == 1:
+            _move(plan, layer, layer_idx, obs, cache, table, plan.state.policy.select(obs, plan.compaction.keep_tokens))
+            return
+        selection = allocated.select(plan, layer, layer_idx, obs, cache, table)
+        if selection is not None:
+            _move(plan, layer, layer_idx, obs, cache, table, selection)
+        if plan.deferred and layer_idx == plan.state.pages.layout.num_layers - 1:  # global: every layer is scored
+            for item, chosen in allocated.finish_global(plan, cache):
+                _move(plan, item.layer, item.layer_idx, item.obs, item.cache, item.table, chosen)
 
 
-def _select_and_move(
-    plan: RowPlan, layer: LayerState, layer_idx: int, obs: LayerObservation, cache: PagedKV, table: torch.Tensor
+def _move(
+    plan: RowPlan,
+    layer: LayerState,
+    layer_idx: int,
+    obs: LayerObservation,
+    cache: PagedKV,
+    table: torch.Tensor,
+    selection: Selection,
 ) -> None:
-    selection = plan.state.policy.select(obs, plan.compaction.keep_tokens)
+    """Move each head's kept entries (and their statistics) to the front of its list and give back the rest."""
     keep = selection.keep_indices
     width = keep.shape[1]
     counts = selection.keep_counts
@@ -177,6 +192,8 @@ def _select_and_move(
     else:  # a merging policy rewrote the kept entries and their statistics
         write_lists(cache, table, selection.keys, selection.values)
         layer.stats = selection.stats or {name: stat.gather(1, keep) for name, stat in obs.stats.items()}
+    model_layer = str(layer_idx + plan.state.pages.layout.first_layer)
+    metrics().kept_entries.labels(layer=model_layer, allocation=plan.state.config.allocation).inc(int(counts.sum()))
     kept_here = torch.arange(width)[None, :] < counts[:, None]
     layer.kept_positions = obs.positions.gather(1, keep).masked_fill(~kept_here, -1)
     layer.kept_counts = None if bool((counts == width).all()) else counts.long()

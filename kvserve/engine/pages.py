@@ -35,6 +35,11 @@ class PageLayout:
     block_size: int
     # The model layer of this worker's first cache layer: a pipeline stage holds layers first_layer .. + num_layers.
     first_layer: int = 0
+    model_layers: int = 0  # layers of the whole model, on every stage (0: this worker's layers are all of them)
+
+    @property
+    def total_layers(self) -> int:
+        return self.model_layers or self.first_layer + self.num_layers
 
     @property
     def pages_per_block(self) -> int:

@@ -19,6 +19,7 @@ class Compaction:
     keep_tokens: int  # B: entries per layer and KV head after the step (a ragged policy: at most this many)
     logical_tokens: int  # tokens the request has computed after the step (drives RoPE positions)
     cached_tokens: int  # entries in the longest (layer, head) list after the step's writes, before compaction
+    decode: bool = False  # a decode step's compaction: each (layer, head) returns to its share (kv_allocation)
 
 
 def compactions_of(scheduler_output: object) -> dict[str, Compaction]:

@@ -71,6 +71,7 @@ class LayerState:
     kept_counts: torch.Tensor | None = None  # [H] entries each head kept (ragged), None: all m; padding is -1
     window: QueryWindow | None = None  # the most recent queries, for policies that read a window
     stats: dict[str, torch.Tensor] = field(default_factory=dict)  # per-entry running statistics, [H, m] each
+    share: torch.Tensor | None = None  # [H] entries each head returns to at a decode compaction (kv_allocation)
     # Attention-Gate: validity of each head's first entries within the prompt (later ones valid), the gate's past
     valid: torch.Tensor | None = None  # [H, v] bool
     gate_past: GatePast | None = None

@@ -9,6 +9,7 @@ ignores vLLM's slot mapping and block table for attention.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import torch
@@ -58,7 +59,9 @@ class EvictionBook:
         if self.layout is None:
             layer_names = [name for group in runner.kv_cache_config.kv_cache_groups for name in group.layer_names]
             first_layer = min(extract_layer_index(name) for name in layer_names)  # > 0 on a later pipeline stage
-            self.layout = check_cache_contract(list(runner.kv_caches), first_layer)
+            layout = check_cache_contract(list(runner.kv_caches), first_layer)
+            model_layers = runner.model_config.get_total_num_hidden_layers()
+            self.layout = dataclasses.replace(layout, model_layers=model_layers)
             self.pages = page_view(list(runner.kv_caches), self.layout)
 
     def state_for(self, req_id: str, runner) -> RequestState | None:

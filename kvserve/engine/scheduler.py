@@ -3,7 +3,8 @@
 Rules (B = the request's budget, bs = block size), checked after each step is scheduled:
 - the chunk that completes the prompt (or a preempted request's recompute): compact to B if the cache exceeds B;
 - any earlier prompt chunk: the same, only with `kv_evict_every_chunk`;
-- a decode step: compact back to B once the cache reaches B + bs, so eviction runs once per block of new tokens.
+- a decode step: compact back to B once the cache reaches B + bs, so eviction runs once per block of new tokens
+  (with `kv_allocation`, once the longest list grew by bs since the last compaction: each list returns to its share).
 After the step ran, the worker reports the request's page lists and the blocks it emptied (`PageReport`), and
 `update_from_output` frees those blocks; from then on the block manager charges the request by its pages.
 
@@ -143,9 +144,9 @@ class EvictingScheduler(Scheduler):
             if config is None:
                 continue
             cached = self.evicting_manager.longest_list(req_id, logical)
-            keep = self._keep_tokens(config, cached, is_decode, prompt_done=logical >= request.num_tokens)
+            keep = self._keep_tokens(config, cached, is_decode, logical >= request.num_tokens, req_id)
             if keep is not None:
-                plan[req_id] = Compaction(keep_tokens=keep, logical_tokens=logical, cached_tokens=cached)
+                plan[req_id] = Compaction(keep, logical_tokens=logical, cached_tokens=cached, decode=is_decode)
         setattr(output, PLAN_ATTR, plan)
         self.in_flight.update(req_id for req_id in output.num_scheduled_tokens if req_id in self.kv_configs)
         if self.pipeline_stages > 1:
@@ -173,11 +174,18 @@ class EvictingScheduler(Scheduler):
             self.max_num_running_reqs += len(held_back)
             self.running = held_back + self.running
 
-    def _keep_tokens(self, config: KVConfig, cached: int, is_decode: bool, prompt_done: bool) -> int | None:
+    def _keep_tokens(
+        self, config: KVConfig, cached: int, is_decode: bool, prompt_done: bool, req_id: str
+    ) -> int | None:
         """The entries a request compacts to after this step, or None if it does not compact now."""
         budget = config.budget
         if is_decode:
-            return budget if budget is not None and cached >= budget + self.block_size else None
+            if budget is None:
+                return None
+            # an allocation keeps some lists longer than B: compact once a block of tokens came since the last time
+            report = self.evicting_manager.reports.get(req_id)
+            longest = report.longest if report is not None and config.allocation != "uniform" else budget
+            return budget if cached >= longest + self.block_size else None
         if not prompt_done and not config.evict_every_chunk:
             return None
         if config.ragged:  # the gate decides; the budget caps

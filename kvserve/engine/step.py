@@ -85,6 +85,8 @@ class RowPlan:
     compaction: Compaction | None
     eviction_seconds: float = 0.0  # scoring + compaction time over this step's layers
     failure: str | None = None  # the policy raised: the request fails, the rest of the batch goes on
+    # kv_allocation=global: this step's layers waiting for the last one, which ranks them all together
+    deferred: list = field(default_factory=list)
 
     def lengths(self, layer_idx: int) -> torch.Tensor:
         """[H] entries of each of the layer's lists after this step's writes."""

@@ -35,6 +35,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=str(default_model_dir()))
     parser.add_argument("--policies", default="full,streamingllm,snapkv")
     parser.add_argument("--budgets", default="128,256,512")
+    parser.add_argument(
+        "--allocations", default="uniform", help="kv_allocation values to run each budgeted policy with (comma list)"
+    )
+    parser.add_argument("--spans", default="1", help="kv_span values to run each score-based policy with")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="JSON lines; an existing file resumes")
     parser.add_argument("--plot", default=None, help="PNG path for the value-vs-budget plot")
@@ -69,7 +73,8 @@ def _ruler(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         out=args.out,
         concurrency=args.concurrency,
     )
-    rows = run_settings(run, settings(args.policies.split(","), _ints(args.budgets)), progress=not args.quiet)
+    layout = {"allocations": tuple(args.allocations.split(",")), "spans": tuple(_ints(args.spans))}
+    rows = run_settings(run, settings(args.policies.split(","), _ints(args.budgets), **layout), progress=not args.quiet)
     print(
         f"RULER (lm-evaluation-harness), {args.samples} samples per task and length, lengths {args.lengths}",
         quality.summary_table(rows),
@@ -127,12 +132,13 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     servers = [Server(url, args.model) for url in args.url.split(",")]
     policies, budgets = args.policies.split(","), _ints(args.budgets)
+    layout = {"allocations": tuple(args.allocations.split(",")), "spans": tuple(_ints(args.spans))}
     if args.command == "tasks":
         from kvserve.eval import quality
         from kvserve.eval.tasks import make_cases
 
         cases = make_cases(tokenizer, args.tasks.split(","), _ints(args.lengths), args.samples, args.seed)
-        rows = quality.run(servers, settings(policies, budgets), cases, args.out, progress=not args.quiet)
+        rows = quality.run(servers, settings(policies, budgets, **layout), cases, args.out, progress=not args.quiet)
         print(
             quality.summary_table(rows),
             "",
@@ -154,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         passages = perplexity.texts(tokenizer, args.tokens, args.passages, args.seed)
         rows = perplexity.run(
             servers[0],
-            settings(policies, budgets, evict_every_chunk=True),
+            settings(policies, budgets, evict_every_chunk=True, **layout),
             passages,
             args.out,
             args.seed,

@@ -15,11 +15,22 @@ import httpx
 
 @dataclass(frozen=True)
 class Setting:
-    """One row of a results table: a policy at a budget (`full` has none)."""
+    """One row of a results table: a policy at a budget (`full` has none), with its allocation and span."""
 
     policy: str
     budget: int | None
     evict_every_chunk: bool = False
+    allocation: str = "uniform"
+    span: int = 1
+
+    @property
+    def label(self) -> str:
+        """The row's name in results and tables: the policy, then a non-uniform allocation and a span above 1
+        (`snapkv/heads/span8`)."""
+        parts = (
+            [self.policy] + [self.allocation] * (self.allocation != "uniform") + [f"span{self.span}"] * (self.span > 1)
+        )
+        return "/".join(parts)
 
     def headers(self) -> dict[str, str]:
         headers = {"x-kv-policy": self.policy}
@@ -27,19 +38,41 @@ class Setting:
             headers["x-kv-budget"] = str(self.budget)
         if self.evict_every_chunk:
             headers["x-kv-evict-every-chunk"] = "true"
+        if self.allocation != "uniform":
+            headers["x-kv-allocation"] = self.allocation
+        if self.span != 1:
+            headers["x-kv-span"] = str(self.span)
         return headers
 
 
-def settings(policies: list[str], budgets: list[int], evict_every_chunk: bool = False) -> list[Setting]:
+def settings(
+    policies: list[str],
+    budgets: list[int],
+    evict_every_chunk: bool = False,
+    allocations: tuple[str, ...] = ("uniform",),
+    spans: tuple[int, ...] = (1,),
+) -> list[Setting]:
     """`full` once (the reference row), a policy that sets its own counts (attention_gate) once without a budget,
-    every other policy at every budget."""
-    from kvserve.policies import POLICIES
+    every other policy at every budget, allocation and span it can use (score-based policies take every allocation
+    and span; the others `uniform` and `pyramid` at span 1)."""
+    from kvserve.policies import POLICIES, ScoredPolicy
 
     def unbudgeted(policy: str) -> bool:
         return policy == "full" or POLICIES[policy].ragged
 
+    def usable(policy: str, allocation: str, span: int) -> bool:
+        return issubclass(POLICIES[policy], ScoredPolicy) or (allocation in ("uniform", "pyramid") and span == 1)
+
     once = [Setting(p, None, evict_every_chunk and p != "full") for p in policies if unbudgeted(p)]
-    return once + [Setting(p, b, evict_every_chunk) for p in policies if not unbudgeted(p) for b in budgets]
+    return once + [
+        Setting(p, b, evict_every_chunk, allocation, span)
+        for p in policies
+        if not unbudgeted(p)
+        for b in budgets
+        for allocation in allocations
+        for span in spans
+        if usable(p, allocation, span)
+    ]
 
 
 def metric_sum(text: str, name: str) -> float:

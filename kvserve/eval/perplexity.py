@@ -47,12 +47,12 @@ def run(
     rows = load_rows(out)
     length = len(passages[0])
     done = {(r["policy"], r["budget"], r["passage"], r["length"], r["seed"]) for r in rows}
-    todo = [(s, i) for s in settings for i in range(len(passages)) if (s.policy, s.budget, i, length, seed) not in done]
+    todo = [(s, i) for s in settings for i in range(len(passages)) if (s.label, s.budget, i, length, seed) not in done]
     for setting, index in tqdm(todo, disable=not progress, desc="passages", unit="req"):
         start = time.time()
         logprobs = token_logprobs(server, setting, passages[index])
         row = {
-            "policy": setting.policy,
+            "policy": setting.label,
             "budget": setting.budget,
             "passage": index,
             "length": length,
@@ -63,7 +63,7 @@ def run(
         }
         rows.append(row)
         append_row(out, row)
-    wanted = {(s.policy, s.budget) for s in settings}
+    wanted = {(s.label, s.budget) for s in settings}
     return [r for r in rows if (r["policy"], r["budget"]) in wanted and r["length"] == length and r["seed"] == seed]
 
 

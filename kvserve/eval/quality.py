@@ -29,7 +29,7 @@ def run(
     todo: queue.Queue = queue.Queue()
     for setting in settings:
         for case in cases:
-            if (setting.policy, setting.budget, *case.key) not in done:
+            if (setting.label, setting.budget, *case.key) not in done:
                 todo.put((setting, case))
     bar = _progress_bar(todo.qsize(), progress)
     lock = threading.Lock()
@@ -59,7 +59,7 @@ def run(
     bar.close()
     if errors:
         raise errors[0]
-    wanted = {(s.policy, s.budget, *c.key) for s in settings for c in cases}
+    wanted = {(s.label, s.budget, *c.key) for s in settings for c in cases}
     return [r for r in rows if row_key(r) in wanted]
 
 
@@ -70,7 +70,7 @@ def answer(server: Server, setting: Setting, case: Case) -> dict:
     body = server.complete(setting, case.prompt, max_tokens=case.max_tokens)
     text = body["choices"][0]["text"]
     row = {
-        "policy": setting.policy,
+        "policy": setting.label,
         "budget": setting.budget,
         "task": case.task,
         "length": case.length,

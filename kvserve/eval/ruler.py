@@ -91,7 +91,7 @@ def sample_row(setting: Setting, task: str, length: int, sample: dict) -> dict:
     answer = sample["filtered_resps"][0]
     answer = answer[0] if isinstance(answer, list) else answer
     return {
-        "policy": setting.policy,
+        "policy": setting.label,
         "budget": setting.budget,
         "task": task,
         "length": length,
@@ -112,14 +112,12 @@ def run_settings(run: RulerRun, settings: list[Setting], progress: bool = True) 
             todo = [
                 task
                 for task in run.tasks
-                if any(
-                    (setting.policy, setting.budget, task, length, index) not in done for index in range(run.samples)
-                )
+                if any((setting.label, setting.budget, task, length, index) not in done for index in range(run.samples))
             ]
             if not todo:
                 continue
             if progress:
-                print(f"ruler: {setting.policy} B={setting.budget} length {length}: {', '.join(todo)}", flush=True)
+                print(f"ruler: {setting.label} B={setting.budget} length {length}: {', '.join(todo)}", flush=True)
             for task, samples in evaluate(run, setting, todo, length).items():
                 for sample in samples:
                     row = sample_row(setting, task, length, sample)
@@ -127,5 +125,5 @@ def run_settings(run: RulerRun, settings: list[Setting], progress: bool = True) 
                         rows.append(row)
                         append_row(run.out, row)
                         done.add(row_key(row))
-    wanted = {(s.policy, s.budget, t, n) for s in settings for t in run.tasks for n in run.lengths}
+    wanted = {(s.label, s.budget, t, n) for s in settings for t in run.tasks for n in run.lengths}
     return [row for row in rows if row_key(row)[:4] in wanted and row["index"] < run.samples]

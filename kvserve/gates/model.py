@@ -95,10 +95,16 @@ class PlainLlama(torch.nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.shape.rms_eps) * weight
 
     def forward(
-        self, input_ids: torch.Tensor, gates=None, train_gates: bool = False, forced_keep: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        gates=None,
+        train_gates: bool = False,
+        forced_keep: torch.Tensor | None = None,
+        visible: list[torch.Tensor] | None = None,
     ) -> GatedOutput:
         """input_ids [B, n]. Without gates: the plain causal model. `forced_keep` [n] (bool): positions always kept
-        regardless of the gate (decode-time tokens, which the gate does not judge)."""
+        regardless of the gate (decode-time tokens, which the gate does not judge). `visible`, without gates: per
+        layer [H_kv, n (query), n (key)] bool, which keys each query of each KV head sees (any keep rule, per head)."""
         s = self.shape
         batch, n = input_ids.shape
         positions = torch.arange(n)
@@ -127,7 +133,10 @@ class PlainLlama(torch.nn.Module):
             q = torch.stack([rotate(q[b], positions, s.rope_theta) for b in range(batch)])
             k = torch.stack([rotate(k[b], positions, s.rope_theta) for b in range(batch)])
             group = s.num_heads // s.num_kv_heads
-            keep = gate_keep_matrix(flags).repeat_interleave(group, dim=1)  # [B, Hq, n, n]
+            if visible is not None:
+                keep = visible[layer][None].float().repeat_interleave(group, dim=1)
+            else:
+                keep = gate_keep_matrix(flags).repeat_interleave(group, dim=1)  # [B, Hq, n, n]
             scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, dim=2)) / s.head_dim**0.5
             attention = masked_softmax(scores, keep)
             mixed = torch.einsum("bhqk,bkhd->bqhd", attention, v.repeat_interleave(group, dim=2))
