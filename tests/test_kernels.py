@@ -459,20 +459,21 @@ def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch, dtype
         monkeypatch.setattr(eviction, "measure_pass", lambda *args, **kwargs: PassStatistics())
         monkeypatch.setattr(eviction, "measure_decode_rows", lambda *args, **kwargs: {})
     generator = torch.Generator().manual_seed(7)
+    device = DEVICE if layout == "flash" else torch.device("cpu")  # vLLM's CPU layouts live in host memory
     page_layout = PageLayout(num_layers=PATH_LAYER + 1, num_blocks=8, num_heads=PATH_HEADS, block_size=PATH_BLOCK)
     num_pages, hq = page_layout.num_layers * page_layout.num_blocks * PATH_HEADS, PATH_HEADS * PATH_GROUP
     raw = torch.zeros(num_pages, 1, PATH_BLOCK, 2 * HEAD_DIM, dtype=dtype)
     if layout in ("cpu", "amx"):
         paged = cpu_views(raw)
     else:
-        paged = flash_views(new_kv_cache(num_pages, 1, PATH_BLOCK, HEAD_DIM, torch.float32, DEVICE).zero_(), HEAD_DIM)
+        paged = flash_views(new_kv_cache(num_pages, 1, PATH_BLOCK, HEAD_DIM, torch.float32, device).zero_(), HEAD_DIM)
     config = parse_kv_config({"kv_policy": policy, "kv_budget": PATH_BUDGET}, defaults={})
     state = RequestState(config=config, policy=config.make_policy(), pages=HeadPages(page_layout))
     state.pages.add_blocks([5, 2, 7])
     logical = 0
 
     def table() -> torch.Tensor:
-        return torch.from_numpy(state.pages.table[PATH_LAYER]).to(device=DEVICE, dtype=torch.int32)
+        return torch.from_numpy(state.pages.table[PATH_LAYER]).to(device=device, dtype=torch.int32)
 
     def lengths() -> torch.Tensor:
         return torch.from_numpy(state.pages.lens[PATH_LAYER])
@@ -503,9 +504,9 @@ def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch, dtype
             staged = stage_pages(raw, {"r": table()}, {"r": lengths()})
             step_cache, step_tables = staged.cache, staged.tables
         else:  # vLLM writes the step's entries before attention
-            device_slots = slots.to(DEVICE)
-            paged.keys[device_slots // PATH_BLOCK, device_slots % PATH_BLOCK, 0] = keys.to(DEVICE)
-            paged.values[device_slots // PATH_BLOCK, device_slots % PATH_BLOCK, 0] = values.to(DEVICE)
+            device_slots = slots.to(device)
+            paged.keys[device_slots // PATH_BLOCK, device_slots % PATH_BLOCK, 0] = keys.to(device)
+            paged.values[device_slots // PATH_BLOCK, device_slots % PATH_BLOCK, 0] = values.to(device)
         compaction = Compaction(PATH_BUDGET, logical, int(lengths().max())) if compact else None
         plan = RowPlan(
             req_id="r", state=state, row=0, query_start=0, query_end=tokens, logical_len=logical, compaction=compaction
@@ -513,11 +514,11 @@ def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch, dtype
         eviction.after_attention(
             StepContext(pages=None, rows=[plan]),
             PATH_LAYER,
-            queries.to(DEVICE),
+            queries.to(device),
             step_cache,
             step_tables,
             HEAD_DIM**-0.5,
-            torch.empty_like(queries),
+            torch.empty_like(queries, device=device),
         )
         assert plan.failure is None, plan.failure
         if layout == "amx" and compact:

@@ -125,6 +125,9 @@ def compact(
         raise ValueError(
             f"keep_indices must be [R, {num_kv_heads}, B] with R <= block_table rows, got {tuple(keep_indices.shape)}"
         )
+    for name, tensor in (("block_table", block_table), ("keep_indices", keep_indices), ("keep_counts", keep_counts)):
+        if tensor is not None and tensor.device != key_cache.device:
+            raise ValueError(f"{name}: on {tensor.device}, expected the cache's device {key_cache.device}")
     num_reqs, _, width = keep_indices.shape
     if num_reqs == 0 or width == 0:
         return

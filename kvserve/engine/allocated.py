@@ -41,7 +41,11 @@ def select(
 ) -> Selection | None:
     """The layer's selection, or None when it waits for the rest of a `global` compaction (`plan.deferred`)."""
     config, policy, budget = plan.state.config, plan.state.policy, plan.compaction.keep_tokens
-    limits = obs.lengths if obs.lengths is not None else torch.full((obs.num_heads,), obs.num_tokens)
+    limits = (
+        obs.lengths
+        if obs.lengths is not None
+        else torch.full((obs.num_heads,), obs.num_tokens, device=obs.positions.device)
+    )
     counts = None
     if plan.compaction.decode and layer.share is not None:
         counts = torch.minimum(layer.share, limits)

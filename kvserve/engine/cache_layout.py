@@ -104,12 +104,13 @@ def compact_lists(
     all heads: each head's list is a row of one KV head. The Triton kernel on CUDA, whole pages on CPU (`entries`:
     the lists' keys and values as `read_lists` gave them, if the caller holds them)."""
     if kernel_dispatch.use_triton(cache.keys.device):
+        device = cache.keys.device
         kernel_dispatch.compact(
             cache.keys,
             cache.values,
-            table,
-            keep_indices[:, None],
-            keep_counts=keep_counts,
+            table.to(device),
+            keep_indices.to(device)[:, None],
+            keep_counts=keep_counts.to(device),
             stats=[stat[:, None] for stat in stats],
         )
         return

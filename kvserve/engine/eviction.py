@@ -113,7 +113,8 @@ def _evict(
     if plan.compaction is not None or _reads_entries(policy, obs.measured):
         obs.keys, obs.values = read_lists(cache, table, lengths)
     if policy.stat_names:
-        layer.stats = obs.stats = policy.update_stats(obs, queries, plan.query_positions())
+        query_positions = plan.query_positions().to(queries.device)
+        layer.stats = obs.stats = policy.update_stats(obs, queries, query_positions)
     if plan.compaction is not None:
         _compact(plan, layer, layer_idx, obs, cache, table)
 
@@ -140,17 +141,19 @@ def _observe(
             torch.zeros(num_heads, n, device=cache.keys.device) if old is None else F.pad(old, (0, n - old.shape[1]))
         )
     ragged = bool((lengths != n).any())
+    device = cache.keys.device  # the observation lives with the cache; page bookkeeping stays on the host
+    window_positions = layer.window_positions
     return LayerObservation(
         layer_idx=layer_idx + plan.state.pages.layout.first_layer,
         keys=keys,
         values=values,
-        positions=layer.positions(lengths, plan.state.since),
+        positions=layer.positions(lengths, plan.state.since).to(device),
         scale=scale,
         window_queries=layer.window_queries,
-        window_positions=layer.window_positions,
+        window_positions=None if window_positions is None else window_positions.to(device),
         stats=stats,
         budget=plan.compaction.keep_tokens if plan.compaction else 0,
-        lengths=lengths.long() if ragged else None,
+        lengths=lengths.to(device).long() if ragged else None,
     )
 
 
@@ -184,7 +187,7 @@ def _move(
     width = keep.shape[1]
     counts = selection.keep_counts
     if counts is None:
-        counts = torch.full((keep.shape[0],), width, dtype=torch.long)
+        counts = torch.full((keep.shape[0],), width, dtype=torch.long, device=keep.device)
     if selection.keys is None:  # the statistics move with their entries, in the same operation
         stats = {name: stat.float().contiguous() for name, stat in obs.stats.items()}
         compact_lists(cache, table, keep, counts, stats=list(stats.values()), entries=(obs.keys, obs.values))
@@ -194,9 +197,11 @@ def _move(
         layer.stats = selection.stats or {name: stat.gather(1, keep) for name, stat in obs.stats.items()}
     model_layer = str(layer_idx + plan.state.pages.layout.first_layer)
     metrics().kept_entries.labels(layer=model_layer, allocation=plan.state.config.allocation).inc(int(counts.sum()))
-    kept_here = torch.arange(width)[None, :] < counts[:, None]
-    layer.kept_positions = obs.positions.gather(1, keep).masked_fill(~kept_here, -1)
-    layer.kept_counts = None if bool((counts == width).all()) else counts.long()
+    kept_here = torch.arange(width, device=counts.device)[None, :] < counts[:, None]
+    # what was kept, on the host with the page lists (a no-op on CPU)
+    layer.kept_positions = obs.positions.gather(1, keep).masked_fill(~kept_here, -1).cpu()
+    counts = counts.long().cpu()
+    layer.kept_counts = None if bool((counts == width).all()) else counts
     plan.state.pages.shrink(layer_idx, counts.numpy())
 
 

@@ -36,7 +36,7 @@ class QueryWindow:
         """Append queries [q, Hq, D] at positions first_position .. first_position + q - 1."""
         count = queries.shape[0]
         if self._queries is None:
-            self._queries = torch.empty(self.size, *queries.shape[1:], dtype=queries.dtype)
+            self._queries = torch.empty(self.size, *queries.shape[1:], dtype=queries.dtype, device=queries.device)
         if count == 1:
             self._queries[self._next] = queries[0]
             self._positions[self._next] = first_position

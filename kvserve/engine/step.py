@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.attention.backend import AttentionType
 
 from kvserve.engine.pages import PageLayout
 from kvserve.engine.plan import Compaction
@@ -28,12 +26,18 @@ def layer_index(layer, layout: PageLayout) -> int:
     once and kept on it) less the first layer this worker holds (a later pipeline stage starts past 0)."""
     index = getattr(layer, "_kvserve_layer_idx", None)
     if index is None:
+        # vLLM is imported where it is used, here and below, so that the scoring path (this module, eviction, pages)
+        # imports without it: the kernel tests run that path on a GPU machine that has no vLLM.
+        from vllm.model_executor.models.utils import extract_layer_index
+
         index = layer._kvserve_layer_idx = extract_layer_index(layer.layer_name)
     return index - layout.first_layer
 
 
 def refuse_unpaged_features(impl, mode: str, kv_sharing_target_layer_name: str | None) -> None:
     """Features whose per-query-head or per-sequence parameters the pseudo-sequence call cannot carry."""
+    from vllm.v1.attention.backend import AttentionType
+
     unsupported = {
         "attention type other than decoder": impl.attn_type != AttentionType.DECODER,
         "ALiBi": impl.alibi_slopes is not None,

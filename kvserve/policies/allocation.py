@@ -82,9 +82,9 @@ def shares(keys: list[torch.Tensor], total: int, floor: int, limits: list[torch.
     candidates, owners = [], []
     for layer, (layer_keys, lim) in enumerate(zip(keys, limits, strict=True)):
         order = torch.sort(layer_keys, dim=-1, descending=True, stable=True).values  # each head's keys, best first
-        slots = torch.arange(order.shape[1])[None, :]
+        slots = torch.arange(order.shape[1], device=order.device)[None, :]
         rest = (slots >= counts[layer][:, None]) & (slots < lim[:, None])  # beyond the floor, within the head
-        head_ids = torch.arange(order.shape[0])[:, None].expand_as(order)
+        head_ids = torch.arange(order.shape[0], device=order.device)[:, None].expand_as(order)
         candidates.append(order[rest])
         owners.append(torch.stack([torch.full_like(head_ids[rest], layer), head_ids[rest]], dim=1))
     remaining = total - sum(int(c.sum()) for c in counts)
@@ -102,7 +102,7 @@ def top_counts(keys: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     then filler (ignored beyond its count)."""
     width = max(int(counts.max()), 1)
     order = torch.sort(keys, dim=-1, descending=True, stable=True).indices[:, :width]
-    slots = torch.arange(width)[None, :]
+    slots = torch.arange(width, device=keys.device)[None, :]
     keyed = torch.where(slots < counts[:, None], order, order + keys.shape[1])  # kept ones sort first
     return torch.sort(keyed, dim=-1).values.remainder(keys.shape[1])
 

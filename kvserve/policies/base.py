@@ -90,7 +90,7 @@ class LayerObservation:
 
         Chunked over queries, so a long prefill never materialises the whole [q, n] attention matrix.
         """
-        total = torch.zeros(self.num_heads, self.num_tokens)
+        total = torch.zeros(self.num_heads, self.num_tokens, device=self.keys.device)
         for start in range(0, queries.shape[0], chunk):
             part = self.attention(queries[start : start + chunk], query_positions[start : start + chunk])
             total += part.sum(dim=(1, 2))

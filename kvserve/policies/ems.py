@@ -59,7 +59,7 @@ class EMS(Policy):
         n_tbm = min(int(round((self.gamma - 1) * budget)), split - n_imp)
         order = torch.sort(s_gl[:, :split], dim=-1, descending=True, stable=True).indices
         keys, values = obs.keys.float(), obs.values.float()
-        window = torch.arange(split, n)
+        window = torch.arange(split, n, device=order.device)
         keep_rows, key_rows, value_rows, stat_rows = [], [], [], []
         for h in range(obs.num_heads):
             centres, tbm = order[h, :n_imp], order[h, n_imp : n_imp + n_tbm]

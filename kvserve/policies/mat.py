@@ -43,14 +43,15 @@ class MAT(Policy):
         return max(1, int(budget * self.anchor_fraction))
 
     def keep_indices(self, obs: LayerObservation, budget: int) -> torch.Tensor:
-        n, heads = obs.num_tokens, obs.num_heads
+        n, heads, device = obs.num_tokens, obs.num_heads, obs.positions.device
         if obs.layer_idx < self.shallow_layers:
-            keep = torch.cat([torch.arange(self.sink_tokens), torch.arange(n - (budget - self.sink_tokens), n)])
+            sinks, recent = torch.arange(self.sink_tokens), torch.arange(n - (budget - self.sink_tokens), n)
+            keep = torch.cat([sinks, recent]).to(device)
             return keep.expand(heads, -1).contiguous()
         beta = self.anchors(budget)
         window_start = n - (budget - beta)
         candidates = obs.stats["anchor_logit"][:, 1:window_start].float()  # entries between token 0 and the window
         anchors = torch.sort(candidates, dim=-1, stable=True).indices[:, : beta - 1] + 1
-        window = torch.arange(window_start, n).expand(heads, -1)
-        first = torch.zeros(heads, 1, dtype=torch.long)
+        window = torch.arange(window_start, n, device=device).expand(heads, -1)
+        first = torch.zeros(heads, 1, dtype=torch.long, device=device)
         return torch.sort(torch.cat([first, anchors, window], dim=1), dim=-1).values
