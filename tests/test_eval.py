@@ -193,3 +193,25 @@ def test_eval_settings_cross_allocations_and_spans_where_the_server_accepts_them
         xargs = {key.removeprefix("x-").replace("-", "_"): value for key, value in setting.headers().items()}
         config = parse_kv_config(xargs, defaults={})
         assert (config.allocation, config.span) == (setting.allocation, setting.span)
+
+
+def test_allocation_table_compares_each_allocation_with_uniform_at_the_same_policy_span_and_budget():
+    from kvserve.eval.report import allocation_table, parse_label
+
+    assert parse_label("snapkv") == ("snapkv", "uniform", 1)
+    assert parse_label("h2o+caote/global/span8") == ("h2o+caote", "global", 8)
+    assert parse_label("ahakv/span4") == ("ahakv", "uniform", 4)
+    values = {
+        ("full", None): 9.0,
+        ("snapkv", 64): 10.0,
+        ("snapkv/heads", 64): 9.5,
+        ("snapkv/span8", 64): 10.5,
+        ("snapkv/global/span8", 64): 11.0,
+    }
+    table = allocation_table(values, higher_is_better=False)
+    assert "| snapkv | 1 | 64 | 10.00 | 9.50 (-0.50) | - |" in table
+    assert "| snapkv | 8 | 64 | 10.50 | - | 11.00 (+0.50) |" in table
+    assert "heads vs uniform: better in 1, worse in 0, equal in 0 of 1" in table
+    assert "global vs uniform: better in 0, worse in 1, equal in 0 of 1" in table
+    flipped = allocation_table(values, higher_is_better=True)  # a score: higher is better
+    assert "heads vs uniform: better in 0, worse in 1" in flipped

@@ -256,3 +256,26 @@ def test_a_streamed_request_over_max_model_len_is_a_400_not_an_error_event(serve
     )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "kv_budget" and "max_model_len" in response.json()["error"]["message"]
+
+
+def test_allocation_and_span_headers_apply_and_the_layer_metric_shows_where_memory_went(server, long_prompt):
+    """`x-kv-allocation: heads` over HTTP: applied, echoed, and the per-layer kept-entries series grew by exactly the
+    L x H x B entries the prompt's compaction kept (every allocation keeps that many)."""
+    text = httpx.get(f"{server}/metrics", timeout=30).text
+    layers = re.findall(r'^kvserve:kept_entries_total\{allocation="heads",layer="(\d+)"\} ([0-9.e+]+)$', text, re.M)
+    before = {layer: float(value) for layer, value in layers}
+    headers = {"x-kv-policy": "snapkv", "x-kv-budget": "64", "x-kv-window": "8", "x-kv-allocation": "heads"}
+    response = complete(server, long_prompt, {**headers, "x-kv-span": "4"})
+    assert response.status_code == 200, response.text
+    assert (response.headers["x-kv-allocation-applied"], response.headers["x-kv-span-applied"]) == ("heads", "4")
+    text = httpx.get(f"{server}/metrics", timeout=30).text
+    after = re.findall(r'^kvserve:kept_entries_total\{allocation="heads",layer="(\d+)"\} ([0-9.e+]+)$', text, re.M)
+    kept = {layer: float(value) - before.get(layer, 0.0) for layer, value in after}
+    from transformers import AutoConfig
+
+    model = AutoConfig.from_pretrained(ensure_default_model())
+    assert sorted(map(int, kept)) == list(range(model.num_hidden_layers))
+    # heads keeps H x B per layer; the prompt compacted once (8 new tokens stay below the next block)
+    assert set(kept.values()) == {model.num_key_value_heads * 64}
+    bad = complete(server, long_prompt, {**headers, "x-kv-allocation": "layers"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_allocation"

@@ -60,13 +60,13 @@ def run(
                 result = run_workload(url, SERVED_NAME, workload["prompts"], workload["max_tokens"], setting)
                 result.update(
                     server=label,
-                    policy=setting.policy,
+                    policy=setting.label,
                     budget=setting.budget,
                     evict_every_chunk=setting.evict_every_chunk,
                 )
                 results.append(result)
                 print(
-                    f"{label} {setting.policy} {setting.budget or '-'}: "
+                    f"{label} {setting.label} {setting.budget or '-'}: "
                     + ", ".join(f"{c}={result[c]:.3g}" for c in COLUMNS),
                     flush=True,
                 )
@@ -238,6 +238,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--policy", default="snapkv", help="policy, or a comma list of policies")
     parser.add_argument("--budgets", default="256,512", help="capacity: the budgets to compare")
     parser.add_argument("--evict-every-chunk", action="store_true", help="capacity: evict between prefill chunks")
+    parser.add_argument(
+        "--allocations", default="uniform", help="capacity: kv_allocation values to run each budget with (comma list)"
+    )
     parser.add_argument("--num-blocks", type=int, default=64, help="capacity: KV pool size in blocks (both servers)")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--kv-space-gib", default="4", help="VLLM_CPU_KVCACHE_SPACE for both servers")
@@ -287,7 +290,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "capacity":
         engine_args += ["--num-gpu-blocks-override", str(args.num_blocks)]
         kvserve_settings = [
-            Setting(policy, int(b), args.evict_every_chunk) for policy in policies for b in args.budgets.split(",")
+            Setting(policy, int(b), args.evict_every_chunk, allocation)
+            for policy in policies
+            for b in args.budgets.split(",")
+            for allocation in args.allocations.split(",")
         ]
     else:  # scoring on, nothing evicted: the budget is above every sequence in the workload
         kvserve_settings = [Setting("full", None)] + [Setting(policy, max_model_len) for policy in policies]

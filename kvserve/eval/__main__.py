@@ -51,7 +51,7 @@ def _ints(text: str) -> list[int]:
 
 def _ruler(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     from kvserve.eval import quality
-    from kvserve.eval.report import plot_vs_budget
+    from kvserve.eval.report import allocation_table, plot_vs_budget
     from kvserve.eval.ruler import RulerRun, harness_missing, run_settings
 
     missing = harness_missing()
@@ -86,8 +86,10 @@ def _ruler(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         quality.best_per_budget(rows),
         sep="\n",
     )
+    values = {key: mean for key, (mean, _) in quality.mean_scores(rows, ("policy", "budget")).items()}
+    if len(layout["allocations"]) > 1:
+        print("", allocation_table(values, higher_is_better=True), sep="\n")
     if args.plot:
-        values = {key: mean for key, (mean, _) in quality.mean_scores(rows, ("policy", "budget")).items()}
         plot_vs_budget(values, "mean RULER score", args.plot, f"RULER {args.tasks} at {args.lengths} tokens")
 
 
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     from transformers import AutoTokenizer
 
-    from kvserve.eval.report import plot_vs_budget
+    from kvserve.eval.report import allocation_table, plot_vs_budget
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     servers = [Server(url, args.model) for url in args.url.split(",")]
@@ -149,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
             sep="\n",
         )
         values = {key: mean for key, (mean, _) in quality.mean_scores(rows, ("policy", "budget")).items()}
+        if len(layout["allocations"]) > 1:
+            print("", allocation_table(values, higher_is_better=True), sep="\n")
         if args.plot:
             title = f"Mean score over {len(args.tasks.split(','))} tasks at {args.lengths} tokens"
             plot_vs_budget(values, "mean task score", args.plot, title)
@@ -167,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
             progress=not args.quiet,
         )
         print(perplexity.perplexity_table(rows))
+        if len(layout["allocations"]) > 1:
+            print("", allocation_table(perplexity.perplexities(rows), higher_is_better=False), sep="\n")
         if args.plot:
             plot_vs_budget(
                 perplexity.perplexities(rows),

@@ -3,9 +3,9 @@
 `x-kv-budget: 256` becomes `vllm_xargs["kv_budget"] = "256"` (dashes to underscores), and so does a top-level body key
 `"kv_budget": 256` (what OpenAI clients send as `extra_body`; vLLM would otherwise drop it with a log line). A
 setting given twice (header, top level, `vllm_xargs`) with different values is a conflict (400), never a silent
-choice. Every invalid setting gets
-HTTP 400 in OpenAI's error format, naming the field. Responses say what was applied in `x-kv-policy-applied` and
-`x-kv-budget-applied`, and how many tokens eviction removed in `usage.kv_tokens_evicted`.
+choice. Every invalid setting gets HTTP 400 in OpenAI's error format, naming the field. Responses say what was
+applied in `x-kv-policy-applied`, `x-kv-budget-applied`, `x-kv-allocation-applied` and `x-kv-span-applied`, and how
+many tokens eviction removed in `usage.kv_tokens_evicted`.
 
 The plugin installs this middleware inside vLLM's own (`kvserve/vllm_patches.py`), so with `--api-key` an
 unauthenticated request gets vLLM's 401 before anything here reads it.
@@ -209,6 +209,9 @@ def _with_applied_headers(send, config, tally: EvictedTally):
                 headers.append((b"x-kv-policy-applied", config.policy.encode()))
                 if config.budget is not None:
                     headers.append((b"x-kv-budget-applied", str(config.budget).encode()))
+                if config.evicts:  # what the server's defaults and the request made of these two
+                    headers.append((b"x-kv-allocation-applied", config.allocation.encode()))
+                    headers.append((b"x-kv-span-applied", str(config.span).encode()))
             message = dict(message, headers=headers)
             content_type = dict((k.lower(), v) for k, v in headers).get(b"content-type", b"")
             if content_type.startswith(b"application/json") and message["status"] in (200, 500):
