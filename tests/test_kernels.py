@@ -14,6 +14,7 @@ probabilities, scores, window sums and logits are fp32 in both and compared at r
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 
@@ -440,9 +441,21 @@ def test_interpreter_env_not_leaked():
 # a budget above every registered policy's default protected window (32), below the 80-token prompt chunk
 PATH_HEADS, PATH_GROUP, PATH_BLOCK, PATH_BUDGET, PATH_PROMPT, PATH_LAYER = 2, 2, 32, 48, 80, 3
 PATH_POLICIES = representative_policies(ragged=False)  # every registered policy that ranks entries against a budget
+# the allocations and spans (kvserve/engine/allocated.py) on the same path; the served layer is the worker's last, so
+# `global` ranks it at once
+PATH_ALLOCATIONS = {"snapkv/heads/span8": ("snapkv", "heads", 8), "h2o/global": ("h2o", "global", 1)}
+PATH_ALLOCATIONS["tova/pyramid/span4"] = ("tova", "pyramid", 4)
 
 
-def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch, dtype: torch.dtype = torch.float32) -> dict:
+def _serve_one_layer(
+    policy: str,
+    layout: str,
+    measure: bool,
+    monkeypatch,
+    dtype: torch.dtype = torch.float32,
+    allocation: str = "uniform",
+    span: int = 1,
+) -> dict:
     """An 80-token prompt chunk compacted to the budget, then three decode steps, the last one compacting again.
     `layout`: "cpu" (vLLM's CPU "vec" pages, views), "flash" (the GPU layout, views) or "amx" (vLLM's AMX pages,
     written by vLLM's op, staged pages as the backend does). The request's lists live in head pages of 3 blocks."""
@@ -467,7 +480,8 @@ def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch, dtype
         paged = cpu_views(raw)
     else:
         paged = flash_views(new_kv_cache(num_pages, 1, PATH_BLOCK, HEAD_DIM, torch.float32, device).zero_(), HEAD_DIM)
-    config = parse_kv_config({"kv_policy": policy, "kv_budget": PATH_BUDGET}, defaults={})
+    request = {"kv_policy": policy, "kv_budget": PATH_BUDGET, "kv_allocation": allocation, "kv_span": span}
+    config = parse_kv_config(request, defaults={})
     state = RequestState(config=config, policy=config.make_policy(), pages=HeadPages(page_layout))
     state.pages.add_blocks([5, 2, 7])
     logical = 0
@@ -539,14 +553,20 @@ def _serve_one_layer(policy: str, layout: str, measure: bool, monkeypatch, dtype
     }
 
 
-@pytest.mark.parametrize("policy", PATH_POLICIES)
-def test_backend_scoring_path_same_on_both_layouts_and_backends(policy, monkeypatch):
+@pytest.mark.parametrize(
+    "setting",
+    [(policy, "uniform", 1) for policy in PATH_POLICIES] + list(PATH_ALLOCATIONS.values()),
+    ids=PATH_POLICIES + list(PATH_ALLOCATIONS),
+)
+def test_backend_scoring_path_same_on_both_layouts_and_backends(setting, monkeypatch):
+    policy, allocation, span = setting
+    serve = functools.partial(_serve_one_layer, policy, allocation=allocation, span=span)
     monkeypatch.setenv(kernel_dispatch.BACKEND_ENV, "torch")
     with monkeypatch.context() as patched:
-        from_keys = _serve_one_layer(policy, "cpu", measure=False, monkeypatch=patched)
-    cpu_torch = _serve_one_layer(policy, "cpu", measure=True, monkeypatch=monkeypatch)
+        from_keys = serve("cpu", measure=False, monkeypatch=patched)
+    cpu_torch = serve("cpu", measure=True, monkeypatch=monkeypatch)
     monkeypatch.setenv(kernel_dispatch.BACKEND_ENV, "triton")
-    gpu_triton = _serve_one_layer(policy, "flash", measure=True, monkeypatch=monkeypatch)
+    gpu_triton = serve("flash", measure=True, monkeypatch=monkeypatch)
     for got in (cpu_torch, gpu_triton):
         assert torch.equal(got["positions"], from_keys["positions"])
         torch.testing.assert_close(got["keys"], from_keys["keys"], rtol=1e-5, atol=1e-6)
@@ -554,7 +574,13 @@ def test_backend_scoring_path_same_on_both_layouts_and_backends(policy, monkeypa
         assert got["stats"].keys() == from_keys["stats"].keys()
         for name, stat in from_keys["stats"].items():
             torch.testing.assert_close(got["stats"][name], stat, **PROB_TOL)
-    assert from_keys["positions"].shape == (PATH_HEADS, PATH_BUDGET)
+    kept = (from_keys["positions"] >= 0).sum(dim=1)
+    if allocation == "uniform":
+        assert kept.tolist() == [PATH_BUDGET] * PATH_HEADS
+    elif allocation == "pyramid":  # every head the layer's budget
+        assert len(set(kept.tolist())) == 1 and int(kept[0]) < PATH_BUDGET
+    else:  # the layer's H x B, shared by the scores
+        assert int(kept.sum()) == PATH_HEADS * PATH_BUDGET
 
 
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="no AMX tiles: vLLM never uses the AMX layout here")
