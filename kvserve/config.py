@@ -43,6 +43,31 @@ class KVConfig:
     def make_policy(self) -> Policy:
         return POLICIES[self.policy](**dict(self.knobs))
 
+    def prefix_sharing(self) -> PrefixSharing:
+        """How this request shares vLLM's prefix cache (`kvserve/engine/block_manager.py`)."""
+        if not self.evicts:
+            return PrefixSharing(reads=True, publishes=True)
+        # heads / global decide their counts while they compact, so the pages to keep out of shared blocks are not
+        # known beforehand; a gate masks attention inside the prompt, so its keys are not a plain request's
+        shares = not self.ragged and self.allocation in ("uniform", "pyramid")
+        queries = self.make_policy().prompt_queries_read() if shares else None
+        return PrefixSharing(
+            # a compaction after every chunk makes later chunks' keys depend on where chunks end
+            reads=queries is not None and not self.evict_every_chunk,
+            publishes=shares,
+            computed_tail=max(queries or 0, 1),
+            # per-layer budgets round up to a page each: a compaction may need one block beyond cdiv(B, bs)
+            spare_blocks=1 if self.allocation == "pyramid" else 0,
+        )
+
+
+@dataclass(frozen=True)
+class PrefixSharing:
+    reads: bool  # its prompt may start from cached blocks of vLLM's prefix cache
+    publishes: bool  # its complete blocks enter the prefix cache until its first compaction
+    computed_tail: int = 1  # prompt tokens at the end it always computes (its policy reads their queries)
+    spare_blocks: int = 0
+
 
 def knob_keys() -> set[str]:
     """Every policy's knob keys (`kv_window`, ...)."""

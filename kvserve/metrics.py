@@ -70,6 +70,15 @@ class Metrics:
             "Entries kept by compactions, summed over the layer's KV heads (where kv_allocation put the memory)",
             ["layer", "allocation"],
         )
+        self.prefix_blocks_published = Counter(
+            "kvserve:prefix_blocks_published",
+            "KV-cache blocks evicting requests published to vLLM's prefix cache (complete blocks, before compacting)",
+        )
+        self.prefix_publish_fallbacks = Counter(
+            "kvserve:prefix_publish_fallbacks",
+            "Evicting requests that stopped publishing to the prefix cache: the pool had no room for the copy a "
+            "compaction needs, so they compacted in place",
+        )
         self.compaction_seconds = Histogram(
             "kvserve:compaction_seconds",
             "Worker time of one request's eviction step: scoring and compacting every layer, outside vLLM's attention",

@@ -39,6 +39,7 @@ if __name__ == "__main__":
                 "kv": kv,
                 "outputs": [list(o.outputs[0].token_ids) for o in outputs],
                 "evicted": [(o.kv_transfer_params or {}).get("kv_tokens_evicted") for o in outputs],
+                "cached": [o.num_cached_tokens for o in outputs],
                 "free_blocks": pool.get_num_free_blocks(),
             }
         )

@@ -254,15 +254,16 @@ def test_invalid_settings_rejected_before_the_engine(engine):
     assert engine.generate([[1, 2, 3]], 4)[0].outputs[0].token_ids  # the engine still serves
 
 
-def test_prefix_cache_serves_plain_requests_and_is_bypassed_by_evicting_ones(engine):
+def test_prefix_cache_serves_plain_and_evicting_requests(engine):
     ids = prompt(engine, 256, seed=60)
     engine.generate([ids], 2)
     assert engine.generate([ids], 2)[0].num_cached_tokens >= 224  # a plain request reuses the cached prefix
     kv = {"kv_policy": "streamingllm", "kv_budget": 64}
-    assert engine.generate([ids], 2, kv)[0].num_cached_tokens == 0  # an evicting one neither reads it...
+    assert engine.generate([ids], 2, kv)[0].num_cached_tokens >= 224  # so does an evicting one...
     other = prompt(engine, 256, seed=61)
     engine.generate([other], 2, kv)
-    assert engine.generate([other], 2)[0].num_cached_tokens == 0  # ...nor publishes its (compacted) blocks
+    assert engine.generate([other], 2)[0].num_cached_tokens >= 224  # ...and its prompt blocks serve later requests
+    # (tests/test_prefix_cache.py checks that a hit changes nothing an evicting request computes)
 
 
 def test_every_policy_evicts_within_budget_and_returns_its_blocks(engine, monkeypatch):

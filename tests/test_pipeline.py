@@ -20,7 +20,9 @@ TESTS = Path(__file__).parent
 
 # One setting per way a stage's lists change: a window policy, accumulated statistics, a ragged gate (heads keep
 # different counts, so pages move between blocks), layer-dependent choices (MAT's shallow layers sit on stage 1),
-# and eviction after every prefill chunk.
+# and eviction after every prefill chunk. Every setting runs the same prompts, so the ones after `full` find them in
+# the prefix cache: SnapKV reads the hits (each stage adopts the cached pages of its layers, copies the ones its
+# compaction writes out of them and gives them back), the others publish.
 SETTINGS = [
     {"kv_policy": "full"},
     {"kv_policy": "snapkv", "kv_budget": 64},
@@ -63,6 +65,8 @@ def test_pipeline_stages_give_the_single_process_tokens_and_return_every_block(e
         assert result["free_blocks"] == pipeline_results["total_blocks"], kv  # the pool is full again
     evicting = [result for result in pipeline_results["results"] if result["kv"]["kv_policy"] != "full"]
     assert all(max(result["evicted"]) > 0 for result in evicting)
+    snapkv = next(result for result in evicting if result["kv"]["kv_policy"] == "snapkv")
+    assert snapkv["cached"][0] > 0 and snapkv["evicted"][0] > 0  # a prefix hit, then a compaction
 
 
 def test_tensor_parallelism_is_refused_with_the_reason():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 
 import httpx
 import pytest
@@ -279,3 +280,31 @@ def test_allocation_and_span_headers_apply_and_the_layer_metric_shows_where_memo
     assert set(kept.values()) == {model.num_key_value_heads * 64}
     bad = complete(server, long_prompt, {**headers, "x-kv-allocation": "layers"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_allocation"
+
+
+def test_evicting_requests_read_and_publish_the_prefix_cache_and_vllm_counts_them(server):
+    """A document sent twice with SnapKV (new question, a salt of its own): vLLM's prefix-cache counters count both
+    requests' queries and the second's hit, and kvserve counts the blocks the first published."""
+    from transformers import AutoTokenizer
+
+    from kvserve.eval.haystack import haystack
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
+    document = tokenizer.decode(haystack(tokenizer, 400, seed=460))
+    labels = f'{{engine="0",model_name="{SERVED_MODEL}"}}'
+    queries = metric(server, "vllm:prefix_cache_queries_total", labels)
+    hits = metric(server, "vllm:prefix_cache_hits_total", labels)
+    published = metric(server, "kvserve:prefix_blocks_published_total", missing=0.0)
+    salt = uuid.uuid4().hex
+    headers = {"x-kv-policy": "snapkv", "x-kv-budget": "64"}
+    prompt_tokens = []
+    for text in (" What is it about?", " Who wrote it?"):
+        response = complete(server, document + text, headers, cache_salt=salt)
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        assert usage["kv_tokens_evicted"] == usage["prompt_tokens"] - 64
+        prompt_tokens.append(usage["prompt_tokens"])
+    assert metric(server, "vllm:prefix_cache_queries_total", labels) - queries == sum(prompt_tokens)
+    # the second request read the document's blocks up to its last SnapKV window (32 queries) and a block
+    assert metric(server, "vllm:prefix_cache_hits_total", labels) - hits >= prompt_tokens[0] - 32 - 2 * 32 - 16
+    assert metric(server, "kvserve:prefix_blocks_published_total") - published >= prompt_tokens[0] // 32 - 1

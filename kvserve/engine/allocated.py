@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvserve.engine.cache_layout import PagedKV
@@ -70,6 +71,20 @@ def select(
         (counts,) = shares([keys], obs.num_heads * budget, head_floor(budget, policy.protected_tokens()), [limits])
     layer.share = counts
     return Selection(top_counts(keys, counts), keep_counts=counts)
+
+
+def planned_counts(plan: RowPlan, layer_idx: int) -> np.ndarray:
+    """[H] entries each of the layer's lists keeps at this step's compaction, known before it is scored: the budget
+    (`uniform`) or the layer's PyramidKV budget (`pyramid`), or all a shorter list holds. Only these allocations share
+    the prefix cache (`kvserve/engine/block_manager.py`), so only they need it."""
+    config, budget = plan.state.config, plan.compaction.keep_tokens
+    if config.allocation == "pyramid":
+        minimum = plan.state.policy.protected_tokens() + 1
+        layout = plan.state.pages.layout
+        budget = pyramid_budgets(budget, layout.total_layers, minimum)[layer_idx + layout.first_layer]
+    elif config.allocation != "uniform":
+        raise RuntimeError(f"kv_allocation={config.allocation} decides its counts while it compacts")
+    return np.minimum(plan.state.pages.lens[layer_idx], budget)
 
 
 def finish_global(plan: RowPlan, cache: PagedKV) -> list[tuple[Deferred, Selection]]:

@@ -23,7 +23,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
 from kvserve.engine import phases
 from kvserve.engine.cache_layout import cpu_views, stage_pages
-from kvserve.engine.eviction import after_attention, pseudo_queries
+from kvserve.engine.eviction import after_attention, pseudo_queries, relocate_protected
 from kvserve.engine.step import StepPages, current_step, layer_index, refuse_unpaged_features
 
 
@@ -148,6 +148,7 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         return build
 
     def _evict(self, step, layer, layer_idx: int, query: torch.Tensor, output: torch.Tensor) -> None:
+        relocate_protected(step, layer_idx)
         pages = step.pages
         if getattr(layer, "isa", "vec") != "amx":
             cache = cpu_views(pages.pages)

@@ -20,6 +20,7 @@ from kvserve import kernel_dispatch
 from kvserve.engine import allocated, page_scores, phases
 from kvserve.engine.cache_layout import PagedKV, compact_lists, read_lists, write_lists
 from kvserve.engine.gated import gated_layer_step
+from kvserve.engine.pages import cdiv, copy_pages
 from kvserve.engine.request_state import LayerState, QueryWindow
 from kvserve.engine.step import RowPlan, StepContext
 from kvserve.metrics import metrics
@@ -79,6 +80,22 @@ def after_attention(
         plan.eviction_seconds += time.perf_counter() - start
     compacting = phases.seconds("compaction") - compaction_before  # timed inside _compact
     phases.add("statistics", time.perf_counter() - layer_start - compacting)
+
+
+def relocate_protected(step: StepContext, layer_idx: int) -> None:
+    """Before layer `layer_idx`'s eviction step (the backend calls this before it reads the lists): the pages a
+    compaction will write that lie in protected blocks (prefix-cache blocks, blocks another request reads) are
+    copied into the request's own free pages and the lists point there, so compacting in place never changes what
+    vLLM's prefix cache or another request holds. A whole page is one slab, so the copy is right in every format."""
+    for plan in step.rows:
+        if plan.failure is not None or plan.compaction is None or not plan.compaction.protected_blocks:
+            continue
+        try:
+            keep_pages = cdiv(allocated.planned_counts(plan, layer_idx), plan.state.pages.layout.block_size)
+            copy_pages(step.pages.pages, plan.state.pages.relocate(layer_idx, keep_pages))
+        except Exception as error:  # fails this request only (its blocks are freed, the protected ones untouched)
+            plan.failure = f"kvserve could not copy request {plan.req_id}'s pages out of shared blocks: {error}"
+            logger.exception("kvserve: %s", plan.failure)
 
 
 def record_times(step: StepContext) -> None:

@@ -22,7 +22,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
 from kvserve import kernel_dispatch
 from kvserve.engine.cache_layout import flash_views, write_slots
-from kvserve.engine.eviction import after_attention, pseudo_queries
+from kvserve.engine.eviction import after_attention, pseudo_queries, relocate_protected
 from kvserve.engine.step import current_step, layer_index, refuse_unpaged_features
 from kvserve.kernel_dispatch import ATTENTION_ENV
 from kvserve.policies.base import PassStatistics
@@ -142,6 +142,7 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
                 column_sums=sums[head_rows + plan.row, 0, :n] if plan.req_id in with_columns else None,
                 first_logits=first[head_rows + plan.row].reshape(1, -1) if plan.req_id in with_first else None,
             )
+        relocate_protected(step, layer_idx)
         after_attention(
             step,
             layer_idx,

@@ -112,6 +112,9 @@ class HeadPages:
         self.layout = layout
         self.blocks: list[int] = []
         self.used = np.zeros((0, layout.num_layers, layout.num_heads), dtype=bool)
+        # per block: its contents must not change (a prefix-cache block, or one another request holds); no page of
+        # it is ever taken, and it goes back to vLLM after the step that compacts
+        self.protected = np.zeros(0, dtype=bool)
         self.table = np.zeros((layout.num_layers, layout.num_heads, 0), dtype=np.int64)
         self.lens = np.zeros((layout.num_layers, layout.num_heads), dtype=np.int64)
 
@@ -126,6 +129,46 @@ class HeadPages:
         self.blocks.extend(block_ids)
         fresh = np.zeros((len(block_ids), *self.used.shape[1:]), dtype=bool)
         self.used = np.concatenate([self.used, fresh])
+        self.protected = np.concatenate([self.protected, np.zeros(len(block_ids), dtype=bool)])
+
+    def adopt_prefix(self, block_ids: list[int], tokens: int) -> None:
+        """A prefix-cache hit: the request starts with `tokens` entries that vLLM's cached blocks `block_ids[:tokens
+        / bs]` hold in its own layout (page j of list (l, h) is page (l, h) of block j), as a request that computed
+        them itself would hold them before any compaction."""
+        bs = self.layout.block_size
+        if self.blocks or tokens % bs:
+            raise RuntimeError(f"kvserve: a prefix hit of {tokens} tokens must be whole blocks of a fresh request")
+        full = tokens // bs
+        self.add_blocks(block_ids[:full])
+        self.used[:] = True
+        layers, heads = np.meshgrid(np.arange(self.layout.num_layers), np.arange(self.layout.num_heads), indexing="ij")
+        blocks = np.asarray(self.blocks, dtype=np.int64)
+        self.table = self.layout.page_id(layers[..., None], blocks[None, None, :], heads[..., None]).astype(np.int64)
+        self.lens[:] = tokens
+
+    def protect(self, block_ids: tuple[int, ...]) -> None:
+        """Mark blocks whose contents must stay as they are (`protected`)."""
+        wanted = set(block_ids)
+        self.protected = np.array([block in wanted for block in self.blocks], dtype=bool)
+        if int(self.protected.sum()) != len(wanted):
+            raise RuntimeError("kvserve: asked to protect blocks the request's page lists do not hold")
+
+    def relocate(self, layer: int, keep_pages: np.ndarray) -> list[tuple[int, int]]:
+        """Before layer `layer` compacts in place: each head's first `keep_pages[h]` pages, the ones the compaction
+        writes, move out of protected blocks into free pages of the request's other blocks. Returns the page
+        copies (src, dst) the caller must make before the compaction reads the lists."""
+        moves = []
+        for head, count in enumerate(keep_pages):
+            for index in range(int(count)):
+                page = int(self.table[layer, head, index])
+                position = self._position(page)
+                if not self.protected[position[0]]:
+                    continue
+                destination = self._take(layer, head)
+                self.used[position] = False  # never taken again: its block is protected
+                self.table[layer, head, index] = destination
+                moves.append((page, destination))
+        return moves
 
     def append(self, tokens: int) -> np.ndarray:
         """Append `tokens` entries to every list; returns their cache slots `[L, H, tokens]` (page * bs + offset)."""
@@ -145,17 +188,18 @@ class HeadPages:
         return pages * bs + positions % bs
 
     def _take(self, layer: int, head: int) -> int:
-        free = np.flatnonzero(~self.used[:, layer, head])
+        taken = self.used | self.protected[:, None, None]
+        free = np.flatnonzero(~taken[:, layer, head])
         if free.size:
             index = (int(free[0]), layer, head)
         else:  # this column is full: any free page of the request's blocks serves
-            anywhere = np.flatnonzero(~self.used.reshape(-1))
+            anywhere = np.flatnonzero(~taken.reshape(-1))
             if not anywhere.size:
                 raise RuntimeError(
                     f"kvserve: no free page in the request's {len(self.blocks)} blocks (the "
                     "scheduler granted fewer blocks than the page lists need)"
                 )
-            index = tuple(int(i) for i in np.unravel_index(int(anywhere[0]), self.used.shape))
+            index = tuple(int(i) for i in np.unravel_index(int(anywhere[0]), taken.shape))
         self.used[index] = True
         block, page_layer, page_head = index
         return int(self.layout.page_id(page_layer, self.blocks[block], page_head))
@@ -195,8 +239,15 @@ class HeadPages:
     def release_blocks(self) -> tuple[list[tuple[int, int]], list[int]]:
         """Give back every block the lists can do without (one worker holds every layer): see `blocks_to_release`.
         Returns (page moves (src, dst), the released vLLM block ids)."""
-        released = blocks_to_release(self.blocks, [(self.pages_in_use, self.layout.pages_per_block, self.live_pages())])
+        released = blocks_to_release(
+            self.blocks,
+            [(self.pages_in_use, self.layout.pages_per_block, self.live_pages())],
+            self.protected_ids(),
+        )
         return self.release(released), released
+
+    def protected_ids(self) -> list[int]:
+        return [block for block, protected in zip(self.blocks, self.protected, strict=True) if protected]
 
     def release(self, released_ids: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
         """Give back the vLLM blocks `released_ids`: move the live pages they hold into free pages of the others.
@@ -220,11 +271,12 @@ class HeadPages:
                 moves.append((source, destination))
         self.blocks = [self.blocks[block] for block in kept]
         self.used = self.used[kept]
+        self.protected = self.protected[kept]
         return moves
 
     def _take_in(self, blocks: list[int], layer: int, head: int) -> int:
         """A free page among `blocks` (indices), its own column first."""
-        candidates = self.used[blocks]
+        candidates = self.used[blocks] | self.protected[blocks][:, None, None]
         free = np.flatnonzero(~candidates[:, layer, head])
         if free.size:
             index = (blocks[int(free[0])], layer, head)
@@ -244,17 +296,33 @@ class HeadPages:
         return tuple(int(c) for c in np.bincount(free.reshape(-1), minlength=bs))
 
 
-def blocks_to_release(block_ids: list[int], stages: list[tuple[int, int, np.ndarray]]) -> list[int]:
+def blocks_to_release(
+    block_ids: list[int], stages: list[tuple[int, int, np.ndarray]], protected: list[int] | tuple[int, ...] = ()
+) -> list[int]:
     """The blocks a request can give back, from each stage's (pages in use, pages per block, live pages per block):
     it keeps the most blocks any stage needs, `max cdiv(pages, pages per block)`, choosing those with the most live
     pages over all stages (earlier blocks on ties), so the fewest pages move; every stage then moves its live pages
-    out of the others. One worker without pipeline parallelism is a single stage."""
+    out of the others. One worker without pipeline parallelism is a single stage. `protected` blocks (prefix-cache
+    blocks the compaction did not write) always go back, so nothing is ever written into them."""
     target = max(cdiv(pages, per_block) for pages, per_block, _ in stages)
+    shut = set(protected)
+    candidates = [index for index, block in enumerate(block_ids) if block not in shut]
+    if target > len(candidates):
+        raise RuntimeError(f"kvserve: {target} blocks needed, only {len(candidates)} may be written")
     if len(block_ids) <= target:
         return []
     live = sum(np.asarray(per_block_live) for _, _, per_block_live in stages)
-    order = np.argsort(-live, kind="stable")  # fullest first, earlier blocks on ties
-    return [block_ids[index] for index in sorted(order[target:].tolist())]
+    order = sorted(candidates, key=lambda index: -int(live[index]))  # fullest first, earlier blocks on ties
+    kept = set(order[:target])
+    return [block for index, block in enumerate(block_ids) if index not in kept]
+
+
+def copy_pages(pages: torch.Tensor, moves: list[tuple[int, int]]) -> None:
+    """Copy whole pages (src, dst) of the page view: a page is one self-contained slab, so this is right in every
+    cache format (vec, AMX)."""
+    if moves:
+        sources, destinations = (torch.tensor(ids) for ids in zip(*moves, strict=True))
+        pages.index_copy_(0, destinations, pages.index_select(0, sources))
 
 
 def pages_needed(free_slot_counts: tuple[int, ...], tokens: int) -> int:

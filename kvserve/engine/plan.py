@@ -20,6 +20,9 @@ class Compaction:
     logical_tokens: int  # tokens the request has computed after the step (drives RoPE positions)
     cached_tokens: int  # entries in the longest (layer, head) list after the step's writes, before compaction
     decode: bool = False  # a decode step's compaction: each (layer, head) returns to its share (kv_allocation)
+    # blocks whose contents must not change (prefix-cache blocks, blocks another request holds): the compaction
+    # copies the pages it would write out of them first, and they all go back to vLLM after the step
+    protected_blocks: tuple[int, ...] = ()
 
 
 def compactions_of(scheduler_output: object) -> dict[str, Compaction]:

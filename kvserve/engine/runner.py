@@ -17,7 +17,14 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from kvserve.config import parse_kv_config
 from kvserve.engine.eviction import record_times
-from kvserve.engine.pages import HeadPages, PageLayout, blocks_to_release, check_cache_contract, page_view
+from kvserve.engine.pages import (
+    HeadPages,
+    PageLayout,
+    blocks_to_release,
+    check_cache_contract,
+    copy_pages,
+    page_view,
+)
 from kvserve.engine.plan import (
     FAILURES_ATTR,
     PAGES_ATTR,
@@ -163,10 +170,16 @@ def after_prepare_inputs(runner, scheduler_output, num_scheduled_tokens: np.ndar
         state = book.state_for(req_id, runner)
         if state is None:
             continue
-        _take_new_blocks(state.pages, runner.requests[req_id].block_ids[0], req_id)
+        block_ids = runner.requests[req_id].block_ids[0]
+        computed = int(runner.input_batch.num_computed_tokens_cpu[row])
+        if computed and not state.pages.blocks:  # its first step starts from a prefix-cache hit
+            state.pages.adopt_prefix(block_ids, computed)
+        _take_new_blocks(state.pages, block_ids, req_id)
         appended[row] = state.pages.append(int(num_scheduled_tokens[row]))
-        logical_len = int(runner.input_batch.num_computed_tokens_cpu[row]) + int(num_scheduled_tokens[row])
         compaction = compactions.get(req_id)
+        if compaction is not None and compaction.protected_blocks:  # this step fills them; the compaction must not
+            state.pages.protect(compaction.protected_blocks)
+        logical_len = computed + int(num_scheduled_tokens[row])
         if compaction is not None and compaction.cached_tokens != int(state.pages.lens.max()):
             raise RuntimeError(f"kvserve: scheduler and worker disagree on request {req_id}'s cache length")
         rows.append(
@@ -289,6 +302,7 @@ def clear_step(runner) -> None:
         released = blocks_to_release(
             list(stages[-1].block_ids),
             [(stage.pages.pages, stage.pages.pages_per_block, stage.live_pages) for stage in stages],
+            plan.state.pages.protected_ids(),
         )
         lists = plan.state.pages
         _move_pages(book, lists.release(released))
@@ -296,9 +310,7 @@ def clear_step(runner) -> None:
 
 
 def _move_pages(book: EvictionBook, moves: list[tuple[int, int]]) -> None:
-    if moves:
-        sources, destinations = (torch.tensor(ids) for ids in zip(*moves, strict=True))
-        book.pages.index_copy_(0, destinations, book.pages.index_select(0, sources))
+    copy_pages(book.pages, moves)
 
 
 def _mark_compacted(plan: RowPlan) -> None:

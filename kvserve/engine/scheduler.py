@@ -22,6 +22,7 @@ last report described.
 from __future__ import annotations
 
 from vllm.logger import init_logger
+from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.request import Request
@@ -91,7 +92,9 @@ class EvictingScheduler(Scheduler):
         )
         self.pages_per_block = layers * group.kv_cache_spec.num_kv_heads
         managers[0].__class__ = EvictingFullAttentionManager
-        managers[0].init_eviction_state(self.pages_per_block)
+        managers[0].init_eviction_state(
+            self.pages_per_block, self.requests, self._keep_after, cdiv(self.max_model_len, self.block_size)
+        )
         self.evicting_manager: EvictingFullAttentionManager = managers[0]
         self.kv_configs: dict[str, KVConfig] = {}
         self.reported_evicted: dict[str, int] = {}  # req id -> the evicted count its outputs last carried
@@ -109,8 +112,10 @@ class EvictingScheduler(Scheduler):
             config = self._config_of(request)
             if config.evicts:
                 self.kv_configs[request.request_id] = config
-                request.skip_reading_prefix_cache = True
-                self.evicting_manager.evicting.add(request.request_id)
+                sharing = config.prefix_sharing()
+                if not sharing.reads:
+                    request.skip_reading_prefix_cache = True
+                self.evicting_manager.sharing[request.request_id] = sharing
                 if config.evict_every_chunk and config.budget is not None:
                     chunk = self.scheduler_config.max_num_batched_tokens
                     self.evicting_manager.admission_cap[request.request_id] = config.budget + chunk + self.block_size
@@ -146,7 +151,13 @@ class EvictingScheduler(Scheduler):
             cached = self.evicting_manager.longest_list(req_id, logical)
             keep = self._keep_tokens(config, cached, is_decode, logical >= request.num_tokens, req_id)
             if keep is not None:
-                plan[req_id] = Compaction(keep, logical_tokens=logical, cached_tokens=cached, decode=is_decode)
+                plan[req_id] = Compaction(
+                    keep,
+                    logical_tokens=logical,
+                    cached_tokens=cached,
+                    decode=is_decode,
+                    protected_blocks=self.evicting_manager.protected_blocks(req_id),
+                )
         setattr(output, PLAN_ATTR, plan)
         self.in_flight.update(req_id for req_id in output.num_scheduled_tokens if req_id in self.kv_configs)
         if self.pipeline_stages > 1:
@@ -158,6 +169,29 @@ class EvictingScheduler(Scheduler):
         self.peak_running = max(self.peak_running, len(self.running))
         self.peak_decoding = max(self.peak_decoding, decoding)
         return output
+
+    def _get_local_prefix_cache_hit(self, request: Request):
+        """vLLM's prefix-cache hit, cut for an evicting request so that it computes the prompt's last queries its
+        policy reads (`Policy.prompt_queries_read`), in whole blocks: its statistics then come from the cached keys
+        plus queries it computes itself, and it keeps what it keeps on a miss. vLLM counts the cut hit."""
+        blocks, hit, boundary, diverged = super()._get_local_prefix_cache_hit(request)
+        sharing = self.evicting_manager.sharing.get(request.request_id)
+        if sharing is None or hit == 0:
+            return blocks, hit, boundary, diverged
+        limit = max(min(hit, request.num_tokens - sharing.computed_tail), 0) // self.block_size * self.block_size
+        if limit < hit:
+            kept = limit // self.block_size
+            blocks = self.kv_cache_manager.create_kv_cache_blocks(tuple(list(group[:kept]) for group in blocks.blocks))
+        return blocks, limit, boundary, diverged
+
+    def _keep_after(self, req_id: str, num_tokens: int) -> int | None:
+        """What `_keep_tokens` will decide for a step that ends at `num_tokens` logical tokens, asked while the step
+        is allocated (before the scheduler advances the request): the block manager adds the spare blocks a
+        compaction's copies need to that same allocation."""
+        request, config = self.requests[req_id], self.kv_configs[req_id]
+        is_decode = num_tokens - request.num_computed_tokens == 1 and num_tokens - 1 >= request.num_prompt_tokens
+        cached = self.evicting_manager.longest_list(req_id, num_tokens)
+        return self._keep_tokens(config, cached, is_decode, num_tokens >= request.num_tokens, req_id)
 
     def _schedule_without_in_flight(self, *args, **kwargs):
         """vLLM's schedule, with the evicting requests that are in an unfinished batch out of its sight: vLLM keeps

@@ -172,6 +172,15 @@ class Policy:
         """How many of the most recent queries the policy reads (0: none)."""
         return 0
 
+    def prompt_queries_read(self) -> int | None:
+        """How many of the prompt's last queries this policy's choice depends on. A prefix-cache hit may cover the
+        prompt up to that many tokens before its end: the keys before them are the same whoever computed them, so
+        the choice is the one made without a hit. None: it reads every query (running statistics, a gate on every
+        token), so a request with this policy computes its whole prompt."""
+        if self.stat_names or self.ragged:
+            return None
+        return self.window_size()
+
     def window_logit_scale(self, obs: LayerObservation) -> torch.Tensor | None:
         """A multiplier of the window queries' logits for their votes, [H, w] (None: the model's own logits)."""
         return None
