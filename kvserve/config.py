@@ -52,9 +52,11 @@ class KVConfig:
         shares = not self.ragged and self.allocation in ("uniform", "pyramid")
         queries = self.make_policy().prompt_queries_read() if shares else None
         return PrefixSharing(
-            # a compaction after every chunk makes later chunks' keys depend on where chunks end
+            # A compaction after every chunk makes later chunks' keys depend on where chunks end, so such a request
+            # reads no hits; nor does it publish: only its first chunk would enter the cache, and that chunk's blocks
+            # would need spare blocks to compact out of, past the budget + one chunk it promises to hold.
             reads=queries is not None and not self.evict_every_chunk,
-            publishes=shares,
+            publishes=shares and not self.evict_every_chunk,
             computed_tail=max(queries or 0, 1),
             # per-layer budgets round up to a page each: a compaction may need one block beyond cdiv(B, bs)
             spare_blocks=1 if self.allocation == "pyramid" else 0,

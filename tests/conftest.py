@@ -64,12 +64,21 @@ class Engine:
     def free_blocks(self) -> int:
         return self.pool.get_num_free_blocks()
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, kv: dict | None = None, ignore_eos: bool = True):
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        kv: dict | None = None,
+        ignore_eos: bool = True,
+        cache_salt: str | None = None,
+    ):
+        """Greedy outputs; a `cache_salt` keeps these prompts from hitting blocks earlier requests published."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, extra_args=kv)
-        return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+        return self.llm.generate([TokensPrompt(prompt_token_ids=p, **salt) for p in prompts], params, use_tqdm=False)
 
     def eviction_state(self, request_id: str):
         """The worker's eviction state of a request (by its external id), live or recently finished."""

@@ -95,6 +95,36 @@ def test_overhead_command_runs_full_and_scoring_without_eviction(tmp_path):
         assert result["output_tokens_per_s"] * result["wall_s"] == pytest.approx(PROMPTS * MAX_TOKENS)
 
 
+def test_chat_command_runs_conversations_on_every_server_and_evicting_requests_hit_the_prefix_cache(tmp_path, capsys):
+    conversations, turns, reply = 2, 2, 4
+    out, plot = tmp_path / "chat.json", tmp_path / "chat.png"
+    bench_main(
+        [
+            "chat",
+            *("--conversations", str(conversations), "--turns", str(turns), "--reply-tokens", str(reply)),
+            *("--doc-tokens", "200", "--user-tokens", "20", "--block-size", "32", "--kv-space-gib", "1"),
+            *("--pools", "small", "--budget", "64", "--server-args=--enforce-eager", "--out", str(out)),
+            *("--plot", str(plot)),
+        ]
+    )
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    recorded = json.loads(out.read_text())
+    results = recorded["results"]
+    assert [r["server"] for r in results] == ["vanilla", "kvserve full", "kvserve snapkv"]
+    for result in results:
+        assert len(result["requests"]) == conversations * turns
+        assert all(r["output_tokens"] == reply for r in result["requests"])
+        assert [row["turn"] for row in result["turns"]] == list(range(1, turns + 1))
+        # a conversation's second turn resends its first: its prompt is longer and the document is in the cache
+        second = [r for r in result["requests"] if r["turn"] == 2]
+        assert all(r["cached_tokens"] >= 192 for r in second), result["server"]
+        assert result["prefix_cache_hits"] >= sum(r["cached_tokens"] for r in result["requests"])  # vLLM counts them
+    evicting = results[2]
+    assert evicting["blocks_published"] > 0 and results[1]["blocks_published"] == 0  # counted for evicting requests
+    printed = capsys.readouterr().out
+    assert "snapkv / full TTFT p50" in printed and "small pool: snapkv output tok/s" in printed
+
+
 def test_decode_heavy_preset_holds_two_requests_without_eviction_and_compresses_4_8_16x():
     import argparse
 

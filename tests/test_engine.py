@@ -120,8 +120,9 @@ def test_chunked_prefill_gives_same_kept_set_and_text(engine, hf_model, monkeypa
     single = engine.generate([ids], 24, kv)[0]
     single_state = engine.eviction_state(single.request_id)
     steps = _record_schedules(engine, monkeypatch)
-    # beside a second request the scheduler splits the prompt into 128-token chunks
-    chunked = engine.generate([ids, prompt(engine, 300, seed=6)], 24, kv)[0]
+    # beside a second request the scheduler splits the prompt into 128-token chunks (salted: a prefix-cache hit of
+    # the first run's blocks would skip them)
+    chunked = engine.generate([ids, prompt(engine, 300, seed=6)], 24, kv, cache_salt="chunked")[0]
     chunks = [s[k] for s in steps for k in s if k.startswith(f"{chunked.request_id}-") and s[k] > 1]
     assert len(chunks) >= 3, chunks
     chunked_state = engine.eviction_state(chunked.request_id)

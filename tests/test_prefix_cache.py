@@ -92,11 +92,17 @@ def test_a_hit_keeps_what_a_miss_keeps(engine, kv):
     assert engine.free_blocks() == free  # nothing held once they finished (cached blocks count as free)
 
 
-@pytest.mark.parametrize("policy", SKIPPERS)
-def test_policies_that_read_every_query_compute_their_prompt(engine, policy):
+SKIPPER_SETTINGS = [{"kv_policy": name} for name in SKIPPERS] + [
+    {"kv_policy": "streamingllm", "kv_evict_every_chunk": True}
+]
+
+
+@pytest.mark.parametrize("kv", SKIPPER_SETTINGS, ids=lambda kv: "/".join(str(v) for v in kv.values()))
+def test_policies_that_read_every_query_compute_their_prompt(engine, kv):
     """H2O, MAT, EMS and their meta-scores never read a hit but publish their prompt blocks, which a plain request
-    then reads unchanged; Attention-Gate's keys come from gated attention, so it does neither."""
-    kv = {"kv_policy": policy, "kv_budget": BUDGET}
+    then reads unchanged; Attention-Gate's keys come from gated attention, and eviction after every chunk holds no
+    more than the budget plus a chunk, so they do neither."""
+    kv = {**kv, "kv_budget": BUDGET}
     salt = uuid.uuid4().hex
     ids = haystack(engine.tokenizer, 330, seed=410) + question(engine, "What is this text about?")
     run(engine, [salted(ids, salt)], kv)
@@ -104,7 +110,8 @@ def test_policies_that_read_every_query_compute_their_prompt(engine, policy):
     assert again.num_cached_tokens == 0
     (plain,) = run(engine, [salted(ids, salt)], None)
     (reference,) = run(engine, [salted(ids, uuid.uuid4().hex)], None)
-    publishes = KVConfig(policy=policy, budget=BUDGET).prefix_sharing().publishes
+    config = KVConfig(policy=kv["kv_policy"], budget=BUDGET, evict_every_chunk=kv.get("kv_evict_every_chunk", False))
+    publishes = config.prefix_sharing().publishes
     assert (plain.num_cached_tokens > 0) == publishes
     assert list(plain.outputs[0].token_ids) == list(reference.outputs[0].token_ids)
 

@@ -198,8 +198,12 @@ class EvictingFullAttentionManager(FullAttentionManager):
             metrics().prefix_blocks_published.inc(self.num_cached_block.get(request.request_id, 0) - before)
 
     def apply_report(self, request_id: str, report: PageReport) -> int:
-        """The worker compacted the request: free the blocks it emptied, remember its pages. Returns #freed."""
+        """The worker compacted the request: free the blocks it emptied, remember its pages. Returns the blocks the
+        compaction saved: those it gave back less the spare blocks its step took for copies out of protected ones."""
         blocks = self.req_to_blocks.get(request_id, [])
+        spares = 0
+        if request_id not in self.reports:  # a first compaction's step may hold spares past its tokens' blocks
+            spares = max(len(blocks) - cdiv(report.logical_tokens, self.block_size), 0)
         released = set(report.released_block_ids)
         freed = [block for block in blocks if block.block_id in released]
         if len(freed) != len(released):
@@ -212,7 +216,7 @@ class EvictingFullAttentionManager(FullAttentionManager):
         # cached blocks keep their hashes in the pool: later requests still hit them until vLLM reuses the block
         self.block_pool.free_blocks(reversed(freed))
         self.reports[request_id] = report
-        return len(freed)
+        return len(freed) - spares
 
     def free_pages_held(self, running: dict[str, int]) -> int:
         """Free pages inside the blocks of compacted requests (`running`: request id -> logical tokens now)."""
