@@ -131,7 +131,7 @@ def parallel_env(vllm_args: list[str], env: dict) -> dict[str, str]:
     """Settings a parallel layout needs: kvserve refuses tensor parallelism at start-up (see
     `parallelism_refusal`); under pipeline parallelism vLLM's CPU workers each need CPUs of their own, and vLLM
     only finds them by itself on a machine with a NUMA node per worker, so kvserve splits this process's CPUs."""
-    from kvserve.engine.scheduler import parallelism_refusal
+    from kvserve.parallelism import parallelism_refusal
 
     tensor = int(_flag_value(vllm_args, "--tensor-parallel-size", "-tp") or 1)
     refusal = parallelism_refusal(tensor, int(_flag_value(vllm_args, "--decode-context-parallel-size", "-dcp") or 1))

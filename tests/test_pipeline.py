@@ -14,7 +14,7 @@ import pytest
 from engine_settings import EQUIVALENCE_MAX_TOKENS, equivalence_prompts
 
 from kvserve.cli import parallel_env
-from kvserve.engine.scheduler import parallelism_refusal
+from kvserve.parallelism import parallelism_refusal
 
 TESTS = Path(__file__).parent
 
