@@ -31,7 +31,7 @@ import httpx
 
 from kvserve.bench.servers import running_server
 from kvserve.cpu_dtype import default_dtype, has_dtype_flag
-from kvserve.eval.client import Setting, metric_sum
+from kvserve.eval.client import Setting, metric_sum, stream_chunks
 
 SERVED_NAME = "bench"
 TEMPLATE_MARGIN = 16  # chat-template tokens per message, on top of the text's
@@ -76,19 +76,13 @@ async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict], args,
     }
     start = time.perf_counter()
     first, text, usage = None, [], {}
-    async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=setting.headers()) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{url} answered {response.status_code}: {(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            for choice in chunk.get("choices") or []:
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    first = first or time.perf_counter()
-                    text.append(content)
-            usage = chunk.get("usage") or usage
+    async for chunk in stream_chunks(client, url, "/v1/chat/completions", body, setting):
+        for choice in chunk.get("choices") or []:
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                first = first or time.perf_counter()
+                text.append(content)
+        usage = chunk.get("usage") or usage
     end = time.perf_counter()
     details = usage.get("prompt_tokens_details") or {}
     return {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import statistics
 import time
@@ -12,7 +11,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvserve.engine.phases import PHASES
-from kvserve.eval.client import Setting, metric_sum
+from kvserve.eval.client import Setting, metric_sum, stream_chunks
 
 
 @dataclass
@@ -37,17 +36,11 @@ async def _one(
     start = time.perf_counter()
     first = None
     output_tokens = 0
-    async with client.stream("POST", url + "/v1/completions", json=body, headers=setting.headers()) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{url} answered {response.status_code}: {(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            if chunk.get("choices") and chunk["choices"][0].get("text") and first is None:
-                first = time.perf_counter()
-            if chunk.get("usage"):
-                output_tokens = chunk["usage"]["completion_tokens"]
+    async for chunk in stream_chunks(client, url, "/v1/completions", body, setting):
+        if chunk.get("choices") and chunk["choices"][0].get("text") and first is None:
+            first = time.perf_counter()
+        if chunk.get("usage"):
+            output_tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
     first = end if first is None else first
     return RequestTiming(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
@@ -43,6 +44,19 @@ class Setting:
         if self.span != 1:
             headers["x-kv-span"] = str(self.span)
         return headers
+
+
+async def stream_chunks(
+    client: httpx.AsyncClient, url: str, path: str, body: dict, setting: Setting
+) -> AsyncIterator[dict]:
+    """POST a streaming request with the setting's headers and yield each server-sent event's JSON chunk (the
+    benchmarks time the first text and read the usage of the last one)."""
+    async with client.stream("POST", url + path, json=body, headers=setting.headers()) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url} answered {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[len("data: ") :])
 
 
 def settings(
