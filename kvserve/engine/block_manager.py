@@ -167,15 +167,13 @@ class EvictingFullAttentionManager(FullAttentionManager):
         if apply_admission_cap:  # the whole-sequence admission check; the step's own allocation adds the spares
             return needed
         spare = self._spare_blocks(request_id, num_tokens, new_computed_blocks)
-        room = min(
-            self.block_pool.get_num_free_blocks() - needed,
-            self.max_blocks_per_request - cdiv(num_tokens, self.block_size),
-        )
+        row_room = self.max_blocks_per_request - cdiv(num_tokens, self.block_size)
+        room = min(self.block_pool.get_num_free_blocks() - needed, row_room)
         if 0 <= room < spare and self.publishes(request_id):
             self._stop_publishing(request_id)
             spare = self._spare_blocks(request_id, num_tokens, new_computed_blocks)
         # beyond a row's width no spare fits: a compaction short of pages fails its request with the reason
-        spare = min(spare, max(self.max_blocks_per_request - cdiv(num_tokens, self.block_size), 0))
+        spare = min(spare, max(row_room, 0))
         self.spare[request_id] = spare
         # the spares are whole blocks past the tokens' (allocate_new_blocks adds them the same way)
         return needed if not spare else blocks_for(num_tokens + spare * self.block_size)

@@ -187,8 +187,12 @@ class HeadPages:
         self.lens = new_lens
         return pages * bs + positions % bs
 
+    def _unavailable(self) -> np.ndarray:
+        """[blocks, L, H]: pages no list may take (in use, or in a protected block)."""
+        return self.used | self.protected[:, None, None]
+
     def _take(self, layer: int, head: int) -> int:
-        taken = self.used | self.protected[:, None, None]
+        taken = self._unavailable()
         free = np.flatnonzero(~taken[:, layer, head])
         if free.size:
             index = (int(free[0]), layer, head)
@@ -276,7 +280,7 @@ class HeadPages:
 
     def _take_in(self, blocks: list[int], layer: int, head: int) -> int:
         """A free page among `blocks` (indices), its own column first."""
-        candidates = self.used[blocks] | self.protected[blocks][:, None, None]
+        candidates = self._unavailable()[blocks]
         free = np.flatnonzero(~candidates[:, layer, head])
         if free.size:
             index = (blocks[int(free[0])], layer, head)

@@ -46,6 +46,11 @@ from kvserve.parallelism import parallelism_refusal
 logger = init_logger(__name__)
 
 
+def _is_decode(request: Request, logical: int, num_new: int) -> bool:
+    """Whether a step of `num_new` tokens that ends at `logical` tokens is a decode step (one generated token)."""
+    return num_new == 1 and logical - 1 >= request.num_prompt_tokens
+
+
 class EvictingScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -123,13 +128,11 @@ class EvictingScheduler(Scheduler):
         for req_id, num_new in output.num_scheduled_tokens.items():
             request = self.requests[req_id]
             logical = request.num_computed_tokens  # already advanced past this step by the base scheduler
-            is_decode = num_new == 1 and logical - 1 >= request.num_prompt_tokens
+            is_decode = _is_decode(request, logical, num_new)
             decoding += is_decode
-            config = self.kv_configs.get(req_id)
-            if config is None:
+            if req_id not in self.kv_configs:
                 continue
-            cached = self.evicting_manager.longest_list(req_id, logical)
-            keep = self._keep_tokens(config, cached, is_decode, logical >= request.num_tokens, req_id)
+            cached, keep = self._compaction_at(req_id, logical, is_decode)
             if keep is not None:
                 plan[req_id] = Compaction(
                     keep,
@@ -168,10 +171,16 @@ class EvictingScheduler(Scheduler):
         """What `_keep_tokens` will decide for a step that ends at `num_tokens` logical tokens, asked while the step
         is allocated (before the scheduler advances the request): the block manager adds the spare blocks a
         compaction's copies need to that same allocation."""
-        request, config = self.requests[req_id], self.kv_configs[req_id]
-        is_decode = num_tokens - request.num_computed_tokens == 1 and num_tokens - 1 >= request.num_prompt_tokens
-        cached = self.evicting_manager.longest_list(req_id, num_tokens)
-        return self._keep_tokens(config, cached, is_decode, num_tokens >= request.num_tokens, req_id)
+        request = self.requests[req_id]
+        is_decode = _is_decode(request, num_tokens, num_tokens - request.num_computed_tokens)
+        return self._compaction_at(req_id, num_tokens, is_decode)[1]
+
+    def _compaction_at(self, req_id: str, logical: int, is_decode: bool) -> tuple[int, int | None]:
+        """For a step that ends at `logical` tokens: (entries in the longest list then, entries it compacts to or
+        None). One rule for the plan and for the allocation that must hold the plan's spare blocks."""
+        cached = self.evicting_manager.longest_list(req_id, logical)
+        prompt_done = logical >= self.requests[req_id].num_tokens
+        return cached, self._keep_tokens(self.kv_configs[req_id], cached, is_decode, prompt_done, req_id)
 
     def _schedule_without_in_flight(self, *args, **kwargs):
         """vLLM's schedule, with the evicting requests that are in an unfinished batch out of its sight: vLLM keeps
