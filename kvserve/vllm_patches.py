@@ -242,7 +242,10 @@ def _patch_input_validation() -> None:
         if isinstance(params, SamplingParams):
             try:
                 config = parse_kv_config(params.extra_args)
-                check_against_model(config, self.model_config.model, self.model_config.max_model_len)
+                served = check_against_model(config, self.model_config, params.extra_args)
+                if served is not config:  # the server's default eviction, on a model that cannot evict: said here,
+                    # so that the engine's processes (which read the same defaults) serve it as asked
+                    params.extra_args = {**(params.extra_args or {}), "kv_policy": served.policy}
             except InvalidSetting as exc:
                 raise VLLMValidationError(str(exc), parameter=exc.field) from exc
         return original(self, params, *args, **kwargs)

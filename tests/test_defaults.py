@@ -71,20 +71,50 @@ def test_serve_preloads_tcmalloc_when_installed_else_caps_glibcs_mmap_threshold(
 
 def test_default_model_is_served_by_its_name_unless_told(monkeypatch, tmp_path):
     import kvserve.model
+    from kvserve.server.launch import parse_serve_args
 
     monkeypatch.setattr(kvserve.model, "ensure_default_model", lambda: tmp_path / "cache" / "SmolLM2-135M-Instruct")
+    args = parse_serve_args(["--port", "8000", "--dtype", "float32"])
+    assert args.model == str(tmp_path / "cache" / "SmolLM2-135M-Instruct")
+    assert args.served_model_name == ["SmolLM2-135M-Instruct"]
+    assert parse_serve_args(["--served-model-name", "mine"]).served_model_name == ["mine"]
+    args = parse_serve_args(["/models/other", "--dtype", "float32"])  # a model the user names keeps vLLM's naming
+    assert args.model == "/models/other" and args.served_model_name is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["/models/other", "--port", "8014"],
+        ["--port", "8014", "/models/other", "--dtype", "float32"],  # after a flag's value, as `vllm serve` takes it
+        ["--enforce-eager", "/models/other"],  # after a flag without a value
+        ["--model", "/models/other", "--port", "8014"],
+        ["/models/other", "--model=/models/other"],  # the same model twice is one model
+    ],
+)
+def test_the_server_serves_the_model_it_is_given_wherever_it_stands(monkeypatch, argv):
+    import kvserve.model
+    from kvserve.server.launch import parse_serve_args
+
+    monkeypatch.setattr(kvserve.model, "ensure_default_model", lambda: pytest.fail("the default model was chosen"))
+    assert parse_serve_args(argv).model == "/models/other"
+
+
+def test_two_different_models_are_refused():
+    from kvserve.server.launch import parse_serve_args
+
+    with pytest.raises(SystemExit, match="two models given"):
+        parse_serve_args(["/models/one", "--port", "8014", "--model", "/models/two"])
+
+
+def test_the_cli_passes_the_model_to_the_server_wherever_it_stands(monkeypatch):
     monkeypatch.setattr(cli.os, "environ", {})  # serve() sets the server's environment in its own process
     monkeypatch.setattr(cli.os, "execve", lambda path, command, environ: captured.update(command=command))
     captured: dict = {}
-    cli.serve(["--port", "8000", "--dtype", "float32"])
+    cli.serve(["--port", "8014", "--kv-budget", "64", "/models/other", "--kv-policy", "h2o", "--dtype", "float32"])
     command = captured["command"]
-    assert command[command.index("--model") + 1] == str(tmp_path / "cache" / "SmolLM2-135M-Instruct")
-    assert command[command.index("--served-model-name") + 1] == "SmolLM2-135M-Instruct"
-    cli.serve(["--served-model-name", "mine", "--dtype", "float32"])
-    assert [arg for arg in captured["command"] if arg == "--served-model-name"] == ["--served-model-name"]
-    assert "mine" in captured["command"]
-    cli.serve(["/models/other", "--dtype", "float32"])  # a model the user names keeps vLLM's naming
-    assert "--served-model-name" not in captured["command"]
+    assert command[1:3] == ["-m", "kvserve.server.launch"]
+    assert "/models/other" in command and "--kv-policy" not in command  # kvserve's own flags stay here
 
 
 def test_serve_help_lists_kvserves_flags_before_vllms():

@@ -12,6 +12,9 @@ and prints each setting's numbers and its ratio to vanilla's.
     # without eviction, budgets compressing 4x, 8x and 16x; writes a plot
     python -m kvserve.bench capacity --decode-heavy --plot docs/eval/capacity-decode-heavy.png
 
+    # a hybrid local/global model (tiny random weights, Gemma 3's 5:1 pattern): eviction on its global layers only
+    python -m kvserve.bench capacity --model tiny:gemma3 --num-blocks 96 --prompts 8 --prompt-tokens 3000
+
     # overhead: kvserve with policy full, and with scoring on but a budget above every sequence, vs vanilla
     python -m kvserve.bench overhead --prompts 8 --prompt-tokens 3000
 
@@ -236,7 +239,12 @@ def main(argv: list[str] | None = None) -> None:
         prog="kvserve bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("command", choices=("capacity", "overhead"))
-    parser.add_argument("--model", default=str(default_model_dir()))
+    parser.add_argument(
+        "--model",
+        default=str(default_model_dir()),
+        help="a model folder, or tiny:ARCH for a tiny random-weight model (kvserve/bench/tiny_models.py), e.g. "
+        "tiny:gemma3 (hybrid: 10 sliding-window layers, 2 global)",
+    )
     parser.add_argument("--prompts", type=int, default=8, help="requests, all sent at once")
     parser.add_argument("--prompt-tokens", type=int, default=3000)
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
@@ -273,6 +281,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--plot", default=None, help="capacity: PNG of throughput and peak concurrency vs budget")
     args = parser.parse_args(argv)
+    if args.model.startswith("tiny:"):
+        from kvserve.bench.tiny_models import tiny_model
+
+        args.model = str(tiny_model(args.model.removeprefix("tiny:")))
     if args.decode_heavy:
         apply_decode_heavy(args, argv)
         args.ceiling = True
@@ -329,7 +341,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.plot:
         plot(results, args.prompt_tokens, args.plot)
     if args.out:
-        recorded = {**vars(args), "model": Path(args.model).name}  # no machine paths in published results
+        # no machine paths in published results: files by name only
+        recorded = {
+            **vars(args),
+            **{key: Path(getattr(args, key)).name for key in ("model", "out", "plot") if getattr(args, key)},
+        }
         Path(args.out).write_text(json.dumps({"command": args.command, "args": recorded, "results": results}, indent=1))
 
 

@@ -24,7 +24,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 from kvserve.engine import phases
 from kvserve.engine.cache_layout import cpu_views, stage_pages
 from kvserve.engine.eviction import after_attention, pseudo_queries, relocate_protected
-from kvserve.engine.step import StepPages, current_step, layer_index, refuse_unpaged_features
+from kvserve.engine.step import StepPages, current_step, layer_index, pages_this_layer
 
 
 class KVServeAttentionImpl(CPUAttentionBackendImpl):
@@ -55,13 +55,13 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
             kv_sharing_target_layer_name,
             sinks,
         )
-        refuse_unpaged_features(self, "KVSERVE_ATTENTION=vllm", kv_sharing_target_layer_name)
+        self.paged = pages_this_layer(self, "KVSERVE_ATTENTION=vllm", kv_sharing_target_layer_name)
 
     def do_kv_cache_update(
         self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         step = current_step()
-        if step is None or self.attn_type != AttentionType.DECODER:  # a dummy run: vLLM's own slots
+        if step is None or not self.paged:  # a dummy run, or a layer that stays vLLM's: vLLM's own slots
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         pages = step.pages
         tokens = pages.num_tokens
@@ -83,7 +83,7 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
     ) -> torch.Tensor:
         step = current_step()
-        if step is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
+        if step is None or attn_metadata is None or not self.paged:
             return super().forward(
                 layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
             )

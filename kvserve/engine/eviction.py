@@ -212,7 +212,7 @@ def _move(
     else:  # a merging policy rewrote the kept entries and their statistics
         write_lists(cache, table, selection.keys, selection.values)
         layer.stats = selection.stats or {name: stat.gather(1, keep) for name, stat in obs.stats.items()}
-    model_layer = str(layer_idx + plan.state.pages.layout.first_layer)
+    model_layer = str(plan.state.pages.layout.model_layer(layer_idx))
     metrics().kept_entries.labels(layer=model_layer, allocation=plan.state.config.allocation).inc(int(counts.sum()))
     kept_here = torch.arange(width, device=counts.device)[None, :] < counts[:, None]
     # what was kept, on the host with the page lists (a no-op on CPU)

@@ -69,7 +69,7 @@ def gated_layer_step(
     valid = valid_mask(layer, lengths)
     in_prompt = query_positions < runtime.prompt_len
     if bool(in_prompt[0]):  # a prompt chunk: the gate judges its tokens (every list got them appended)
-        model_layer = layer_idx + state.pages.layout.first_layer  # the gates are trained per model layer
+        model_layer = state.pages.layout.model_layer(layer_idx)  # the gates are trained per model layer
         flags, layer.gate_past = state.policy.gate_flags(
             runtime.gates[model_layer], queries, query_positions, runtime.rope_theta, layer.gate_past
         )

@@ -23,7 +23,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 from kvserve import kernel_dispatch
 from kvserve.engine.cache_layout import flash_views, write_slots
 from kvserve.engine.eviction import after_attention, pseudo_queries, relocate_protected
-from kvserve.engine.step import current_step, layer_index, refuse_unpaged_features
+from kvserve.engine.step import current_step, layer_index, pages_this_layer
 from kvserve.kernel_dispatch import ATTENTION_ENV
 from kvserve.policies.base import PassStatistics
 
@@ -56,8 +56,8 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
             kv_sharing_target_layer_name,
             sinks,
         )
-        refuse_unpaged_features(self, f"{ATTENTION_ENV}=kernels", kv_sharing_target_layer_name)
-        if self.logits_soft_cap:
+        self.paged = pages_this_layer(self, f"{ATTENTION_ENV}=kernels", kv_sharing_target_layer_name)
+        if self.paged and self.logits_soft_cap:
             raise RuntimeError(
                 f"{ATTENTION_ENV}=kernels does not support logit soft-capping (this model uses it); "
                 f"run with {ATTENTION_ENV}=vllm"
@@ -66,6 +66,8 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
     def do_kv_cache_update(
         self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
+        if not self.paged:  # a layer that stays vLLM's (a model that does not evict, a sliding-window layer)
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         step = current_step()
         if step is None:  # a dummy run: its output is thrown away, and nothing reads what it would write
             return
@@ -85,6 +87,8 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
     ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise RuntimeError(f"{ATTENTION_ENV}=kernels does not fuse output quantisation")
+        if not self.paged:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
         step = current_step()
         if attn_metadata is None or step is None:  # warm-up or a dummy run: nothing reads this output
             output.zero_()

@@ -33,13 +33,26 @@ class PageLayout:
     num_blocks: int
     num_heads: int  # KV heads per layer
     block_size: int
-    # The model layer of this worker's first cache layer: a pipeline stage holds layers first_layer .. + num_layers.
+    # Paged layers are counted over the model's paged layers only (all layers, or a hybrid model's full-attention
+    # layers): this worker's first one is paged layer `first_layer` (> 0 on a later pipeline stage).
     first_layer: int = 0
-    model_layers: int = 0  # layers of the whole model, on every stage (0: this worker's layers are all of them)
+    model_layers: int = 0  # paged layers of the whole model, on every stage (0: this worker's are all of them)
+    # the model layer index of each of this worker's paged layers (empty: first_layer, first_layer + 1, ...)
+    model_layer_ids: tuple[int, ...] = ()
 
     @property
     def total_layers(self) -> int:
         return self.model_layers or self.first_layer + self.num_layers
+
+    def local_index(self, model_layer: int) -> int:
+        """This worker's cache position of a model layer (which must be paged)."""
+        if not self.model_layer_ids:
+            return model_layer - self.first_layer
+        return self.model_layer_ids.index(model_layer)
+
+    def model_layer(self, local: int) -> int:
+        """The model layer index of this worker's cache position `local`."""
+        return self.model_layer_ids[local] if self.model_layer_ids else self.first_layer + local
 
     @property
     def pages_per_block(self) -> int:

@@ -38,6 +38,7 @@ from kvserve.engine.request_state import GateRuntime, RequestState
 from kvserve.engine.stages import StageLink, pipeline_group
 from kvserve.engine.step import RowPlan, StepContext, StepPages, current_step, set_step
 from kvserve.errors import InvalidSetting
+from kvserve.model_support import eviction_support, paged_group
 
 
 class EvictionBook:
@@ -53,6 +54,8 @@ class EvictionBook:
         self.pages: torch.Tensor | None = None  # the page view of the whole KV buffer
         self.link: StageLink | None = None  # pipeline parallelism: this stage's link to its neighbours
         self.pipeline_checked = False
+        self.vanilla = False  # this model cannot evict: kvserve leaves every step to vLLM
+        self.group = 0  # the KV-cache group whose blocks hold head pages (a hybrid model's full-attention layers)
 
     def pipeline_link(self) -> StageLink | None:
         if not self.pipeline_checked:
@@ -61,15 +64,28 @@ class EvictionBook:
             self.pipeline_checked = True
         return self.link
 
-    def attach_cache(self, runner) -> None:
-        """Check the KV cache against the page contract (once, at the first step) and view it as pages."""
-        if self.layout is None:
-            layer_names = [name for group in runner.kv_cache_config.kv_cache_groups for name in group.layer_names]
-            first_layer = min(extract_layer_index(name) for name in layer_names)  # > 0 on a later pipeline stage
-            layout = check_cache_contract(list(runner.kv_caches), first_layer)
-            model_layers = runner.model_config.get_total_num_hidden_layers()
-            self.layout = dataclasses.replace(layout, model_layers=model_layers)
-            self.pages = page_view(list(runner.kv_caches), self.layout)
+    def attach_cache(self, runner) -> bool:
+        """Check the paged group's KV cache against the page contract (once, at the first step) and view it as
+        pages. False when this model does not evict (`kvserve/model_support.py`): every layer stays vLLM's."""
+        if self.layout is None and not self.vanilla:
+            support = eviction_support(runner.model_config)
+            group = paged_group(runner.kv_cache_config, support)
+            if group is None:
+                self.vanilla = True
+                return False
+            self.group = group
+            names = sorted(runner.kv_cache_config.kv_cache_groups[group].layer_names, key=extract_layer_index)
+            caches = _caches_by_layer(runner)
+            model_layers = tuple(extract_layer_index(name) for name in names)
+            layout = check_cache_contract([caches[index] for index in model_layers])
+            self.layout = dataclasses.replace(
+                layout,
+                first_layer=support.paged_layers.index(model_layers[0]),  # > 0 on a later pipeline stage
+                model_layers=len(support.paged_layers),
+                model_layer_ids=model_layers,
+            )
+            self.pages = page_view([caches[index] for index in model_layers], self.layout)
+        return not self.vanilla
 
     def state_for(self, req_id: str, runner) -> RequestState | None:
         if req_id in self.requests:
@@ -100,6 +116,15 @@ class EvictionBook:
         self.requests.pop(req_id, None)
         self.not_evicting.discard(req_id)
         self.released.pop(req_id, None)
+
+
+def _caches_by_layer(runner) -> dict[int, torch.Tensor]:
+    """This worker's KV caches by model layer (vLLM lists `runner.kv_caches` in layer order over every group)."""
+    groups = runner.kv_cache_config.kv_cache_groups
+    names = sorted((name for group in groups for name in group.layer_names), key=extract_layer_index)
+    if len(names) != len(runner.kv_caches):
+        raise RuntimeError(f"kvserve: {len(names)} attention layers but {len(runner.kv_caches)} KV caches")
+    return {extract_layer_index(name): cache for name, cache in zip(names, runner.kv_caches, strict=True)}
 
 
 def _gate_runtime(runner, req_state) -> GateRuntime:
@@ -139,11 +164,11 @@ def before_update_states(runner, scheduler_output) -> None:
         if req_state is None:
             continue
         gone = set(released)
-        kept = [block for block in req_state.block_ids[0] if block not in gone]
-        req_state.block_ids[0][:] = kept
+        kept = [block for block in req_state.block_ids[book.group] if block not in gone]
+        req_state.block_ids[book.group][:] = kept
         row = runner.input_batch.req_id_to_index.get(req_id)
         if row is not None:
-            table = runner.input_batch.block_table[0]
+            table = runner.input_batch.block_table[book.group]
             table.block_table.np[row, : table.num_blocks_per_row[row]] = 0
             table.block_table.np[row, : len(kept)] = kept
             table.num_blocks_per_row[row] = len(kept)
@@ -160,7 +185,8 @@ def before_update_states(runner, scheduler_output) -> None:
 def after_prepare_inputs(runner, scheduler_output, num_scheduled_tokens: np.ndarray) -> None:
     """Append this step's tokens to the evicting requests' page lists and publish the step's page tables."""
     book = book_of(runner)
-    book.attach_cache(runner)
+    if not book.attach_cache(runner):
+        return
     num_reqs = runner.input_batch.num_reqs
     compactions = compactions_of(scheduler_output)
     query_starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens[:num_reqs])])
@@ -170,7 +196,7 @@ def after_prepare_inputs(runner, scheduler_output, num_scheduled_tokens: np.ndar
         state = book.state_for(req_id, runner)
         if state is None:
             continue
-        block_ids = runner.requests[req_id].block_ids[0]
+        block_ids = runner.requests[req_id].block_ids[book.group]
         computed = int(runner.input_batch.num_computed_tokens_cpu[row])
         if computed and not state.pages.blocks:  # its first step starts from a prefix-cache hit
             state.pages.adopt_prefix(block_ids, computed)
@@ -212,7 +238,7 @@ def _step_pages(
     requests that do not evict, from their own lists for those that do."""
     layout = book.layout
     num_layers, num_heads, bs = layout.num_layers, layout.num_heads, layout.block_size
-    block_table = runner.input_batch.block_table[0]
+    block_table = runner.input_batch.block_table[book.group]
     vllm_width = max(int(block_table.num_blocks_per_row[:num_reqs].max(initial=0)), 1)
     width = max([vllm_width] + [plan.state.pages.table.shape[2] for plan in rows])
     blocks = torch.from_numpy(block_table.block_table.np[:num_reqs, :vllm_width]).long()

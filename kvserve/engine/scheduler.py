@@ -41,9 +41,10 @@ from kvserve.engine.plan import (
 )
 from kvserve.errors import InvalidSetting
 from kvserve.metrics import metrics
+from kvserve.model_support import eviction_support, paged_group
 from kvserve.parallelism import parallelism_refusal
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format, INFO shown
 
 
 def _is_decode(request: Request, logical: int, num_new: int) -> bool:
@@ -60,30 +61,30 @@ class EvictingScheduler(Scheduler):
             raise RuntimeError(refusal)
         if self.vllm_config.speculative_config is not None:
             raise RuntimeError("kvserve eviction does not support speculative decoding (drafts would be compacted)")
-        managers = self.kv_cache_manager.coordinator.single_type_managers
-        if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
-            raise RuntimeError(
-                "kvserve evicts from one full-attention KV-cache group; this model has "
-                f"{[type(m).__name__ for m in managers]}"
-            )
-        # The manager is built deep inside KVCacheManager; swap its class rather than re-implementing the factory.
-        group = self.kv_cache_config.kv_cache_groups[0]  # one full-attention group, checked above
+        self.support = eviction_support(self.vllm_config.model_config)
+        group_index = paged_group(self.kv_cache_config, self.support)
         self.pipeline_stages = self.vllm_config.parallel_config.pipeline_parallel_size
-        # the scheduler's cache config is the first stage's: under pipeline parallelism it names that stage's layers
-        layers = (
-            len(group.layer_names)
-            if self.pipeline_stages == 1
-            else self.vllm_config.model_config.get_total_num_hidden_layers()
-        )
-        self.pages_per_block = layers * group.kv_cache_spec.num_kv_heads
-        managers[0].__class__ = EvictingFullAttentionManager
-        managers[0].init_eviction_state(
-            self.pages_per_block, self.requests, self._keep_after, cdiv(self.max_model_len, self.block_size)
-        )
-        self.evicting_manager: EvictingFullAttentionManager = managers[0]
+        self.evicting_manager: EvictingFullAttentionManager | None = None
+        model = self.vllm_config.model_config.served_model_name
+        if group_index is None:
+            logger.warning("kvserve: %s: %s; eviction requests get HTTP 400", model, self.support.describe())
+        else:
+            logger.info("kvserve: %s %s", model, self.support.describe())
+            # The manager is built deep inside KVCacheManager; swap its class rather than re-implementing the factory.
+            manager = self.kv_cache_manager.coordinator.single_type_managers[group_index]
+            if type(manager) is not FullAttentionManager:
+                raise RuntimeError(f"kvserve: the paged KV-cache group has a {type(manager).__name__}")
+            spec = self.kv_cache_config.kv_cache_groups[group_index].kv_cache_spec
+            # pages per block over every pipeline stage (the scheduler's cache config names the first stage's layers)
+            self.pages_per_block = len(self.support.paged_layers) * spec.num_kv_heads
+            manager.__class__ = EvictingFullAttentionManager
+            manager.init_eviction_state(
+                self.pages_per_block, self.requests, self._keep_after, cdiv(self.max_model_len, self.block_size)
+            )
+            self.evicting_manager = manager
+            self.bytes_per_block = spec.page_size_bytes * len(self.support.paged_layers)
         self.kv_configs: dict[str, KVConfig] = {}
         self.reported_evicted: dict[str, int] = {}  # req id -> the evicted count its outputs last carried
-        self.bytes_per_block = group.kv_cache_spec.page_size_bytes * layers
         self.in_flight: set[str] = set()  # evicting requests in a batch whose output has not come back
         self.releases: dict[str, tuple[int, ...]] = {}  # blocks given back, for the earlier pipeline stages
         # Capacity statistics: most requests in the running queue, and most requests decoding in one step (a
@@ -95,7 +96,14 @@ class EvictingScheduler(Scheduler):
     def add_request(self, request: Request) -> None:
         if request.request_id not in self.requests and request.sampling_params is not None:
             config = self._config_of(request)
-            if config.evicts:
+            if config.evicts and self.evicting_manager is None:
+                # the front ends answer 400 before a request gets here (`check_against_model`)
+                logger.error(
+                    "request %s asks for eviction, which this model lacks (%s): served without eviction",
+                    request.request_id,
+                    self.support.reason,
+                )
+            elif config.evicts:
                 self.kv_configs[request.request_id] = config
                 sharing = config.prefix_sharing()
                 if not sharing.reads:
@@ -158,13 +166,15 @@ class EvictingScheduler(Scheduler):
         policy reads (`Policy.prompt_queries_read`), in whole blocks: its statistics then come from the cached keys
         plus queries it computes itself, and it keeps what it keeps on a miss. vLLM counts the cut hit."""
         blocks, hit, boundary, diverged = super()._get_local_prefix_cache_hit(request)
-        sharing = self.evicting_manager.sharing.get(request.request_id)
+        sharing = None if self.evicting_manager is None else self.evicting_manager.sharing.get(request.request_id)
         if sharing is None or hit == 0:
             return blocks, hit, boundary, diverged
         limit = max(min(hit, request.num_tokens - sharing.computed_tail), 0) // self.block_size * self.block_size
         if limit < hit:
-            kept = limit // self.block_size
-            blocks = self.kv_cache_manager.create_kv_cache_blocks(tuple(list(group[:kept]) for group in blocks.blocks))
+            # looked up again rather than sliced: a sliding-window group's hit holds only the blocks of the window
+            # before ITS end, which a shorter hit moves
+            found, limit, _ = self.kv_cache_manager.coordinator.find_longest_cache_hit(request.block_hashes, limit)
+            blocks = self.kv_cache_manager.create_kv_cache_blocks(found)
         return blocks, limit, boundary, diverged
 
     def _keep_after(self, req_id: str, num_tokens: int) -> int | None:
@@ -225,6 +235,10 @@ class EvictingScheduler(Scheduler):
         # is named for grammar failures but is its generic "fail these requests" hook.
         self.grammar_compile_error_reqs.update(req_id for req_id in failures if req_id in self.requests)
         manager = self.evicting_manager
+        if manager is None:  # this model does not evict
+            result = super().update_from_output(scheduler_output, model_runner_output)
+            self._report_evicted_counts(result, failures)
+            return result
         reports = page_reports_of(model_runner_output)
         for req_id in compactions_of(scheduler_output):
             request = self.requests.get(req_id)
@@ -261,7 +275,7 @@ class EvictingScheduler(Scheduler):
         error output of a request whose policy raised this step says why (vLLM builds it without transfer params)."""
         for engine_outputs in outputs_by_client.values():
             for output in engine_outputs.outputs:
-                evicted = self.evicting_manager.evicted_tokens(output.request_id)
+                evicted = self._evicted_tokens(output.request_id)
                 failure = failures.get(output.request_id)
                 if output.kv_transfer_params is not None or (
                     failure is None and evicted == self.reported_evicted.get(output.request_id)
@@ -272,17 +286,21 @@ class EvictingScheduler(Scheduler):
         for req_id in failures:  # finished with FINISHED_ERROR in this update: _free_request ran before the loop
             self.reported_evicted.pop(req_id, None)
 
+    def _evicted_tokens(self, request_id: str) -> int:
+        return 0 if self.evicting_manager is None else self.evicting_manager.evicted_tokens(request_id)
+
     def _preempt_request(self, request: Request, *args, **kwargs) -> None:
         self.num_preemptions += 1
         super()._preempt_request(request, *args, **kwargs)
 
     def _free_request(self, request: Request, *args, **kwargs):
         config = self.kv_configs.pop(request.request_id, None)
-        evicted = self.evicting_manager.evicted_tokens(request.request_id)
+        evicted = self._evicted_tokens(request.request_id)
         if config is not None and request.num_computed_tokens > 0:
             kept = request.num_computed_tokens - evicted
             metrics().kept_ratio.labels(policy=config.policy).observe(kept / request.num_computed_tokens)
-        self.evicting_manager.forget(request.request_id)
+        if self.evicting_manager is not None:
+            self.evicting_manager.forget(request.request_id)
         self.in_flight.discard(request.request_id)
         self.releases.pop(request.request_id, None)
         kv_transfer_params, ec_transfer_params = super()._free_request(request, *args, **kwargs)

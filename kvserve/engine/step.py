@@ -22,8 +22,8 @@ from kvserve.engine.request_state import RequestState
 
 
 def layer_index(layer, layout: PageLayout) -> int:
-    """The position of an attention layer's cache in this worker's page view: its model layer (parsed from its name
-    once and kept on it) less the first layer this worker holds (a later pipeline stage starts past 0)."""
+    """The position of an attention layer's cache in this worker's page view, from its model layer (parsed from its
+    name once and kept on it): a later pipeline stage starts past 0, a hybrid model pages only some layers."""
     index = getattr(layer, "_kvserve_layer_idx", None)
     if index is None:
         # vLLM is imported where it is used, here and below, so that the scoring path (this module, eviction, pages)
@@ -31,27 +31,37 @@ def layer_index(layer, layout: PageLayout) -> int:
         from vllm.model_executor.models.utils import extract_layer_index
 
         index = layer._kvserve_layer_idx = extract_layer_index(layer.layer_name)
-    return index - layout.first_layer
+    return layout.local_index(index)
 
 
-def refuse_unpaged_features(impl, mode: str, kv_sharing_target_layer_name: str | None) -> None:
-    """Features whose per-query-head or per-sequence parameters the pseudo-sequence call cannot carry."""
+def pages_this_layer(impl, mode: str, kv_sharing_target_layer_name: str | None) -> bool:
+    """Whether this attention layer's cache is head pages (read and written by kvserve) or stays vLLM's (a model
+    that does not evict; a hybrid model's sliding-window layer). Read at model construction, where vLLM's config of
+    the engine being built is current."""
+    from vllm.config import get_current_vllm_config
     from vllm.v1.attention.backend import AttentionType
 
+    from kvserve.model_support import eviction_support
+
+    support = eviction_support(get_current_vllm_config().model_config)
+    if not support.evicts or impl.sliding_window != -1:
+        return False
+    # features whose per-query-head or per-sequence parameters the pseudo-sequence call cannot carry
     unsupported = {
         "attention type other than decoder": impl.attn_type != AttentionType.DECODER,
         "ALiBi": impl.alibi_slopes is not None,
-        "sliding window": impl.sliding_window != -1,
         "attention sinks": impl.sinks is not None,
         "quantised KV cache": impl.is_fp8_kv_cache,
         "KV sharing between layers": kv_sharing_target_layer_name is not None,
     }
     refused = [name for name, present in unsupported.items() if present]
-    if refused:
+    if refused:  # the config reading said this model evicts: it is wrong about this model, so fail loudly
         raise RuntimeError(
-            f"kvserve's head-granular pages ({mode}) do not support {', '.join(refused)} (this model "
-            "uses it); run vanilla vLLM (VLLM_PLUGINS without 'kvserve')"
+            f"kvserve's head pages ({mode}) do not support {', '.join(refused)}, which this model uses although "
+            f"kvserve read its config as one that {support.describe()}; run vanilla vLLM (VLLM_PLUGINS without "
+            "'kvserve') and report the model"
         )
+    return True
 
 
 @dataclass

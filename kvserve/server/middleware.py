@@ -4,8 +4,9 @@
 `"kv_budget": 256` (what OpenAI clients send as `extra_body`; vLLM would otherwise drop it with a log line). A
 setting given twice (header, top level, `vllm_xargs`) with different values is a conflict (400), never a silent
 choice. Every invalid setting gets HTTP 400 in OpenAI's error format, naming the field. Responses say what was
-applied in `x-kv-policy-applied`, `x-kv-budget-applied`, `x-kv-allocation-applied` and `x-kv-span-applied`, and how
-many tokens eviction removed in `usage.kv_tokens_evicted`.
+applied in `x-kv-policy-applied`, `x-kv-budget-applied`, `x-kv-allocation-applied`, `x-kv-span-applied` and
+`x-kv-layers-applied` (`all`, or the model layers that evict: a hybrid local/global model's full-attention layers,
+which B applies to), and how many tokens eviction removed in `usage.kv_tokens_evicted`.
 
 The plugin installs this middleware inside vLLM's own (`kvserve/vllm_patches.py`), so with `--api-key` an
 unauthenticated request gets vLLM's 401 before anything here reads it.
@@ -19,6 +20,7 @@ from typing import Any
 from kvserve.config import KEY_PREFIX, check_against_model, parse_kv_config
 from kvserve.engine.plan import EVICTED_KEY
 from kvserve.errors import InvalidSetting
+from kvserve.model_support import EvictionSupport, eviction_support
 from kvserve.server.evicted import EvictedTally, open_tally
 
 HEADER_PREFIX = b"x-kv-"
@@ -138,13 +140,17 @@ class KVHeadersMiddleware:
                 body = merge_into_body(body, header_xargs)
                 config = parse_kv_config(body.get("vllm_xargs"))
                 model_config = _model_config(scope)
+                layers = "all" if model_config is None else evicting_layers(eviction_support(model_config))
                 if model_config is not None:  # here, a streamed request still gets a 400 rather than an error event
-                    check_against_model(config, model_config.model, model_config.max_model_len)
+                    served = check_against_model(config, model_config, body.get("vllm_xargs"))
+                    if served is not config:  # the server's default eviction, on a model that cannot evict
+                        body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), "kv_policy": served.policy}
+                        config = served
                 raw = json.dumps(body).encode()
             elif header_xargs:
                 raise InvalidSetting("body", "x-kv-* headers need a JSON object body")
             else:
-                config = None
+                config, layers = None, "all"
         except InvalidSetting as exc:
             await _send_json(send, 400, error_body(exc.field, str(exc)))
             return
@@ -155,7 +161,12 @@ class KVHeadersMiddleware:
         )
         scope[HANDLED] = True
         tally = open_tally()
-        await self.app(scope, _replay(raw, receive), _with_applied_headers(send, config, tally))
+        await self.app(scope, _replay(raw, receive), _with_applied_headers(send, config, layers, tally))
+
+
+def evicting_layers(support: EvictionSupport) -> str:
+    """`x-kv-layers-applied`: `all`, or the model layers that evict (a hybrid model's full-attention layers)."""
+    return ",".join(str(layer) for layer in support.paged_layers) if support.hybrid else "all"
 
 
 def _model_config(scope):
@@ -188,7 +199,7 @@ def _replay(body: bytes, receive):
     return replay
 
 
-def _with_applied_headers(send, config, tally: EvictedTally):
+def _with_applied_headers(send, config, layers: str, tally: EvictedTally):
     """Say what was applied (headers) and what was evicted (usage block); on a 500 for a request whose policy failed,
     say which policy. A JSON body is buffered to rewrite it (it is small); a stream is rewritten event by event, and
     its start is held until its first event: vLLM validates some fields (logprobs, logit_bias, structured output)
@@ -212,6 +223,7 @@ def _with_applied_headers(send, config, tally: EvictedTally):
                 if config.evicts:  # what the server's defaults and the request made of these two
                     headers.append((b"x-kv-allocation-applied", config.allocation.encode()))
                     headers.append((b"x-kv-span-applied", str(config.span).encode()))
+                    headers.append((b"x-kv-layers-applied", layers.encode()))
             message = dict(message, headers=headers)
             content_type = dict((k.lower(), v) for k, v in headers).get(b"content-type", b"")
             if content_type.startswith(b"application/json") and message["status"] in (200, 500):
