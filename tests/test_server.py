@@ -162,8 +162,7 @@ def test_server_environment_guards_memory_and_long_steps(server):
     [api_server] = [
         p
         for p in psutil.process_iter(["cmdline"])
-        if "kvserve.server.launch" in " ".join(p.info["cmdline"] or [])
-        and port in (p.info["cmdline"] or [])
+        if "kvserve.server.launch" in " ".join(p.info["cmdline"] or []) and port in (p.info["cmdline"] or [])
     ]
     # the engine core and worker inherit it (their /proc environ is overwritten by vLLM's process titles)
     environment = api_server.environ()
