@@ -36,6 +36,9 @@ EXPECTED: dict[str, list[int] | str] = {
 }
 
 
+TIED_LOGITS = {"gpt_oss"}  # models whose greedy tokens are ties (see below); every other model's must be compared
+
+
 def test_the_matrix_covers_every_tiny_model():
     assert sorted(EXPECTED) == sorted(ARCHITECTURES)
 
@@ -70,7 +73,12 @@ def test_kvserve_serves_what_vanilla_vllm_serves_with_the_same_tokens(matrix, ar
     assert "start_error" not in vanilla, vanilla
     assert "start_error" not in kvserve, kvserve
     full, vanilla_full = kvserve["results"][0], vanilla["results"][0]
-    assert full["kv"] == {"kv_policy": "full"} and len(full["tokens"]) > 0
+    assert full["kv"] == {"kv_policy": "full"} and len(full["tokens"]) == len(vanilla_full["tokens"]) > 0
+    if vanilla_full["ties"] or full["ties"]:
+        # the tiny GPT-OSS: vLLM 0.32 gives its random weights uniform logits (every position a tie), so its greedy
+        # tokens are whichever tied index the argmax returns; nothing to compare beyond it serving
+        assert architecture in TIED_LOGITS, (vanilla_full, full)
+        return
     assert full["tokens"] == vanilla_full["tokens"]
     assert kvserve["free_after"] == kvserve["free_before"]
 
