@@ -6,7 +6,7 @@ noise, but it is deterministic noise: greedy decoding with the same cache gives 
 tests compare. Each uses the default model's tokenizer (so prompts and chat templates work) and 4 query / 2 KV
 heads of 64 dimensions.
 
-    python -m kvserve.bench.tiny_models gemma3 /tmp/gemma3   # prints the folder
+    python -m kvserve.bench.tiny_models gemma3 ./gemma3   # prints the folder (default: kvserve's cache)
 """
 
 from __future__ import annotations
