@@ -13,7 +13,8 @@ and prints each setting's numbers and its ratio to vanilla's.
     python -m kvserve.bench capacity --decode-heavy --plot docs/eval/capacity-decode-heavy.png
 
     # a hybrid local/global model (tiny random weights, Gemma 3's 5:1 pattern): eviction on its global layers only
-    python -m kvserve.bench capacity --model tiny:gemma3 --num-blocks 96 --prompts 8 --prompt-tokens 3000
+    python -m kvserve.bench capacity --model tiny:gemma3 --decode-heavy --prompt-tokens 3000 --num-blocks 90 \
+        --server-args "--max-num-batched-tokens 256"
 
     # overhead: kvserve with policy full, and with scoring on but a budget above every sequence, vs vanilla
     python -m kvserve.bench overhead --prompts 8 --prompt-tokens 3000

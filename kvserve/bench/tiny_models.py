@@ -1,7 +1,7 @@
 """Tiny random-weight models, one per attention variant, built from `transformers` configs with no download.
 
 They exist to check that kvserve serves every kind of model vanilla vLLM serves (tests/test_models.py) and to
-measure eviction on a hybrid local/global model (`kvserve bench capacity --model-kind gemma3`). Their text is
+measure eviction on a hybrid local/global model (`kvserve bench capacity --model tiny:gemma3`). Their text is
 noise, but it is deterministic noise: greedy decoding with the same cache gives the same tokens, which is what the
 tests compare. Each uses the default model's tokenizer (so prompts and chat templates work) and 4 query / 2 KV
 heads of 64 dimensions.

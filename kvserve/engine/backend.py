@@ -25,7 +25,7 @@ class KVServeAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         pages = type(kv_cache_spec) is FullAttentionSpec and eviction_support(vllm_config.model_config).evicts
-        if pages and self.isa not in SUPPORTED_ISAS or self.kv_cache_dtype != "auto":
+        if pages and (self.isa not in SUPPORTED_ISAS or self.kv_cache_dtype != "auto"):
             raise RuntimeError(
                 f"kvserve eviction supports the CPU cache layout of ISA {SUPPORTED_ISAS} with an unquantised cache; "
                 f"this engine would use ISA {self.isa!r} (head size {self.head_dim}, block size {self.block_size}) and "

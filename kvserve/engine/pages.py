@@ -65,9 +65,9 @@ class PageLayout:
         return (page // self.num_heads) % self.num_blocks
 
 
-def check_cache_contract(kv_caches: list[torch.Tensor], first_layer: int = 0) -> PageLayout:
-    """The layout the page view relies on, checked on the worker's real KV-cache tensors (in layer order, model
-    layers `first_layer ..`), or a RuntimeError that says which part of the contract this engine breaks."""
+def check_cache_contract(kv_caches: list[torch.Tensor]) -> PageLayout:
+    """The layout the page view relies on, checked on the worker's real KV-cache tensors of the paged layers (in
+    layer order), or a RuntimeError that says which part of the contract this engine breaks."""
     if not kv_caches:
         raise RuntimeError("kvserve head pages: the engine has no KV cache")
     first = kv_caches[0]
@@ -98,7 +98,7 @@ def check_cache_contract(kv_caches: list[torch.Tensor], first_layer: int = 0) ->
             "kvserve head pages need vLLM's CPU cache as one layer-outermost buffer (LBHNC); this "
             "engine's cache is not: " + "; ".join(problems[:3])
         )
-    return PageLayout(len(kv_caches), num_blocks, num_heads, block_size, first_layer)
+    return PageLayout(len(kv_caches), num_blocks, num_heads, block_size)
 
 
 def page_view(kv_caches: list[torch.Tensor], layout: PageLayout) -> torch.Tensor:
