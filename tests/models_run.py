@@ -9,6 +9,7 @@ Usage: python tests/models_run.py OUT.json ARCH [ARCH ...]
 
 import gc
 import json
+import math
 import os
 import sys
 
@@ -29,7 +30,11 @@ SETTINGS = [
 
 
 def _tied(logprobs: dict) -> bool:
-    best = sorted((entry.logprob for entry in logprobs.values()), reverse=True)
+    """No single best token here: the top two tie, or the logits are not finite numbers (NaN ranks nothing)."""
+    values = [entry.logprob for entry in logprobs.values()]
+    if not all(math.isfinite(value) for value in values):
+        return True
+    best = sorted(values, reverse=True)
     return len(best) > 1 and best[0] - best[1] < 1e-6
 
 
@@ -79,6 +84,11 @@ def run_model(architecture: str) -> dict:
                     # positions where greedy decoding had no single best token (a tie at the top): there the token
                     # is any of the tied ones, so runs may differ without a difference in the model's output
                     "ties": sum(_tied(position) for position in output.outputs[0].logprobs or []),
+                    # the first positions' top log-probabilities, for the failure message when tokens differ
+                    "top_logprobs": [
+                        sorted((entry.logprob for entry in position.values()), reverse=True)
+                        for position in (output.outputs[0].logprobs or [])[:3]
+                    ],
                 }
             )
         return {

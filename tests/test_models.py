@@ -79,7 +79,7 @@ def test_kvserve_serves_what_vanilla_vllm_serves_with_the_same_tokens(matrix, ar
         # tokens are whichever tied index the argmax returns; nothing to compare beyond it serving
         assert architecture in TIED_LOGITS, (vanilla_full, full)
         return
-    assert full["tokens"] == vanilla_full["tokens"]
+    assert full["tokens"] == vanilla_full["tokens"], (full, vanilla_full)
     assert kvserve["free_after"] == kvserve["free_before"]
 
 
