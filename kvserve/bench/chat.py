@@ -53,14 +53,21 @@ def conversation_texts(tokenizer, args: argparse.Namespace) -> tuple[str, list[l
     return document, users
 
 
-def small_pool_blocks(tokenizer, document: str, users: list[list[str]], args: argparse.Namespace) -> int:
-    """Blocks for exactly 2 conversations at their longest (the last turn's prompt plus its reply), without eviction."""
+def small_pool_blocks(tokenizer, document: str, users: list[list[str]], args: argparse.Namespace) -> tuple[int, int]:
+    """(pool, longest): the blocks of exactly 2 conversations at their longest (the last turn's prompt plus its
+    reply) without eviction, the document's complete blocks counted once (vLLM's prefix cache shares them between
+    conversations, so a pool sized without that holds about twice as many), and the blocks of one conversation."""
+
+    def tokens(messages: list[dict]) -> int:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
     messages = [{"role": "system", "content": document}]
+    shared = tokens(messages) // args.block_size
     for user in users[0]:
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": "x " * args.reply_tokens}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    longest = len(tokenizer.encode(text, add_special_tokens=False)) + TEMPLATE_MARGIN * len(messages)
-    return 2 * -(-longest // args.block_size)
+    longest = -(-(tokens(messages) + TEMPLATE_MARGIN * len(messages)) // args.block_size)
+    return shared + 2 * (longest - shared), longest
 
 
 async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict], args, setting: Setting, salt: str) -> dict:
@@ -339,8 +346,8 @@ def main(argv: list[str] | None = None) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     document, users = conversation_texts(tokenizer, args)
-    small_blocks = small_pool_blocks(tokenizer, document, users, args)
-    longest_tokens = small_blocks // 2 * args.block_size
+    small_blocks, longest_blocks = small_pool_blocks(tokenizer, document, users, args)
+    longest_tokens = longest_blocks * args.block_size
     engine_args = [
         "--served-model-name",
         SERVED_NAME,
