@@ -1,7 +1,8 @@
 """Shared fixtures: ONE in-process kvserve engine for the whole session, and vanilla vLLM in a subprocess.
 
 vLLM plugins patch process-wide state, so vanilla vLLM (the baseline) runs in its own process with
-VLLM_PLUGINS=none; it starts first and runs while this process builds the kvserve engine.
+VLLM_PLUGINS=none; it starts first and runs while this process builds the kvserve engine. Other engines the tests
+only read (tests/background.py) start once the tests are collected and run beside this process's tests.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from background import Background  # noqa: E402
 from engine_settings import engine_kwargs, find_state, in_process_env, keep_finished_states  # noqa: E402
 
 TESTS = Path(__file__).parent
@@ -46,6 +48,19 @@ def _import_triton_for_its_interpreter() -> None:
 _import_triton_for_its_interpreter()
 
 
+def _ask_for_amx_tiles() -> None:
+    """A process that calls vLLM's AMX ops itself (tests/test_head_pages.py, the in-process engine on bf16) must first
+    ask Linux for AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM), or the first tile instruction kills it with
+    SIGILL; vLLM's own worker asks only on its code path. Asked once here, so any test file runs alone."""
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
+
+
+_ask_for_amx_tiles()
+
+
 class Engine:
     """The kvserve engine plus handles on its scheduler and worker state."""
 
@@ -53,7 +68,11 @@ class Engine:
         in_process_env()
         from vllm import LLM
 
+        cpus = os.sched_getaffinity(0)
         self.llm = LLM(**engine_kwargs())
+        # vLLM's CPU worker, here this thread, bound itself to one CPU; the servers and engines tests start from it
+        # would inherit that one CPU (their own workers, engine cores and API servers all on it)
+        os.sched_setaffinity(0, cpus)
         core = self.llm.llm_engine.engine_core.engine_core
         self.scheduler = core.scheduler
         self.runner = core.model_executor.driver_worker.worker.model_runner
@@ -83,6 +102,35 @@ class Engine:
     def eviction_state(self, request_id: str):
         """The worker's eviction state of a request (by its external id), live or recently finished."""
         return find_state((self.runner.kvserve.requests, self.finished_states), request_id)
+
+
+_background = Background()
+
+
+def pytest_collection_modifyitems(session, config, items: list) -> None:
+    """The modules whose tests read background runs go last (in their order): the runs then have the rest of the
+    session to finish beside this process's tests."""
+    items.sort(key=lambda item: hasattr(getattr(item, "module", None), "background_runs"))  # stable
+
+
+def pytest_collection_finish(session) -> None:
+    """Start the background runs (`background_runs()` of each collected module) that some collected test reads."""
+    if session.config.option.collectonly:
+        return
+    modules = list(dict.fromkeys(getattr(item, "module", None) for item in session.items))
+    wanted = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    runs = [run for module in modules for run in getattr(module, "background_runs", list)() if run.fixture in wanted]
+    if runs:
+        _background.start(runs)
+
+
+def pytest_sessionfinish(session) -> None:
+    _background.stop()
+
+
+@pytest.fixture(scope="session")
+def background() -> Background:
+    return _background
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,15 @@
-"""Benchmark commands on a tiny workload (they start their own vanilla and kvserve servers), and their parsing."""
+"""Benchmark commands on a tiny workload (they start their own vanilla and kvserve servers, run in the background:
+tests/background.py), and their parsing."""
 
 from __future__ import annotations
 
-import json
+import sys
+from pathlib import Path
 
 import pytest
+from background import Run
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from kvserve.bench.__main__ import main as bench_main
 from kvserve.bench.workload import compaction_histogram
 
 PROMPTS, PROMPT_TOKENS, MAX_TOKENS, BUDGET = 3, 300, 4, 64
@@ -40,26 +42,66 @@ def test_compaction_histogram_is_the_per_bucket_difference_of_two_scrapes():
     assert compaction_histogram(before, after) == pytest.approx(expected)
 
 
-def test_capacity_command_compares_vanilla_and_kvserve(tmp_path, capsys):
-    out = tmp_path / "capacity.json"
-    plot = tmp_path / "capacity.png"
-    bench_main(
-        [
-            "capacity",
-            *TINY,
-            "--num-blocks",
-            "24",
-            "--budgets",
-            str(BUDGET),
-            "--out",
-            str(out),
-            "--plot",
-            str(plot),
-            "--ceiling",
-        ]
-    )
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    results = json.loads(out.read_text())["results"]
+PNG = b"\x89PNG\r\n\x1a\n"
+CHAT = dict(conversations=2, turns=2, reply=4)
+
+
+def _bench(fixture: str, *args: str) -> Run:
+    """`python -m kvserve.bench ARGS --out JSON`, its JSON read by `fixture`."""
+    return Run(fixture, [sys.executable, "-m", "kvserve.bench", *args, "--out", "{out}"])
+
+
+def background_runs() -> list[Run]:
+    """Each command starts its own servers one after another: run beside the other tests (tests/background.py)."""
+    capacity = ["capacity", *TINY, "--num-blocks", "24", "--budgets", str(BUDGET), "--ceiling", "--plot", "{out}.png"]
+    chat = [
+        "chat",
+        *("--conversations", str(CHAT["conversations"]), "--turns", str(CHAT["turns"])),
+        *("--reply-tokens", str(CHAT["reply"]), "--doc-tokens", "200", "--user-tokens", "20", "--block-size", "32"),
+        *("--kv-space-gib", "1", "--pools", "small", "--budget", "64", "--server-args=--enforce-eager"),
+        *("--plot", "{out}.png"),
+    ]
+    soak = [
+        "soak",
+        *("--requests", "2", "--prompt-tokens", str(PROMPT_TOKENS), "--max-tokens", "2", "--budget", str(BUDGET)),
+        *("--allocators", "glibc-threshold", "--server-args=--block-size 32 --enforce-eager --dtype float32"),
+    ]
+    return [
+        _bench("capacity_run", *capacity),
+        _bench("overhead_run", "overhead", *TINY, "--policy", "h2o"),
+        _bench("chat_run", *chat),
+        _bench("soak_run", *soak),
+    ]
+
+
+@pytest.fixture(scope="module")
+def capacity_run(background):
+    return background.results("capacity_run")[0]
+
+
+@pytest.fixture(scope="module")
+def overhead_run(background):
+    return background.results("overhead_run")[0]
+
+
+@pytest.fixture(scope="module")
+def chat_run(background):
+    return background.results("chat_run")[0]
+
+
+@pytest.fixture(scope="module")
+def soak_run(background):
+    return background.results("soak_run")[0]
+
+
+def _plot_of(background, fixture: str) -> bytes:
+    (run,) = background.runs[fixture]
+    return Path(f"{run.out}.png").read_bytes()
+
+
+def test_capacity_command_compares_vanilla_and_kvserve(capacity_run, background):
+    assert _plot_of(background, "capacity_run")[:8] == PNG
+    results = capacity_run["results"]
     vanilla, ceiling, kvserve = results
     assert (vanilla["server"], kvserve["server"], kvserve["budget"]) == ("vanilla", "kvserve", BUDGET)
     # the ceiling: vanilla with a pool for every request never preempts (the running peak is sampled every 0.1 s,
@@ -79,15 +121,13 @@ def test_capacity_command_compares_vanilla_and_kvserve(tmp_path, capsys):
     assert phases["worker"] > 0 and phases["compaction"] > 0 and phases["statistics"] > 0 and phases["attention"] > 0
     assert sum(phases[p] for p in ("attention", "statistics", "compaction", "pages")) < phases["worker"]
     assert not any(vanilla["phase_seconds"].values()) and not any(ceiling["phase_seconds"].values())
-    printed = capsys.readouterr().out
+    printed = background.printed("capacity_run")
     assert "Engine time by phase" in printed
     assert "Ratios kvserve / vanilla" in printed and f"| {PROMPT_TOKENS / BUDGET:.1f} |" in printed
 
 
-def test_overhead_command_runs_full_and_scoring_without_eviction(tmp_path):
-    out = tmp_path / "overhead.json"
-    bench_main(["overhead", *TINY, "--policy", "h2o", "--out", str(out)])
-    vanilla, full, scoring = json.loads(out.read_text())["results"]
+def test_overhead_command_runs_full_and_scoring_without_eviction(overhead_run):
+    vanilla, full, scoring = overhead_run["results"]
     assert (full["policy"], scoring["policy"]) == ("full", "h2o")
     assert scoring["budget"] > PROMPT_TOKENS + MAX_TOKENS
     for result in (full, scoring):
@@ -95,21 +135,12 @@ def test_overhead_command_runs_full_and_scoring_without_eviction(tmp_path):
         assert result["output_tokens_per_s"] * result["wall_s"] == pytest.approx(PROMPTS * MAX_TOKENS)
 
 
-def test_chat_command_runs_conversations_on_every_server_and_evicting_requests_hit_the_prefix_cache(tmp_path, capsys):
-    conversations, turns, reply = 2, 2, 4
-    out, plot = tmp_path / "chat.json", tmp_path / "chat.png"
-    bench_main(
-        [
-            "chat",
-            *("--conversations", str(conversations), "--turns", str(turns), "--reply-tokens", str(reply)),
-            *("--doc-tokens", "200", "--user-tokens", "20", "--block-size", "32", "--kv-space-gib", "1"),
-            *("--pools", "small", "--budget", "64", "--server-args=--enforce-eager", "--out", str(out)),
-            *("--plot", str(plot)),
-        ]
-    )
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    recorded = json.loads(out.read_text())
-    results = recorded["results"]
+def test_chat_command_runs_conversations_on_every_server_and_evicting_requests_hit_the_prefix_cache(
+    chat_run, background
+):
+    conversations, turns, reply = CHAT["conversations"], CHAT["turns"], CHAT["reply"]
+    assert _plot_of(background, "chat_run")[:8] == PNG
+    results = chat_run["results"]
     assert [r["server"] for r in results] == ["vanilla", "kvserve full", "kvserve snapkv"]
     for result in results:
         assert len(result["requests"]) == conversations * turns
@@ -121,7 +152,7 @@ def test_chat_command_runs_conversations_on_every_server_and_evicting_requests_h
         assert result["prefix_cache_hits"] >= sum(r["cached_tokens"] for r in result["requests"])  # vLLM counts them
     evicting = results[2]
     assert evicting["blocks_published"] > 0 and results[1]["blocks_published"] == 0  # counted for evicting requests
-    printed = capsys.readouterr().out
+    printed = background.printed("chat_run")
     assert "snapkv / full TTFT p50" in printed and "small pool: snapkv output tok/s" in printed
 
 
@@ -142,31 +173,12 @@ def test_decode_heavy_preset_holds_two_requests_without_eviction_and_compresses_
     assert given.prompts == 4  # a flag the user gave wins over the preset
 
 
-def test_soak_records_engine_memory_after_each_request(tmp_path, capsys):
-    out = tmp_path / "soak.json"
-    bench_main(
-        [
-            "soak",
-            "--requests",
-            "2",
-            "--prompt-tokens",
-            str(PROMPT_TOKENS),
-            "--max-tokens",
-            "2",
-            "--budget",
-            str(BUDGET),
-            "--allocators",
-            "glibc-threshold",
-            "--server-args=--block-size 32 --enforce-eager --dtype float32",
-            "--out",
-            str(out),
-        ]
-    )
-    [result] = json.loads(out.read_text())["results"]
+def test_soak_records_engine_memory_after_each_request(soak_run, background):
+    [result] = soak_run["results"]
     assert result["allocator"] == "glibc-threshold" and len(result["seconds"]) == 2
     assert len(result["rss_mb"]) == 3 and min(result["rss_mb"]) > 100  # a loaded model, measured each time
     assert result["growth_after_first_mb"] == pytest.approx(result["rss_mb"][2] - result["rss_mb"][1])
-    assert "| glibc-threshold |" in capsys.readouterr().out
+    assert "| glibc-threshold |" in background.printed("soak_run")
 
 
 def test_flame_summary_shares_samples_under_the_root_frame():

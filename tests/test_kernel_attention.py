@@ -4,40 +4,33 @@ default mode (vLLM's CPU kernel, statistics measured after it) on the same batch
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
+from background import Run
 from kernel_attention_run import kept_positions, policy_batch, run_batch
 
-TESTS = os.path.dirname(__file__)
+SCRIPT = os.path.join(os.path.dirname(__file__), "kernel_attention_run.py")
 
 
-def _run_kernel_engine(tmp_path_factory, *flags: str) -> dict:
-    out = tmp_path_factory.mktemp("kernels") / "outputs.json"
-    env = dict(os.environ, KVSERVE_ATTENTION="kernels")
-    done = subprocess.run(
-        [sys.executable, os.path.join(TESTS, "kernel_attention_run.py"), str(out), *flags],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if done.returncode != 0:
-        raise RuntimeError("the KVSERVE_ATTENTION=kernels engine failed:\n" + done.stdout[-3000:] + done.stderr[-3000:])
-    return json.loads(out.read_text())
+def background_runs() -> list[Run]:
+    """The KVSERVE_ATTENTION=kernels engines, each in its own process (tests/background.py)."""
+    env = {"KVSERVE_ATTENTION": "kernels"}
+    return [
+        Run("kernel_engine_run", [sys.executable, SCRIPT, "{out}"], env),
+        Run("triton_engine_run", [sys.executable, SCRIPT, "{out}", "--triton"], env),
+    ]
 
 
 @pytest.fixture(scope="module")
-def kernel_engine_run(tmp_path_factory, engine):
-    return _run_kernel_engine(tmp_path_factory)
+def kernel_engine_run(background):
+    return background.results("kernel_engine_run")[0]
 
 
 @pytest.fixture(scope="module")
-def triton_engine_run(tmp_path_factory, engine):
-    return _run_kernel_engine(tmp_path_factory, "--triton")
+def triton_engine_run(background):
+    return background.results("triton_engine_run")[0]
 
 
 def test_kernel_attention_is_what_served(kernel_engine_run):

@@ -11,13 +11,11 @@ states the same matrix.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from background import Run
 
 from kvserve.bench.tiny_models import ARCHITECTURES, tiny_model
 
@@ -43,28 +41,26 @@ def test_the_matrix_covers_every_tiny_model():
     assert sorted(EXPECTED) == sorted(ARCHITECTURES)
 
 
-@pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    """{"kvserve": {arch: run}, "vanilla": {arch: run}}: both passes, run side by side."""
-    for architecture in ARCHITECTURES:  # built here once: two processes must not race to write one folder
+def _build_tiny_models() -> None:
+    for architecture in ARCHITECTURES:  # built once, before the runs read them
         tiny_model(architecture)
-    folder = tmp_path_factory.mktemp("models")
-    procs = {}
-    for kind, plugins in (("kvserve", {}), ("vanilla", {"VLLM_PLUGINS": "none"})):
-        env = dict(os.environ, **plugins)
-        log = open(folder / f"{kind}.log", "w")
-        procs[kind] = subprocess.Popen(
-            [sys.executable, str(TESTS / "models_run.py"), str(folder / f"{kind}.json"), *ARCHITECTURES],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    runs = {}
-    for kind, proc in procs.items():
-        if proc.wait(timeout=900) != 0:
-            raise RuntimeError(f"{kind} model matrix failed:\n" + (folder / f"{kind}.log").read_text()[-4000:])
-        runs[kind] = json.loads((folder / f"{kind}.json").read_text())
-    return runs
+
+
+def background_runs() -> list[Run]:
+    """Both passes over every tiny model, kvserve's then vanilla vLLM's, each in its own process
+    (tests/background.py)."""
+    argv = [sys.executable, str(TESTS / "models_run.py"), "{out}", *ARCHITECTURES]
+    return [
+        Run("matrix", argv, {"VLLM_PLUGINS": None}, prepare=_build_tiny_models),
+        Run("matrix", argv, {"VLLM_PLUGINS": "none"}),
+    ]
+
+
+@pytest.fixture(scope="module")
+def matrix(background):
+    """{"kvserve": {arch: run}, "vanilla": {arch: run}}."""
+    kvserve, vanilla = background.results("matrix")
+    return {"kvserve": kvserve, "vanilla": vanilla}
 
 
 @pytest.mark.parametrize("architecture", sorted(EXPECTED))

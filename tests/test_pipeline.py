@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from background import Run
 from engine_settings import EQUIVALENCE_MAX_TOKENS, equivalence_prompts
 
 from kvserve.cli import parallel_env
@@ -33,24 +34,26 @@ SETTINGS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def pipeline_results(tmp_path_factory):
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("pipeline parallelism on CPU needs a CPU per stage; this process may use one")
-    folder = tmp_path_factory.mktemp("pipeline")
-    settings, out, log = folder / "settings.json", folder / "out.json", folder / "run.log"
+def _two_cpus() -> bool:
+    return len(os.sched_getaffinity(0)) >= 2
+
+
+def background_runs() -> list[Run]:
+    """The two-stage engine, in its own process (tests/background.py)."""
+    if not _two_cpus():
+        return []
+    settings = Path(tempfile.mkdtemp(prefix="kvserve-pipeline-")) / "settings.json"
     settings.write_text(json.dumps(SETTINGS))
-    env = {key: value for key, value in os.environ.items() if key != "VLLM_PLUGINS"}
-    with open(log, "w") as log_file:
-        done = subprocess.run(
-            [sys.executable, str(TESTS / "pipeline_run.py"), str(settings), str(out)],
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            timeout=900,
-        )
-    assert done.returncode == 0, log.read_text()[-4000:]
-    return json.loads(out.read_text())
+    argv = [sys.executable, str(TESTS / "pipeline_run.py"), str(settings), "{out}"]
+    # its stages get a CPU each (kvserve's parallel_env), unless the user bound them
+    return [Run("pipeline_results", argv, {"VLLM_PLUGINS": None}, bind_cpu=False)]
+
+
+@pytest.fixture(scope="module")
+def pipeline_results(background):
+    if not _two_cpus():
+        pytest.skip("pipeline parallelism on CPU needs a CPU per stage; this process may use one")
+    return background.results("pipeline_results")[0]
 
 
 def test_pipeline_stages_give_the_single_process_tokens_and_return_every_block(engine, pipeline_results):

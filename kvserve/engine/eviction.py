@@ -75,8 +75,9 @@ def after_attention(
             else:
                 _evict(plan, layer_idx, query, cache, tables.get(plan.req_id), scale, (measured or {}).get(plan.req_id))
         except Exception as error:  # a policy's bug fails its request, never the engine (the scheduler ends it)
-            plan.failure = f"kv_policy {plan.state.config.policy!r} failed: {type(error).__name__}: {error}"
-            logger.exception("kvserve: request %s: %s", plan.req_id, plan.failure)
+            # the reason alone: the scheduler's log and the HTTP front end's 500 name the policy once
+            plan.failure = f"{type(error).__name__}: {error}"
+            logger.exception("kvserve: request %s: kv_policy %r failed", plan.req_id, plan.state.config.policy)
         plan.eviction_seconds += time.perf_counter() - start
     compacting = phases.seconds("compaction") - compaction_before  # timed inside _compact
     phases.add("statistics", time.perf_counter() - layer_start - compacting)

@@ -229,8 +229,9 @@ class EvictingScheduler(Scheduler):
         failures = failures_of(model_runner_output)
         for req_id, message in failures.items():
             config = self.kv_configs.get(req_id)
-            logger.error("kvserve: request %s fails: %s", req_id, message)
-            metrics().policy_errors.labels(policy=config.policy if config else "unknown").inc()
+            policy = config.policy if config else "unknown"
+            logger.error("kvserve: request %s fails: kv_policy %r: %s", req_id, policy, message)
+            metrics().policy_errors.labels(policy=policy).inc()
         # vLLM finishes the requests in this set with FINISHED_ERROR (HTTP 500) at the end of this update; the set
         # is named for grammar failures but is its generic "fail these requests" hook.
         self.grammar_compile_error_reqs.update(req_id for req_id in failures if req_id in self.requests)

@@ -1,0 +1,114 @@
+"""Subprocess runs that tests only read (an engine with other settings, the model matrix, pipeline stages), run in the
+background while this process runs the in-process engine's tests.
+
+Each such engine is a process of its own (vLLM picks its attention implementation, plugins and parallelism once per
+process), and vLLM's CPU worker computes on one thread, so run inside their module fixtures one after another they
+left the machine's second CPU idle for minutes. A test module declares its runs (`background_runs()`, returning
+`Run`s, each named after the fixture that reads it); once the session's tests are collected, conftest starts the
+runs some collected test needs, one after another in a thread, in the order the tests come; the fixture then waits
+for its run's JSON.
+
+vLLM binds a CPU worker's threads to CPUs it picks the same way in every process (`VLLM_CPU_OMP_THREADS_BIND=auto`:
+the first CPU of a 2-CPU machine, where the in-process engine's worker, i.e. this process, already computes), so
+the runs are bound to the last CPU this process may use, unless the user chose a binding or the run binds itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+@dataclass
+class Run:
+    fixture: str  # the fixture that reads this run's result (a run starts only if a collected test uses it)
+    argv: list[str]  # the command; "{out}" in an argument is replaced by the JSON file it must write
+    env: dict[str, str | None] = field(default_factory=dict)  # changes to this process's environment (None: unset)
+    prepare: Callable[[], None] | None = None  # called in the thread before the command (e.g. files it reads)
+    bind_cpu: bool = True  # bind vLLM's worker threads to the CPU this process leaves (False: the run binds itself)
+    timeout_s: int = 900
+    # filled in by Background
+    out: Path | None = None
+    log: Path | None = None
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Background:
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="kvserve-tests-background-"))
+        self.runs: dict[str, list[Run]] = {}
+        self.process: subprocess.Popen | None = None
+        self.stopped = False
+        self.thread: threading.Thread | None = None
+
+    def start(self, runs: list[Run]) -> None:
+        for number, run in enumerate(runs):
+            run.out = self.folder / f"{number}-{run.fixture}.json"
+            run.log = run.out.with_suffix(".log")
+            self.runs.setdefault(run.fixture, []).append(run)
+        self.thread = threading.Thread(target=self._run_all, args=(runs,), name="background-runs", daemon=True)
+        self.thread.start()
+
+    def _run_all(self, runs: list[Run]) -> None:
+        for run in runs:
+            try:
+                if not self.stopped:
+                    self._run(run)
+            except Exception as error:  # noqa: BLE001 - the fixture that reads it reports it
+                run.error = f"{type(error).__name__}: {error}"
+            finally:
+                run.done.set()
+
+    def _run(self, run: Run) -> None:
+        if run.prepare is not None:
+            run.prepare()
+        env = dict(os.environ)
+        cpus = sorted(os.sched_getaffinity(0))
+        if run.bind_cpu and len(cpus) > 1:
+            env.setdefault(BIND, str(cpus[-1]))
+        for key, value in run.env.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        argv = [arg.replace("{out}", str(run.out)) for arg in run.argv]
+        with open(run.log, "w") as log:
+            self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                code = self.process.wait(timeout=run.timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                code = f"killed after {run.timeout_s} s"
+        if code != 0:
+            run.error = f"{' '.join(argv[1:2])} exited {code}:\n" + run.log.read_text()[-4000:]
+
+    def results(self, fixture: str) -> list[dict]:
+        """The JSON of each run `fixture` declared, waiting for them to finish (RuntimeError with the log if one
+        failed)."""
+        runs = self.runs.get(fixture)
+        if not runs:
+            raise RuntimeError(f"no background run for fixture {fixture!r} was started (see tests/background.py)")
+        for run in runs:
+            run.done.wait()
+            if run.error is not None:
+                raise RuntimeError(f"background run for {fixture} failed: {run.error}")
+        return [json.loads(run.out.read_text()) for run in runs]
+
+    def printed(self, fixture: str) -> str:
+        """What the runs of `fixture` printed (stdout and stderr), once they finished."""
+        self.results(fixture)
+        return "".join(run.log.read_text() for run in self.runs[fixture])
+
+    def stop(self) -> None:
+        self.stopped = True
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
