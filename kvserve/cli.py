@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
             "       kvserve bench load ...           mixed-policy load test of one server (loopback)\n"
             "       kvserve bench crash ...          kill a server's engine: time to failing /health and exit\n"
             "       kvserve bench soak ...           engine memory over long evicting requests, per allocator\n"
+            "       kvserve bench layouts ...        cache operations per CPU cache layout (vec, AMX), one process\n"
             "       kvserve setup-model            convert the default model once and print its folder"
         )
         return

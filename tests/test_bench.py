@@ -213,3 +213,22 @@ def test_capacity_limits_count_whole_blocks_held_while_decoding():
     # vanilla: 1,756 tokens = 14 blocks -> 2 fit; evicting: B + one block of new tokens, in whole blocks
     assert [r["pool_limit"] for r in results] == [2, 28 // 4, 28 // 3, 28 // 2]
     assert [r["theoretical"] for r in results] == pytest.approx([2, 2 * 1500 / 375, 2 * 1500 / 188, 16])
+
+
+def test_layouts_bench_times_the_same_work_in_every_layout(tmp_path, monkeypatch, capsys):
+    """`kvserve bench layouts` checks that the layouts computed the same before it times them: a wrong AMX product
+    stops it instead of timing different work."""
+    import json
+
+    from kvserve.bench import layouts
+    from kvserve.engine.layouts import AmxPages
+
+    tiny = ["--requests", "1", "--tokens", "80", "--budget", "40", "--block-size", "32", "--window", "8"]
+    layouts.main([*tiny, "--repeats", "1", "--out", str(tmp_path / "layouts.json")])
+    rows = json.loads((tmp_path / "layouts.json").read_text())["results"]
+    assert len(rows) == 4 and all(row[f"{name}_ms"] > 0 for row in rows for name in ("vec", "amx", "amx staged"))
+    assert "| compaction |" in capsys.readouterr().out
+    product = AmxPages.page_logits
+    monkeypatch.setattr(AmxPages, "page_logits", lambda self, *args: product(self, *args) * 1.01)
+    with pytest.raises(AssertionError, match="disagree"):
+        layouts.main([*tiny, "--repeats", "1"])

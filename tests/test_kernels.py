@@ -457,11 +457,12 @@ def _serve_one_layer(
     span: int = 1,
 ) -> dict:
     """An 80-token prompt chunk compacted to the budget, then three decode steps, the last one compacting again.
-    `layout`: "cpu" (vLLM's CPU "vec" pages, views), "flash" (the GPU layout, views) or "amx" (vLLM's AMX pages,
-    written by vLLM's op, staged pages as the backend does). The request's lists live in head pages of 3 blocks."""
+    `layout`: "cpu" (vLLM's CPU "vec" pages), "flash" (the GPU layout) or "amx" (vLLM's AMX pages), each written
+    by vLLM's own op where vLLM has one and read through the layout the backend picks (`kvserve/engine/layouts/`).
+    The request's lists live in head pages of 3 blocks."""
     from kvserve.config import parse_kv_config
     from kvserve.engine import eviction
-    from kvserve.engine.cache_layout import cpu_views, flash_views, read_lists, stage_pages
+    from kvserve.engine.layouts import AmxPages, FlashPages, VecPages
     from kvserve.engine.pages import HeadPages, PageLayout
     from kvserve.engine.plan import Compaction
     from kvserve.engine.request_state import RequestState
@@ -476,10 +477,10 @@ def _serve_one_layer(
     page_layout = PageLayout(num_layers=PATH_LAYER + 1, num_blocks=8, num_heads=PATH_HEADS, block_size=PATH_BLOCK)
     num_pages, hq = page_layout.num_layers * page_layout.num_blocks * PATH_HEADS, PATH_HEADS * PATH_GROUP
     raw = torch.zeros(num_pages, 1, PATH_BLOCK, 2 * HEAD_DIM, dtype=dtype)
-    if layout in ("cpu", "amx"):
-        paged = cpu_views(raw)
+    if layout == "flash":
+        paged = FlashPages(new_kv_cache(num_pages, 1, PATH_BLOCK, HEAD_DIM, torch.float32, device).zero_())
     else:
-        paged = flash_views(new_kv_cache(num_pages, 1, PATH_BLOCK, HEAD_DIM, torch.float32, device).zero_(), HEAD_DIM)
+        paged = (AmxPages if layout == "amx" else VecPages)(raw)
     request = {"kv_policy": policy, "kv_budget": PATH_BUDGET, "kv_allocation": allocation, "kv_span": span}
     config = parse_kv_config(request, defaults={})
     state = RequestState(config=config, policy=config.make_policy(), pages=HeadPages(page_layout))
@@ -499,8 +500,9 @@ def _serve_one_layer(
         )
         slots = torch.from_numpy(state.pages.append(tokens)[PATH_LAYER]).T  # [q, H]
         logical += tokens
-        step_cache, step_tables = paged, {"r": table()}
-        if layout == "amx":  # vLLM's own writer, then the pages staged as the attention backend stages them
+        if layout != "amx":  # the views, as vLLM's "vec" writer or kvserve's attention writes them
+            paged.write_slots(slots.reshape(-1).to(device), keys.reshape(-1, HEAD_DIM), values.reshape(-1, HEAD_DIM))
+        else:  # vLLM's own AMX writer, in its tile format
             from vllm import _custom_ops as ops
 
             key_cache, value_cache = raw.view(num_pages, 1, 2 * PATH_BLOCK, HEAD_DIM).chunk(2, dim=2)
@@ -515,12 +517,6 @@ def _serve_one_layer(
                 v_scale=1.0,
                 kv_cache_dtype="auto",
             )
-            staged = stage_pages(raw, {"r": table()}, {"r": lengths()})
-            step_cache, step_tables = staged.cache, staged.tables
-        else:  # vLLM writes the step's entries before attention
-            device_slots = slots.to(device)
-            paged.keys[device_slots // PATH_BLOCK, device_slots % PATH_BLOCK, 0] = keys.to(device)
-            paged.values[device_slots // PATH_BLOCK, device_slots % PATH_BLOCK, 0] = values.to(device)
         compaction = Compaction(PATH_BUDGET, logical, int(lengths().max())) if compact else None
         plan = RowPlan(
             req_id="r", state=state, row=0, query_start=0, query_end=tokens, logical_len=logical, compaction=compaction
@@ -529,22 +525,16 @@ def _serve_one_layer(
             StepContext(pages=None, rows=[plan]),
             PATH_LAYER,
             queries.to(device),
-            step_cache,
-            step_tables,
+            paged,
+            {"r": table()},
             HEAD_DIM**-0.5,
             torch.empty_like(queries, device=device),
         )
         assert plan.failure is None, plan.failure
-        if layout == "amx" and compact:
-            staged.write_back(raw)
         if compact:
             state.since = logical
     layer = state.layer(PATH_LAYER)
-    if layout == "amx":
-        staged = stage_pages(raw, {"r": table()}, {"r": lengths()})
-        keys, values = read_lists(staged.cache, staged.tables["r"], lengths())
-    else:
-        keys, values = read_lists(paged, table(), lengths())
+    keys, values = paged.read_lists(table(), lengths())
     return {
         "positions": layer.kept_positions.cpu(),
         "keys": keys.cpu(),
@@ -583,14 +573,21 @@ def test_backend_scoring_path_same_on_both_layouts_and_backends(setting, monkeyp
         assert int(kept.sum()) == PATH_HEADS * PATH_BUDGET
 
 
-@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="no AMX tiles: vLLM never uses the AMX layout here")
-@pytest.mark.parametrize("policy", PATH_POLICIES)
-def test_amx_staged_blocks_serve_as_the_vec_layout(policy, monkeypatch):
-    """bf16 on a CPU with AMX: vLLM stores blocks in its AMX format; the backend stages them. Same entries kept, same
-    statistics, same compacted entries as the "vec" layout's views, bit for bit."""
+@pytest.mark.parametrize(
+    "setting",
+    [(policy, "uniform", 1) for policy in PATH_POLICIES] + list(PATH_ALLOCATIONS.values()),
+    ids=PATH_POLICIES + list(PATH_ALLOCATIONS),
+)
+def test_amx_pages_serve_as_the_vec_layout(setting, monkeypatch):
+    """bf16 on a CPU with AMX: vLLM stores blocks in its AMX format, written here by vLLM's own op (which runs on any
+    CPU). Same entries kept, same statistics, same compacted entries as the "vec" layout, bit for bit, for every
+    policy and allocation (`global` included: it ranks every layer of the page view at once)."""
+    pytest.importorskip("vllm", reason="vLLM's AMX writer is the reference for the format")
+    policy, allocation, span = setting
     monkeypatch.setenv(kernel_dispatch.BACKEND_ENV, "torch")
-    vec = _serve_one_layer(policy, "cpu", True, monkeypatch, dtype=torch.bfloat16)
-    amx = _serve_one_layer(policy, "amx", True, monkeypatch, dtype=torch.bfloat16)
+    serve = functools.partial(_serve_one_layer, policy, measure=True, monkeypatch=monkeypatch, dtype=torch.bfloat16)
+    vec = serve("cpu", allocation=allocation, span=span)
+    amx = serve("amx", allocation=allocation, span=span)
     assert torch.equal(amx["positions"], vec["positions"])
     assert torch.equal(amx["keys"], vec["keys"]) and torch.equal(amx["values"], vec["values"])
     assert amx["stats"].keys() == vec["stats"].keys()

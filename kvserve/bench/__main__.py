@@ -1,5 +1,5 @@
-"""`python -m kvserve.bench {capacity,overhead}` (also `kvserve bench ...`; `chat`, `load`, `soak` and `crash` have
-modules and options of their own): kvserve against vanilla vLLM, one run.
+"""`python -m kvserve.bench {capacity,overhead}` (also `kvserve bench ...`; `chat`, `load`, `soak`, `crash` and
+`layouts` have modules and options of their own): kvserve against vanilla vLLM, one run.
 
 The benchmark starts each server itself with the same engine flags (vanilla with vLLM's plugins off), sends the same
 workload (N prompts of haystack text at once, streamed, `ignore_eos` so every request makes exactly --max-tokens),
@@ -231,6 +231,10 @@ def main(argv: list[str] | None = None) -> None:
         from kvserve.bench.chat import main as chat_main
 
         return chat_main(argv[1:])
+    if argv[:1] == ["layouts"]:  # kvserve/bench/layouts.py: one process, no server
+        from kvserve.bench.layouts import main as layouts_main
+
+        return layouts_main(argv[1:])
     if argv[:1] == ["crash"]:  # kvserve/bench/crash.py
         from kvserve.bench.crash import main as crash_main
 

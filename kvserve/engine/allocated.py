@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.engine.cache_layout import PagedKV
+from kvserve.engine.layouts import CachePages
 from kvserve.engine.request_state import LayerState
 from kvserve.engine.step import RowPlan
 from kvserve.policies import LayerObservation, ScoredPolicy, Selection
@@ -31,14 +31,14 @@ class Deferred:
     layer_idx: int
     layer: LayerState
     obs: LayerObservation
-    cache: PagedKV
+    cache: CachePages
     table: torch.Tensor
     keys: torch.Tensor  # [H, n] ranking keys: normalised scores, protected first, padding last
     limits: torch.Tensor  # [H] entries each head holds
 
 
 def select(
-    plan: RowPlan, layer: LayerState, layer_idx: int, obs: LayerObservation, cache: PagedKV, table: torch.Tensor
+    plan: RowPlan, layer: LayerState, layer_idx: int, obs: LayerObservation, cache: CachePages, table: torch.Tensor
 ) -> Selection | None:
     """The layer's selection, or None when it waits for the rest of a `global` compaction (`plan.deferred`)."""
     config, policy, budget = plan.state.config, plan.state.policy, plan.compaction.keep_tokens
@@ -87,12 +87,10 @@ def planned_counts(plan: RowPlan, layer_idx: int) -> np.ndarray:
     return np.minimum(plan.state.pages.lens[layer_idx], budget)
 
 
-def finish_global(plan: RowPlan, cache: PagedKV) -> list[tuple[Deferred, Selection]]:
-    """The step's deferred layers with their selections: L*H*B entries over all of them, ranked together."""
+def finish_global(plan: RowPlan) -> list[tuple[Deferred, Selection]]:
+    """The step's deferred layers with their selections: L*H*B entries over all of them, ranked together (every
+    layout's operations address the whole page view, so each deferred layer is still compacted where it lies)."""
     deferred, plan.deferred = plan.deferred, []
-    if any(item.cache.keys.data_ptr() != cache.keys.data_ptr() for item in deferred):
-        # AMX pages are staged one layer at a time, so the earlier layers' pages are no longer at hand
-        raise RuntimeError("kv_allocation=global needs the page view of the whole cache, which the AMX layout lacks")
     budget, policy = plan.compaction.keep_tokens, plan.state.policy
     floor = head_floor(budget, policy.protected_tokens())
     total = sum(item.obs.num_heads for item in deferred) * budget

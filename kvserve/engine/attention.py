@@ -21,8 +21,7 @@ from vllm import envs
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
-from kvserve.engine import phases
-from kvserve.engine.cache_layout import cpu_views, stage_pages
+from kvserve.engine import layouts, phases
 from kvserve.engine.eviction import after_attention, pseudo_queries, relocate_protected
 from kvserve.engine.step import StepPages, current_step, layer_index, pages_this_layer
 
@@ -56,6 +55,7 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
             sinks,
         )
         self.paged = pages_this_layer(self, "KVSERVE_ATTENTION=vllm", kv_sharing_target_layer_name)
+        self._layout: layouts.CachePages | None = None
 
     def do_kv_cache_update(
         self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -148,34 +148,17 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         return build
 
     def _evict(self, step, layer, layer_idx: int, query: torch.Tensor, output: torch.Tensor) -> None:
-        relocate_protected(step, layer_idx)
-        pages = step.pages
-        if getattr(layer, "isa", "vec") != "amx":
-            cache = cpu_views(pages.pages)
-            after_attention(
-                step,
-                layer_idx,
-                query,
-                cache,
-                {plan.req_id: plan.table(layer_idx) for plan in step.rows},
-                self.scale,
-                output,
-            )
-            return
-        # AMX pages: no view addresses an entry, so the pages this step reads are decoded into views first, and
-        # written back if a compaction rewrote them. Steps that only record window queries copy nothing.
-        reading = [plan for plan in step.rows if plan.reads_cache()]
-        if not reading:
-            after_attention(step, layer_idx, query, None, {}, self.scale, output)
-            return
-        staged = stage_pages(
-            pages.pages,
-            {plan.req_id: plan.table(layer_idx) for plan in reading},
-            {plan.req_id: plan.lengths(layer_idx) for plan in reading},
-        )
-        after_attention(step, layer_idx, query, staged.cache, staged.tables, self.scale, output)
-        if step.compacts():
-            staged.write_back(pages.pages)
+        cache = self._cache_pages(step.pages.pages, layer)
+        relocate_protected(step, layer_idx, cache)
+        tables = {plan.req_id: plan.table(layer_idx) for plan in step.rows}
+        after_attention(step, layer_idx, query, cache, tables, self.scale, output)
+
+    def _cache_pages(self, pages: torch.Tensor, layer) -> layouts.CachePages:
+        """The page view in the layout vLLM picked for this layer (its ISA, fixed at engine start): made once and
+        kept while the page view is the same tensor."""
+        if not layouts.same_view(self._layout, pages):
+            self._layout = layouts.for_isa(getattr(layer, "isa", "vec"))(pages)
+        return self._layout
 
 
 def split_pages(pages: StepPages) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from kvserve.engine.kernel_attention import KVServeKernelAttentionImpl
 from kvserve.kernel_dispatch import attention_mode
 from kvserve.model_support import eviction_support
 
-SUPPORTED_ISAS = ("vec", "amx")  # the cache layouts kvserve reads and compacts (kvserve/engine/cache_layout.py)
+SUPPORTED_ISAS = ("vec", "amx")  # the cache layouts kvserve reads and compacts (kvserve/engine/layouts/)
 
 
 class KVServeAttentionMetadataBuilder(CPUAttentionMetadataBuilder):

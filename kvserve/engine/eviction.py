@@ -3,8 +3,9 @@ queries, measure the statistics the policy asks for, and, when the scheduler pla
 choose each head's entries and move them to the front of the head's page list. Pages past a head's new count go back
 to the request (`HeadPages.shrink`); whole blocks go back to vLLM at the end of the step (`kvserve/engine/runner.py`).
 
-A layer's lists are read as pseudo rows: row h of `table` [H, W] is head h's page list in the page view, so every
-operation of `kvserve.kernel_dispatch` runs on them with one KV head per row.
+A layer's lists are read as pseudo rows: row h of `table` [H, W] is head h's page list in the page view, and every
+read, statistic and rewrite goes through the cache's layout (`kvserve/engine/layouts/`), which runs on many rows at
+once.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from kvserve import kernel_dispatch
-from kvserve.engine import allocated, page_scores, phases
-from kvserve.engine.cache_layout import PagedKV, compact_lists, read_lists, write_lists
+from kvserve.engine import allocated, phases
 from kvserve.engine.gated import gated_layer_step
-from kvserve.engine.pages import cdiv, copy_pages
+from kvserve.engine.layouts import CachePages
+from kvserve.engine.pages import cdiv
 from kvserve.engine.request_state import LayerState, QueryWindow
 from kvserve.engine.step import RowPlan, StepContext
 from kvserve.metrics import metrics
@@ -34,7 +34,7 @@ def after_attention(
     step: StepContext,
     layer_idx: int,
     query: torch.Tensor,
-    cache: PagedKV,
+    cache: CachePages,
     tables: dict[str, torch.Tensor],
     scale: float,
     output: torch.Tensor,
@@ -83,7 +83,7 @@ def after_attention(
     phases.add("statistics", time.perf_counter() - layer_start - compacting)
 
 
-def relocate_protected(step: StepContext, layer_idx: int) -> None:
+def relocate_protected(step: StepContext, layer_idx: int, cache: CachePages) -> None:
     """Before layer `layer_idx`'s eviction step (the backend calls this before it reads the lists): the pages a
     compaction will write that lie in protected blocks (prefix-cache blocks, blocks another request reads) are
     copied into the request's own free pages and the lists point there, so compacting in place never changes what
@@ -93,7 +93,7 @@ def relocate_protected(step: StepContext, layer_idx: int) -> None:
             continue
         try:
             keep_pages = cdiv(allocated.planned_counts(plan, layer_idx), plan.state.pages.layout.block_size)
-            copy_pages(step.pages.pages, plan.state.pages.relocate(layer_idx, keep_pages))
+            cache.copy_pages(plan.state.pages.relocate(layer_idx, keep_pages))
         except Exception as error:  # fails this request only (its blocks are freed, the protected ones untouched)
             plan.failure = f"kvserve could not copy request {plan.req_id}'s pages out of shared blocks: {error}"
             logger.exception("kvserve: %s", plan.failure)
@@ -110,7 +110,7 @@ def _evict(
     plan: RowPlan,
     layer_idx: int,
     query: torch.Tensor,
-    cache: PagedKV,
+    cache: CachePages,
     table: torch.Tensor | None,
     scale: float,
     given: PassStatistics | None,
@@ -129,7 +129,7 @@ def _evict(
         policy, obs, queries, cache, table, lengths, compacting=plan.compaction is not None, given=given
     )
     if plan.compaction is not None or _reads_entries(policy, obs.measured):
-        obs.keys, obs.values = read_lists(cache, table, lengths)
+        obs.keys, obs.values = cache.read_lists(table, lengths)
     if policy.stat_names:
         query_positions = plan.query_positions().to(queries.device)
         layer.stats = obs.stats = policy.update_stats(obs, queries, query_positions)
@@ -144,22 +144,22 @@ def _record_window(layer: LayerState, queries: torch.Tensor, plan: RowPlan, wind
 
 
 def _observe(
-    plan: RowPlan, layer: LayerState, layer_idx: int, cache: PagedKV, lengths: torch.Tensor, scale: float
+    plan: RowPlan, layer: LayerState, layer_idx: int, cache: CachePages, lengths: torch.Tensor, scale: float
 ) -> LayerObservation:
     """The layer's observation without its entries: keys and values are shape-only (meta) tensors until the caller
     reads them from the cache. A step that only accumulates measured statistics never copies the cache, and a policy
     that touched them without asking would fail loudly instead of scoring garbage."""
     n = int(lengths.max())
     num_heads = lengths.shape[0]
-    keys = values = torch.empty(num_heads, n, cache.keys.shape[-1], device="meta")
+    keys = values = torch.empty(num_heads, n, cache.head_size, device="meta")
     stats = {}
     for name in plan.state.policy.stat_names:  # entries appended since the last step start at zero
         old = layer.stats.get(name)
         stats[name] = (
-            torch.zeros(num_heads, n, device=cache.keys.device) if old is None else F.pad(old, (0, n - old.shape[1]))
+            torch.zeros(num_heads, n, device=cache.device) if old is None else F.pad(old, (0, n - old.shape[1]))
         )
     ragged = bool((lengths != n).any())
-    device = cache.keys.device  # the observation lives with the cache; page bookkeeping stays on the host
+    device = cache.device  # the observation lives with the cache; page bookkeeping stays on the host
     window_positions = layer.window_positions
     return LayerObservation(
         layer_idx=layer_idx + plan.state.pages.layout.first_layer,
@@ -176,7 +176,7 @@ def _observe(
 
 
 def _compact(
-    plan: RowPlan, layer: LayerState, layer_idx: int, obs: LayerObservation, cache: PagedKV, table: torch.Tensor
+    plan: RowPlan, layer: LayerState, layer_idx: int, obs: LayerObservation, cache: CachePages, table: torch.Tensor
 ) -> None:
     with phases.timed("compaction"):
         config = plan.state.config
@@ -187,7 +187,7 @@ def _compact(
         if selection is not None:
             _move(plan, layer, layer_idx, obs, cache, table, selection)
         if plan.deferred and layer_idx == plan.state.pages.layout.num_layers - 1:  # global: every layer is scored
-            for item, chosen in allocated.finish_global(plan, cache):
+            for item, chosen in allocated.finish_global(plan):
                 _move(plan, item.layer, item.layer_idx, item.obs, item.cache, item.table, chosen)
 
 
@@ -196,7 +196,7 @@ def _move(
     layer: LayerState,
     layer_idx: int,
     obs: LayerObservation,
-    cache: PagedKV,
+    cache: CachePages,
     table: torch.Tensor,
     selection: Selection,
 ) -> None:
@@ -208,10 +208,10 @@ def _move(
         counts = torch.full((keep.shape[0],), width, dtype=torch.long, device=keep.device)
     if selection.keys is None:  # the statistics move with their entries, in the same operation
         stats = {name: stat.float().contiguous() for name, stat in obs.stats.items()}
-        compact_lists(cache, table, keep, counts, stats=list(stats.values()), entries=(obs.keys, obs.values))
+        cache.compact(table, keep, counts, stats=list(stats.values()), entries=(obs.keys, obs.values))
         layer.stats = {name: stat[:, :width].clone() for name, stat in stats.items()}
     else:  # a merging policy rewrote the kept entries and their statistics
-        write_lists(cache, table, selection.keys, selection.values)
+        cache.write_lists(table, selection.keys, selection.values)
         layer.stats = selection.stats or {name: stat.gather(1, keep) for name, stat in obs.stats.items()}
     model_layer = str(plan.state.pages.layout.model_layer(layer_idx))
     metrics().kept_entries.labels(layer=model_layer, allocation=plan.state.config.allocation).inc(int(counts.sum()))
@@ -245,15 +245,15 @@ def measure_pass(
     policy: Policy,
     obs: LayerObservation,
     queries: torch.Tensor,
-    cache: PagedKV,
+    cache: CachePages,
     table: torch.Tensor,
     lengths: torch.Tensor,
     compacting: bool,
     given: PassStatistics | None = None,
 ) -> PassStatistics:
     """The statistics of this step's queries [q, Hq, D] that `policy.pass_statistics` names, measured on the layer's
-    lists as pseudo rows (one per KV head, `table` [H, W]): page by page on CPU (`kvserve/engine/page_scores.py`,
-    after vLLM's own kernel), with the fused Triton kernels of `kvserve.kernel_dispatch` on CUDA.
+    lists as pseudo rows (one per KV head, `table` [H, W]) by the cache's layout (`kvserve/engine/layouts/`: page
+    by page on CPU, the fused Triton kernels on CUDA).
 
     Window sums are measured only at a compaction whose window lies inside this step (a prefill chunk of at least
     `window` queries, or a one-query window in decode without a logit scale); an older window is not in this pass,
@@ -269,19 +269,18 @@ def measure_pass(
     gain = policy.window_logit_scale(obs) if 0 < window <= num_queries else None
     if not wanted:
         return measured
-    if kernel_dispatch.use_triton(cache.keys.device):
-        return _measure_with_kernels(measured, wanted, obs, queries, cache, table, lengths, window, gain)
     rows = pseudo_queries(queries, num_heads).view(num_heads, num_queries, -1, queries.shape[-1])
     if num_queries == 1:  # decode: one product gives the column sums (= a one-query window's sums) and the logits
         window_here = window == 1 and gain is None
         if window_here and measured.column_sums is not None:
             measured.window_sums = measured.column_sums
             return measured
-        if "column_sums" not in wanted and "first_logits" not in wanted and not window_here:
+        want_first = "first_logits" in wanted
+        if "column_sums" not in wanted and not window_here:
+            if want_first:  # entry 0's key alone, not the whole list
+                measured.first_logits = cache.first_logits(rows[:, 0], table, obs.scale).reshape(1, -1)
             return measured
-        sums, first = page_scores.query_sums(
-            rows, cache, table, lengths, obs.scale, first_logits="first_logits" in wanted
-        )
+        sums, first = cache.query_sums(rows, table, lengths, obs.scale, first_logits=want_first)
         if "column_sums" in wanted:
             measured.column_sums = sums
         if window_here:
@@ -290,11 +289,9 @@ def measure_pass(
             measured.first_logits = first.reshape(1, -1)
         return measured
     if "column_sums" in wanted:
-        measured.column_sums, _ = page_scores.query_sums(rows, cache, table, lengths, obs.scale)
+        measured.column_sums, _ = cache.query_sums(rows, table, lengths, obs.scale)
     if 0 < window <= num_queries:  # the gain applies to the window rows
-        measured.window_sums, _ = page_scores.query_sums(
-            rows[:, -window:], cache, table, lengths, obs.scale, logit_scale=gain
-        )
+        measured.window_sums, _ = cache.query_sums(rows[:, -window:], table, lengths, obs.scale, logit_scale=gain)
     return measured
 
 
@@ -302,12 +299,12 @@ def measure_decode_rows(
     step: StepContext,
     layer_idx: int,
     query: torch.Tensor,
-    cache: PagedKV,
+    cache: CachePages,
     tables: dict[str, torch.Tensor],
     scale: float,
 ) -> dict[str, PassStatistics]:
     """Column sums and first logits for every decoding request of the step that wants them, in one product over
-    all their lists (CPU): per request, what `measure_pass` would measure, without a Python pass per request."""
+    all their lists: per request, what `measure_pass` would measure, without a Python pass per request."""
     plans = [
         plan
         for plan in step.rows
@@ -317,7 +314,7 @@ def measure_decode_rows(
         and plan.req_id in tables
         and {"column_sums", "first_logits"} & set(plan.state.policy.pass_statistics)
     ]
-    if not plans or kernel_dispatch.use_triton(cache.keys.device):
+    if not plans:
         return {}
     num_heads = tables[plans[0].req_id].shape[0]
     width = max(tables[plan.req_id].shape[1] for plan in plans)
@@ -328,11 +325,9 @@ def measure_decode_rows(
     rows = torch.cat([pseudo_queries(query[plan.query_start : plan.query_end], num_heads) for plan in plans])
     want_first = any("first_logits" in plan.state.policy.pass_statistics for plan in plans)
     if any("column_sums" in plan.state.policy.pass_statistics for plan in plans):
-        sums, first = page_scores.query_sums(
-            rows[:, None], cache, all_tables, torch.cat(lengths), scale, first_logits=want_first
-        )
+        sums, first = cache.query_sums(rows[:, None], all_tables, torch.cat(lengths), scale, first_logits=want_first)
     else:  # first logits alone (MAT): entry 0's key, not the whole list
-        sums, first = None, page_scores.first_logits(rows, cache, all_tables, scale)
+        sums, first = None, cache.first_logits(rows, all_tables, scale)
     measured = {}
     for index, (plan, plan_lengths) in enumerate(zip(plans, lengths, strict=True)):
         heads = slice(index * num_heads, (index + 1) * num_heads)
@@ -341,78 +336,4 @@ def measure_decode_rows(
             column_sums=sums[heads, : int(plan_lengths.max())] if "column_sums" in wanted else None,
             first_logits=first[heads].reshape(1, -1) if "first_logits" in wanted else None,
         )
-    return measured
-
-
-def _measure_with_kernels(
-    measured: PassStatistics,
-    wanted: list[str],
-    obs: LayerObservation,
-    queries: torch.Tensor,
-    cache: PagedKV,
-    table: torch.Tensor,
-    lengths: torch.Tensor,
-    window: int,
-    gain: torch.Tensor | None,
-) -> PassStatistics:
-    """`measure_pass` with the Triton kernels (CUDA tensors, or the interpreter where KVSERVE_KERNELS=triton)."""
-    num_queries, n, num_heads = queries.shape[0], obs.num_tokens, obs.num_heads
-    device = cache.keys.device
-    table = table.to(device=device, dtype=torch.int32)
-    seq_lens = lengths.to(device=device, dtype=torch.int32)
-    rows = pseudo_queries(queries.to(device), num_heads)
-    if num_queries == 1:
-        window_here = window == 1 and gain is None
-        sums = torch.zeros(num_heads, 1, n, device=device) if "column_sums" in wanted or window_here else None
-        first = torch.empty(num_heads, rows.shape[1], device=device) if "first_logits" in wanted else None
-        if sums is None and first is None:
-            return measured
-        kernel_dispatch.decode_attention_with_scores(
-            rows,
-            cache.keys,
-            cache.values,
-            table,
-            seq_lens,
-            obs.scale,
-            scores=sums,
-            first_logit=first,
-            max_seq_len=n,
-            need_output=False,
-        )
-        if "column_sums" in wanted:
-            measured.column_sums = sums[:, 0]
-        if window_here:
-            measured.window_sums = sums[:, 0]
-        if first is not None:
-            measured.first_logits = first.reshape(1, -1)
-        return measured
-    starts = torch.arange(num_heads + 1, dtype=torch.int32, device=device) * num_queries
-
-    def prefill_sums(window_rows: int, logit_scale: torch.Tensor | None) -> torch.Tensor:
-        _, sums, _ = kernel_dispatch.prefill_attention_with_window_sums(
-            rows,
-            cache.keys,
-            cache.values,
-            table,
-            seq_lens,
-            starts,
-            obs.scale,
-            window_rows,
-            score_logit_scale=logit_scale,
-            max_slots=n,
-            max_seq_len=n,
-            max_query_len=num_queries,
-            need_output=False,
-        )
-        return sums[:, 0]
-
-    if "column_sums" in wanted:
-        measured.column_sums = prefill_sums(num_queries, None)
-    if 0 < window <= num_queries:
-        row_scale = None
-        if gain is not None:  # the gain applies to the window rows; the others do not vote
-            row_scale = torch.ones(num_heads, num_queries, device=device)
-            row_scale[:, -window:] = gain.to(device)
-            row_scale = row_scale.reshape(1, -1)  # [1 KV head, H * q pseudo tokens]
-        measured.window_sums = prefill_sums(window, row_scale)
     return measured

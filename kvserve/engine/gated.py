@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine.cache_layout import PagedKV, compact_lists, read_lists
+from kvserve.engine.layouts import CachePages
 from kvserve.metrics import metrics
 
 QUERY_CHUNK = 256  # queries per masked-attention slice: bounds the [H, G, q, n] temporary in a long prefill
@@ -58,7 +58,7 @@ def gated_layer_step(
     layer_idx: int,
     queries: torch.Tensor,
     output: torch.Tensor,
-    cache: PagedKV,
+    cache: CachePages,
     table: torch.Tensor,
     scale: float,
 ) -> None:
@@ -83,13 +83,13 @@ def gated_layer_step(
     positions = layer.positions(lengths, state.since)
     inside = torch.arange(valid.shape[1])[None, :] < lengths[:, None]
     if not bool(valid[inside].all()):  # every entry visible: vLLM's output is already the masked attention
-        keys, values = read_lists(cache, table, lengths)
+        keys, values = cache.read_lists(table, lengths)
         attended = masked_attention(queries, query_positions, keys, values, positions, valid, scale)
         output[plan.query_start : plan.query_end] = attended.to(output.dtype)
     if plan.compaction is None:
         return
     keep, counts = state.policy.ragged_keep(valid, plan.compaction.keep_tokens)
-    compact_lists(cache, table, keep, counts)
+    cache.compact(table, keep, counts)
     kept_here = torch.arange(keep.shape[1])[None, :] < counts[:, None]
     layer.kept_positions = positions.gather(1, keep).masked_fill(~kept_here, -1)
     layer.kept_counts = counts.long()

@@ -7,7 +7,7 @@ operations run as their PyTorch references, slower than vLLM's C++ kernel, so th
 (`KVSERVE_ATTENTION=kernels`) and exists to run the whole path in the real engine; the default CPU mode (`vllm`)
 keeps vLLM's kernel and measures the statistics after it (`kvserve/engine/attention.py`).
 
-The pages are read in the FlashAttention form (`cache_layout.flash_views`): `[pages, block_size, 1, head_size]`
+The pages are read in the FlashAttention form (`kvserve/engine/layouts/flash.py`): `[pages, block_size, 1, head_size]`
 keys and values, each slot's key then its value, which is what the kernels need; the kernels take the same
 pseudo rows as vLLM's op in the default mode (one per (KV head, request), one KV head), so the two modes differ only
 in the interior of a page, never in which pages a request holds. This backend writes the pages itself and vLLM's CPU
@@ -21,8 +21,8 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
 from kvserve import kernel_dispatch
-from kvserve.engine.cache_layout import flash_views, write_slots
 from kvserve.engine.eviction import after_attention, pseudo_queries, relocate_protected
+from kvserve.engine.layouts import CachePages, FlashPages, same_view
 from kvserve.engine.step import current_step, layer_index, pages_this_layer
 from kvserve.kernel_dispatch import ATTENTION_ENV
 from kvserve.policies.base import PassStatistics
@@ -57,6 +57,7 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
             sinks,
         )
         self.paged = pages_this_layer(self, f"{ATTENTION_ENV}=kernels", kv_sharing_target_layer_name)
+        self._layout: CachePages | None = None
         if self.paged and self.logits_soft_cap:
             raise RuntimeError(
                 f"{ATTENTION_ENV}=kernels does not support logit soft-capping (this model uses it); "
@@ -75,11 +76,10 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
         tokens = pages.num_tokens
         slots = pages.slots[layer_index(layer, pages.layout)]
         written = slots >= 0  # padded tokens carry slot -1
-        write_slots(
-            flash_views(pages.pages, self.head_size),
+        self._cache_pages(pages.pages).write_slots(
             slots[written],
-            key[:tokens].reshape(-1, 1, self.head_size)[written],
-            value[:tokens].reshape(-1, 1, self.head_size)[written],
+            key[:tokens].reshape(-1, self.head_size)[written],
+            value[:tokens].reshape(-1, self.head_size)[written],
         )
 
     def forward(
@@ -96,7 +96,7 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
         pages = step.pages
         layer_idx = layer_index(layer, pages.layout)
         tokens, num_reqs, heads = pages.num_tokens, pages.num_reqs, self.num_kv_heads
-        cache = flash_views(pages.pages, self.head_size)
+        cache = self._cache_pages(pages.pages)
         rows = pseudo_queries(query[:tokens], heads)
         tables, seq_lens = pages.tables[layer_idx], pages.seq_lens[layer_idx]
         column_plans = step.pass_rows("column_sums")
@@ -110,8 +110,8 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
                 first = torch.empty(heads * num_reqs, rows.shape[1], device=query.device)
             out, _ = kernel_dispatch.decode_attention_with_scores(
                 rows,
-                cache.keys,
-                cache.values,
+                cache.views.keys,
+                cache.views.values,
                 tables,
                 seq_lens,
                 self.scale,
@@ -122,8 +122,8 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
         else:  # prefill, chunked prefill or a mixed batch: causal varlen attention (first logits: the policy's)
             out, sums, _ = kernel_dispatch.prefill_attention_with_window_sums(
                 rows,
-                cache.keys,
-                cache.values,
+                cache.views.keys,
+                cache.views.values,
                 tables,
                 seq_lens,
                 pages.query_start_loc,
@@ -146,7 +146,7 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
                 column_sums=sums[head_rows + plan.row, 0, :n] if plan.req_id in with_columns else None,
                 first_logits=first[head_rows + plan.row].reshape(1, -1) if plan.req_id in with_first else None,
             )
-        relocate_protected(step, layer_idx)
+        relocate_protected(step, layer_idx, cache)
         after_attention(
             step,
             layer_idx,
@@ -158,3 +158,9 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
             measured=measured,
         )
         return output
+
+    def _cache_pages(self, pages: torch.Tensor) -> CachePages:
+        """The page view in the FlashAttention layout: made once and kept while the page view is the same tensor."""
+        if not same_view(self._layout, pages):
+            self._layout = FlashPages(pages)
+        return self._layout
