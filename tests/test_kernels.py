@@ -580,8 +580,9 @@ def test_backend_scoring_path_same_on_both_layouts_and_backends(setting, monkeyp
 )
 def test_amx_pages_serve_as_the_vec_layout(setting, monkeypatch):
     """bf16 on a CPU with AMX: vLLM stores blocks in its AMX format, written here by vLLM's own op (which runs on any
-    CPU). Same entries kept, same statistics, same compacted entries as the "vec" layout, bit for bit, for every
-    policy and allocation (`global` included: it ranks every layer of the page view at once)."""
+    CPU). Same entries kept and the same compacted entries as the "vec" layout, bit for bit, and the same statistics
+    up to summation order, for every policy and allocation (`global` included: it ranks the page view's layers at
+    once)."""
     pytest.importorskip("vllm", reason="vLLM's AMX writer is the reference for the format")
     policy, allocation, span = setting
     monkeypatch.setenv(kernel_dispatch.BACKEND_ENV, "torch")
@@ -591,4 +592,5 @@ def test_amx_pages_serve_as_the_vec_layout(setting, monkeypatch):
     assert torch.equal(amx["positions"], vec["positions"])
     assert torch.equal(amx["keys"], vec["keys"]) and torch.equal(amx["values"], vec["values"])
     assert amx["stats"].keys() == vec["stats"].keys()
-    assert all(torch.equal(amx["stats"][name], stat) for name, stat in vec["stats"].items())
+    for name, stat in vec["stats"].items():  # a decode step multiplies the AMX tiles as stored: another sum order
+        torch.testing.assert_close(amx["stats"][name], stat, **PROB_TOL)

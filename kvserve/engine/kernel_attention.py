@@ -118,6 +118,7 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
                 scores=sums,
                 first_logit=first,
                 max_seq_len=max_seq_len,
+                backend=cache.backend,
             )
         else:  # prefill, chunked prefill or a mixed batch: causal varlen attention (first logits: the policy's)
             out, sums, _ = kernel_dispatch.prefill_attention_with_window_sums(
@@ -132,6 +133,7 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
                 max_slots=width,
                 max_seq_len=max_seq_len,
                 max_query_len=attn_metadata.max_query_len,
+                backend=cache.backend,
             )
         output[:tokens] = out.view(heads, tokens, -1, self.head_size).transpose(0, 1).reshape(output[:tokens].shape)
         if not step.rows:

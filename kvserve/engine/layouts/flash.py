@@ -24,6 +24,7 @@ class FlashPages(ViewPages):
     def __init__(self, pages: torch.Tensor) -> None:
         super().__init__(pages, flash_views(pages, pages.shape[3] // 2))
         self.triton = kernel_dispatch.use_triton(pages.device)
+        self.backend: kernel_dispatch.Backend = "triton" if self.triton else "torch"  # for every kernel call
 
     def query_sums(
         self,
@@ -58,6 +59,7 @@ class FlashPages(ViewPages):
                 first_logit=first,
                 max_seq_len=width,
                 need_output=False,
+                backend=self.backend,
             )
             return sums[:, 0], first
         if first_logits:
@@ -78,6 +80,7 @@ class FlashPages(ViewPages):
             max_seq_len=width,
             max_query_len=num_queries,
             need_output=False,
+            backend=self.backend,
         )
         return sums[:, 0], None
 
@@ -99,4 +102,5 @@ class FlashPages(ViewPages):
             keep_indices.to(device)[:, None],
             keep_counts=keep_counts.to(device),
             stats=[stat[:, None] for stat in stats],
+            backend=self.backend,
         )
