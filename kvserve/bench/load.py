@@ -683,7 +683,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-seconds", type=float, default=1200, help="no new requests after this many seconds")
     parser.add_argument("--request-timeout", type=float, default=600, help="total seconds one request may take")
     parser.add_argument("--settle-seconds", type=float, default=30, help="how long to wait for the idle end state")
-    # fp32: on a CPU with AMX, vLLM serves bf16 with its "amx" cache layout, which kvserve's eviction does not support
+    # fp32 on every CPU: the same dtype and cache layout ("vec") wherever the load test runs
     parser.add_argument(
         "--server-args",
         default="--max-model-len 2048 --block-size 32 --enforce-eager --dtype float32 --max-num-batched-tokens 256",

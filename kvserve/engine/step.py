@@ -114,13 +114,6 @@ class RowPlan:
         count = self.query_end - self.query_start
         return torch.arange(self.logical_len - count, self.logical_len)
 
-    def reads_cache(self) -> bool:
-        """Whether this step reads or rewrites its cache entries (statistics, a compaction, a gate); otherwise it
-        only records window queries."""
-        return self.failure is None and (
-            self.compaction is not None or bool(self.state.policy.stat_names) or self.state.gate is not None
-        )
-
 
 @dataclass
 class StepContext:
