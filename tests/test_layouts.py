@@ -129,38 +129,31 @@ def test_window_sums_of_a_prefill_chunk_match_the_reference(layout, dtype, with_
     gain = 1 + torch.rand(len(rows), window) if with_gain else None
     sums, _ = cache.query_sums(queries[:, -window:], tables, lengths, DIM**-0.5, logit_scale=gain)
     starts = torch.arange(len(rows) + 1, dtype=torch.int32) * chunk
+
+    def reference(window_rows: int, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+        _, want, _ = prefill_attention_reference(
+            queries.reshape(-1, GROUP, DIM),
+            vec.views.keys,
+            vec.views.values,
+            tables.int(),
+            lengths.int(),
+            starts,
+            DIM**-0.5,
+            window_rows,
+            score_logit_scale=row_scale,
+            need_output=False,
+        )
+        return want[:, 0]
+
     row_scale = None
     if with_gain:  # the reference's form: one factor per query token, 1 outside the window
         row_scale = torch.ones(len(rows), chunk)
         row_scale[:, -window:] = gain
         row_scale = row_scale.reshape(1, -1)
-    _, want, _ = prefill_attention_reference(
-        queries.reshape(-1, GROUP, DIM),
-        vec.views.keys,
-        vec.views.values,
-        tables.int(),
-        lengths.int(),
-        starts,
-        DIM**-0.5,
-        window,
-        score_logit_scale=row_scale,
-        need_output=False,
-    )
-    torch.testing.assert_close(sums, want[:, 0], **PROB_TOL)
+    torch.testing.assert_close(sums, reference(window, row_scale), **PROB_TOL)
     # every query chunk of a long prefill lands in the same sums
     all_sums, _ = cache.query_sums(queries, tables, lengths, DIM**-0.5)
-    _, want_all, _ = prefill_attention_reference(
-        queries.reshape(-1, GROUP, DIM),
-        vec.views.keys,
-        vec.views.values,
-        tables.int(),
-        lengths.int(),
-        starts,
-        DIM**-0.5,
-        chunk,
-        need_output=False,
-    )
-    torch.testing.assert_close(all_sums, want_all[:, 0], **PROB_TOL)
+    torch.testing.assert_close(all_sums, reference(chunk), **PROB_TOL)
 
 
 def random_keep(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
