@@ -86,7 +86,8 @@ def measure(
             return cache.first_logits(decode_queries[:, 0], table, scale)
         if op == f"window sums, {window} queries (snapkv)":
             return cache.query_sums(window_queries, table, lengths, scale)
-        cache.compact(table, keep, counts)  # op == "compaction"
+        # op == "compaction", as the engine runs it: the lists read (the policy scores them), then compacted
+        cache.compact(table, keep, counts, entries=cache.read_lists(table, lengths))
         return cache.read_lists(table, counts)
 
     def staged(op: str, pages: torch.Tensor):
