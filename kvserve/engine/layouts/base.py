@@ -157,7 +157,7 @@ class CachePages(ABC):
         moving = torch.arange(width, device=self.device)[None, :] < keep_counts.to(self.device).long()[:, None]
         source_keys, source_values = entries if entries is not None else self.read_rows(tables, int(keep.max()) + 1)
         ids = self.page_ids(tables, width)
-        keys, values = self.page_entries(ids)  # the destination pages as they are
+        keys, values = self._destination_entries(ids, keep_counts.to(self.device).long())
         index = keep[..., None].expand(-1, -1, keys.shape[-1])
         mask = moving[..., None]
         keys[:, :width] = torch.where(mask, source_keys.to(keys.dtype).gather(1, index), keys[:, :width])
@@ -189,6 +189,21 @@ class CachePages(ABC):
         """Copy whole pages (source, destination): a page is one self-contained slab in every layout, so a move never
         decodes it (the block manager moves pages between steps the same way)."""
         copy_pages(self.pages, moves)
+
+    def _destination_entries(self, ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers [R, C * bs, D] for the pages `ids` [R, C] a compaction rewrites, holding the pages' present entries
+        only where some slot is at or past the row's count (the slots a compaction leaves as they were): a page the
+        kept entries fill entirely is never read."""
+        rows, count = ids.shape
+        block_size, dim = self.block_size, self.head_size
+        keys = torch.zeros(rows, count, block_size, dim, dtype=self.dtype, device=self.device)
+        values = torch.zeros_like(keys)
+        partial = (torch.arange(1, count + 1, device=self.device) * block_size)[None, :] > counts[:, None]  # [R, C]
+        if bool(partial.any()):
+            partial_ids = ids[partial]
+            keys[partial] = self.key_pages(partial_ids).transpose(1, 2)
+            values[partial] = self.value_pages(partial_ids)
+        return keys.view(rows, count * block_size, dim), values.view(rows, count * block_size, dim)
 
     def _store_entries(self, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store pages `ids` [R, C] from their entries [R, C * bs, D] in list order."""
