@@ -18,7 +18,7 @@ from kvserve_kernels.reference import (
 )
 from vllm import _custom_ops as ops
 
-from kvserve.engine.layouts import AmxPages, CachePages, VecPages, amx_decode, amx_encode, cpu_views, for_isa
+from kvserve.engine.layouts import AmxPages, CachePages, VecPages, cpu_views, for_isa
 
 BLOCK, DIM, GROUP = 32, 64, 3
 LENGTHS = torch.tensor([75, 40, 96, 1, 33])  # ragged rows: one (request, head) list each
@@ -230,7 +230,7 @@ def test_a_page_move_copies_the_page_without_decoding_it(layout, dtype):
 
 
 @pytest.mark.parametrize("block_size,dim", [(32, 64), (128, 64), (64, 128)])
-def test_amx_decode_and_encode_match_vllms_writer(block_size, dim):
+def test_amx_pages_decode_and_encode_as_vllms_writer(block_size, dim):
     heads, n, block_ids = 3, 2 * block_size + 7, [3, 0, 1]
     keys, values = torch.randn(n, heads, dim).bfloat16(), torch.randn(n, heads, dim).bfloat16()
     kv_cache = torch.zeros(4, heads, block_size, 2 * dim, dtype=torch.bfloat16)
@@ -239,11 +239,17 @@ def test_amx_decode_and_encode_match_vllms_writer(block_size, dim):
     ops.cpu_attn_reshape_and_cache(
         keys, values, key_cache, value_cache, slots, "amx", k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
     )
-    decoded_k, decoded_v = amx_decode(kv_cache)
-    blocks = torch.tensor(block_ids)[torch.arange(n) // block_size]
-    assert torch.equal(decoded_k[blocks, torch.arange(n) % block_size], keys)
-    assert torch.equal(decoded_v[blocks, torch.arange(n) % block_size], values)
-    assert torch.equal(amx_encode(decoded_k, decoded_v), kv_cache)
+    pages = AmxPages(kv_cache.view(4 * heads, 1, block_size, 2 * dim))  # page b * heads + h: block b, head h
+    ids = torch.arange(4 * heads)
+    page_keys, page_values = pages.key_pages(ids).transpose(1, 2), pages.value_pages(ids)  # [pages, bs, D]
+    tokens = torch.arange(n)
+    for head in range(heads):
+        page = torch.tensor(block_ids)[tokens // block_size] * heads + head
+        assert torch.equal(page_keys[page, tokens % block_size], keys[:, head])
+        assert torch.equal(page_values[page, tokens % block_size], values[:, head])
+    encoded = AmxPages(torch.zeros_like(pages.pages))
+    encoded.store_pages(ids, page_keys.transpose(1, 2), page_values)
+    assert torch.equal(encoded.pages, pages.pages)
 
 
 def test_cpu_views_read_what_vllms_vec_writer_wrote():

@@ -79,11 +79,11 @@ def measure(
     keep = torch.sort(torch.rand(rows, tokens, generator=generator).argsort(dim=1)[:, :budget], dim=1).values
     counts = torch.full((rows,), budget)
 
-    def on_layout(cache: CachePages, op: str, table: torch.Tensor):
+    def on_layout(cache: CachePages, op: str, table: torch.Tensor) -> tuple:
         if op == "decode column sums + first logits (h2o)":
             return cache.query_sums(decode_queries, table, lengths, scale, first_logits=True)
         if op == "first logits alone (mat)":
-            return cache.first_logits(decode_queries[:, 0], table, scale)
+            return (cache.first_logits(decode_queries[:, 0], table, scale),)
         if op == f"window sums, {window} queries (snapkv)":
             return cache.query_sums(window_queries, table, lengths, scale)
         # op == "compaction", as the engine runs it: the lists read (the policy scores them), then compacted
@@ -105,21 +105,22 @@ def measure(
     ]
     results = []
     for op in ops:
-        # each run of a compaction starts from the same pages, so the three are compared on the same input
-        copies = {name: pages.clone() for name, pages in (("vec", vec.pages), ("amx", amx_pages))}
+        # each check starts from the same pages (a compaction rewrites them), so the three get the same input
         outputs = [
-            on_layout(VecPages(copies["vec"].clone()), op, tables),
-            on_layout(AmxPages(copies["amx"].clone()), op, tables),
-            staged(op, copies["amx"].clone()),
+            on_layout(VecPages(vec.pages.clone()), op, tables),
+            on_layout(AmxPages(amx_pages.clone()), op, tables),
+            staged(op, amx_pages.clone()),
         ]
         flat = [
-            torch.cat([part.float().flatten() for part in out if part is not None])
-            for out in outputs_as_tuples(outputs)
+            torch.cat(
+                [part.float().flatten() for part in (out if isinstance(out, tuple) else (out,)) if part is not None]
+            )
+            for out in outputs
         ]
         # equal up to summation order (the AMX products multiply the tiles as stored)
         if not all(torch.allclose(flat[0], other, rtol=1e-4, atol=1e-5) for other in flat[1:]):
             raise AssertionError(f"{op}: the layouts disagree; the timings would compare different work")
-        vec_pages, amx_copy = copies["vec"], copies["amx"]
+        vec_pages, amx_copy = vec.pages.clone(), amx_pages.clone()
         times = {
             "vec": _timed(lambda op=op, pages=vec_pages: on_layout(VecPages(pages), op, tables), repeats),
             "amx": _timed(lambda op=op, pages=amx_copy: on_layout(AmxPages(pages), op, tables), repeats),
@@ -127,10 +128,6 @@ def measure(
         }
         results.append({"operation": op, **{f"{name}_ms": 1000 * seconds for name, seconds in times.items()}})
     return results
-
-
-def outputs_as_tuples(outputs: list) -> list[tuple]:
-    return [out if isinstance(out, tuple) else (out,) for out in outputs]
 
 
 def main(argv: list[str] | None = None) -> None:

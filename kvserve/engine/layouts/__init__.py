@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine.layouts.amx import AmxPages, amx_decode, amx_encode
+from kvserve.engine.layouts.amx import AmxPages
 from kvserve.engine.layouts.base import CachePages
 from kvserve.engine.layouts.flash import FlashPages, flash_views
 from kvserve.engine.layouts.views import PagedKV, VecPages, cpu_views
@@ -29,8 +29,6 @@ __all__ = [
     "FlashPages",
     "PagedKV",
     "VecPages",
-    "amx_decode",
-    "amx_encode",
     "cpu_views",
     "flash_views",
     "for_isa",

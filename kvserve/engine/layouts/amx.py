@@ -77,27 +77,3 @@ class AmxPages(CachePages):
         value_tiles = values.to(self.dtype).reshape(-1, bs // 2, 2, dim // TILE, TILE).permute(0, 3, 1, 4, 2)
         self._keys.index_copy_(0, ids, key_tiles.reshape(ids.shape[0], -1))
         self._values.index_copy_(0, ids, value_tiles.reshape(ids.shape[0], -1))
-
-
-def amx_decode(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks `[k, num_kv_heads, block_size, 2 * head_size]` in vLLM's AMX format -> keys, values
-    `[k, block_size, num_kv_heads, head_size]` (copies)."""
-    count, heads, block_size, two_dim = blocks.shape
-    pages = AmxPages(blocks.reshape(count * heads, 1, block_size, two_dim))
-    ids = torch.arange(count * heads).view(count, heads)
-    keys = pages.key_pages(ids).transpose(-1, -2)  # [k, H, bs, D]
-    return keys.transpose(1, 2).contiguous(), pages.value_pages(ids).transpose(1, 2).contiguous()
-
-
-def amx_encode(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The inverse of `amx_decode`: keys, values `[k, block_size, H, D]` -> blocks `[k, H, block_size, 2 * D]`."""
-    count, block_size, heads, dim = keys.shape
-    blocks = torch.empty(count, heads, block_size, 2 * dim, dtype=keys.dtype, device=keys.device)
-    pages = AmxPages(blocks.view(count * heads, 1, block_size, 2 * dim))
-    ids = torch.arange(count * heads, device=keys.device)
-    pages.store_pages(
-        ids,
-        keys.transpose(1, 2).reshape(count * heads, block_size, dim).transpose(1, 2),
-        values.transpose(1, 2).reshape(count * heads, block_size, dim),
-    )
-    return blocks

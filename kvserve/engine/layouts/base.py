@@ -148,16 +148,18 @@ class CachePages(ABC):
     ) -> None:
         """In place: row r's entries keep_indices[r, :keep_counts[r]] (ascending) move to its slots 0 .. count-1,
         and each [R, n] statistic's entries with them; slots at or past a row's count keep what they held (the
-        contract of `kvserve_kernels.reference.compact_reference`). The destination pages are read, rewritten and
-        stored whole. `entries`: the rows' keys and values [R, >= max kept index + 1, D] if the caller has them."""
+        contract of `kvserve_kernels.reference.compact_reference`). The destination pages are stored whole; only
+        those a kept entry does not fill are read first. `entries`: the rows' keys and values
+        [R, >= max kept index + 1, D] if the caller has them."""
         num_rows, width = keep_indices.shape
         if width == 0:
             return
         keep = keep_indices.to(self.device).long()
-        moving = torch.arange(width, device=self.device)[None, :] < keep_counts.to(self.device).long()[:, None]
+        counts = keep_counts.to(self.device).long()
+        moving = torch.arange(width, device=self.device)[None, :] < counts[:, None]
         source_keys, source_values = entries if entries is not None else self.read_rows(tables, int(keep.max()) + 1)
         ids = self.page_ids(tables, width)
-        keys, values = self._destination_entries(ids, keep_counts.to(self.device).long())
+        keys, values = self._destination_entries(ids, counts)
         index = keep[..., None].expand(-1, -1, keys.shape[-1])
         mask = moving[..., None]
         keys[:, :width] = torch.where(mask, source_keys.to(keys.dtype).gather(1, index), keys[:, :width])
