@@ -118,3 +118,63 @@ def top_keep(scores: torch.Tensor, budget: int, protected: int) -> torch.Tensor:
     top = torch.sort(candidates, dim=-1, descending=True, stable=True).indices[:, : budget - protected]
     recent = torch.arange(n - protected, n).expand(scores.shape[0], -1)
     return torch.sort(torch.cat([top, recent], dim=1), dim=1).values
+
+
+@torch.no_grad()
+def expected_attention_reference(model, prompt_ids: list[int], budget: int, window: int, future: int, sinks: int):
+    """Expected Attention's choice per layer (arXiv:2510.00636) computed the way its authors' kvpress does, from
+    the model's own modules: the queries' mean and covariance from the hidden states entering each attention layer
+    times W_q (before RoPE), RoPE's matrix from the model's rotary embedding averaged over the next `future`
+    positions, keys and values from the model's cache.
+
+    Returns (keep [L][H, B] sorted positions, scores [L][H, n]).
+    """
+    entering: dict[int, torch.Tensor] = {}
+
+    def capture(index):
+        def hook(module, args, kwargs):
+            entering[index] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    layers = model.model.layers
+    hooks = [layer.self_attn.register_forward_pre_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    n, config = len(prompt_ids), model.config
+    num_q, num_kv = config.num_attention_heads, config.num_key_value_heads
+    dim = config.hidden_size // num_q
+    future_positions = torch.arange(n, n + future)[None]
+    cos, sin = model.model.rotary_emb(entering[0], future_positions)  # [1, F, D] each, halves repeated
+    half = dim // 2
+    rotate_half = torch.zeros(dim, dim)  # P with P x = rotate_half(x) = [-x2, x1]
+    rotate_half[:half, half:], rotate_half[half:, :half] = -torch.eye(half), torch.eye(half)
+    mean_rotation = torch.diag(cos[0].mean(dim=0)) + torch.diag(sin[0].mean(dim=0)) @ rotate_half
+    keeps, all_scores = [], []
+    for index, layer in enumerate(layers):
+        hidden = entering[index][0, n - window :]  # the window's hidden states (past the sinks when n is long)
+        hidden = hidden[max(0, sinks - (n - window)) :]
+        queries = (hidden @ layer.self_attn.q_proj.weight.T).view(-1, num_q, dim)  # [w, Hq, D], before RoPE
+        mu = queries.mean(dim=0)
+        centred = queries - mu
+        sigma = torch.einsum("wqd,wqe->qde", centred, centred) / queries.shape[0]
+        mu, sigma = mu @ mean_rotation.T, mean_rotation @ sigma @ mean_rotation.T
+        keys = out.past_key_values.layers[index].keys[0]  # [H, n, D] after RoPE
+        values = out.past_key_values.layers[index].values[0]
+        group_keys = keys.repeat_interleave(num_q // num_kv, dim=0)  # [Hq, n, D]
+        scale = dim**-0.5
+        logits = scale * torch.einsum("qd,qnd->qn", mu, group_keys)
+        logits += scale**2 * torch.einsum("qnd,qde,qne->qn", group_keys, sigma, group_keys) / 2
+        logits[:, :sinks] = float("-inf")
+        probs = torch.softmax(logits, dim=-1).view(num_kv, -1, n).mean(dim=1)
+        scores = probs * values.norm(dim=-1)
+        ranked = (
+            torch.sort(scores[:, sinks:], dim=-1, descending=True, stable=True).indices[:, : budget - sinks] + sinks
+        )
+        sink_idx = torch.arange(sinks).expand(num_kv, -1)
+        keeps.append(torch.sort(torch.cat([sink_idx, ranked], dim=1), dim=1).values)
+        all_scores.append(scores)
+    return keeps, all_scores

@@ -29,9 +29,10 @@ def test_the_guide_adds_a_policy_the_contract_test_covers(tmp_path):
 
     registry = tmp_path / registry_path
     lines = registry.read_text().splitlines()
-    new_import, new_registry = blocks[registry_path].strip().splitlines()
+    new_import, *new_registry = blocks[registry_path].strip().splitlines()
     (entry,) = [i for i, line in enumerate(lines) if line.startswith("BASE_POLICIES")]
-    lines[entry] = new_registry
+    end = entry if lines[entry].endswith(")") else lines.index(")", entry)  # the tuple, on one line or several
+    lines[entry : end + 1] = new_registry
     lines.insert(max(i for i, line in enumerate(lines) if line.startswith("from kvserve.policies.")) + 1, new_import)
     registry.write_text("\n".join(lines) + "\n")
 

@@ -9,6 +9,7 @@ import torch
 from engine_settings import BLOCK_SIZE, EQUIVALENCE_MAX_TOKENS, NUM_BLOCKS, equivalence_prompts
 from hf_reference import (
     attention_probabilities,
+    expected_attention_reference,
     generate_with_kept,
     snapkv_reference,
     streamingllm_generate,
@@ -83,6 +84,26 @@ def test_snapkv_keeps_what_dense_attention_chooses(engine, hf_model):
         not torch.equal(state.layers[i].kept_positions[0], state.layers[i].kept_positions[1])
         for i in range(len(ref_keep))
     )
+
+
+def test_expected_attention_keeps_what_the_models_own_query_statistics_choose(engine, hf_model):
+    """The engine rebuilds the queries before RoPE by undoing the rotation with the table it read from vLLM's
+    rotary module; the reference takes them from the hidden states times W_q and its RoPE from the HF model."""
+    ids = prompt(engine, 400, seed=9)
+    budget, window, future, sinks = 128, 48, 256, 4
+    settings = {
+        "kv_policy": "expected_attention",
+        "kv_budget": budget,
+        "kv_window": window,
+        "kv_future": future,
+        "kv_sink_tokens": sinks,
+    }
+    out = engine.generate([ids], 1, settings)[0]
+    state = engine.eviction_state(out.request_id)
+    ref_keep, ref_scores = expected_attention_reference(hf_model, ids, budget, window, future, sinks)
+    assert len(state.layers) == len(ref_keep)
+    for layer, keep in enumerate(ref_keep):
+        _assert_same_kept(state.layers[layer].kept_positions, keep, ref_scores[layer], layer)
 
 
 @pytest.mark.parametrize("policy", ["tova", "h2o"])

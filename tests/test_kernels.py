@@ -67,6 +67,7 @@ from kvserve_kernels.layout import new_kv_cache, split_kv_cache  # noqa: E402
 
 from kvserve import kernel_dispatch  # noqa: E402
 from kvserve.policies import representative_policies  # noqa: E402
+from kvserve.policies.rotary import Rotary  # noqa: E402
 
 _INTERPRET_AFTER_IMPORT = os.environ.get("TRITON_INTERPRET")
 
@@ -483,7 +484,8 @@ def _serve_one_layer(
         paged = (AmxPages if layout == "amx" else VecPages)(raw)
     request = {"kv_policy": policy, "kv_budget": PATH_BUDGET, "kv_allocation": allocation, "kv_span": span}
     config = parse_kv_config(request, defaults={})
-    state = RequestState(config=config, policy=config.make_policy(), pages=HeadPages(page_layout))
+    rotary = {PATH_LAYER: Rotary.default(HEAD_DIM, 10000.0, 4096)}  # as the runner reads it from a RoPE model
+    state = RequestState(config=config, policy=config.make_policy(), pages=HeadPages(page_layout), rotary=rotary)
     state.pages.add_blocks([5, 2, 7])
     logical = 0
 

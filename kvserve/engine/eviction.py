@@ -172,6 +172,7 @@ def _observe(
         stats=stats,
         budget=plan.compaction.keep_tokens if plan.compaction else 0,
         lengths=lengths.to(device).long() if ragged else None,
+        rotary=plan.state.rotary.get(layer_idx),
     )
 
 

@@ -8,6 +8,7 @@ Memory is bounded by the budget: per layer we keep the positions of the entries 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from kvserve.config import KVConfig
 from kvserve.engine.pages import HeadPages
 from kvserve.gates.module import GatePast
 from kvserve.policies import Policy
+from kvserve.policies.rotary import Rotary
 
 POSITION_HEADROOM = 256  # decode steps whose positions are computed ahead
 
@@ -144,6 +146,7 @@ class RequestState:
     compactions: int = 0
     layers: dict[int, LayerState] = field(default_factory=dict)
     gate: GateRuntime | None = None
+    rotary: Mapping[int, Rotary] = field(default_factory=dict)  # each paged layer's RoPE, by page-view index
 
     def layer(self, idx: int) -> LayerState:
         return self.layers.setdefault(idx, LayerState())

@@ -39,6 +39,7 @@ from kvserve.engine.stages import StageLink, pipeline_group
 from kvserve.engine.step import RowPlan, StepContext, StepPages, current_step, set_step
 from kvserve.errors import InvalidSetting
 from kvserve.model_support import eviction_support, paged_group
+from kvserve.policies.rotary import Rotary
 
 
 class EvictionBook:
@@ -56,6 +57,7 @@ class EvictionBook:
         self.pipeline_checked = False
         self.vanilla = False  # this model cannot evict: kvserve leaves every step to vLLM
         self.group = 0  # the KV-cache group whose blocks hold head pages (a hybrid model's full-attention layers)
+        self.rotary: dict[int, Rotary] = {}  # each paged layer's RoPE table, by page-view index
 
     def pipeline_link(self) -> StageLink | None:
         if not self.pipeline_checked:
@@ -85,6 +87,7 @@ class EvictionBook:
                 model_layer_ids=model_layers,
             )
             self.pages = page_view([caches[index] for index in model_layers], self.layout)
+            self.rotary = _rotary_tables(runner.get_model(), model_layers, self.pages.device)
         return not self.vanilla
 
     def state_for(self, req_id: str, runner) -> RequestState | None:
@@ -101,7 +104,9 @@ class EvictionBook:
         if config is None or not config.evicts:
             self.not_evicting.add(req_id)
             return None
-        state = RequestState(config=config, policy=config.make_policy(), pages=HeadPages(self.layout))
+        state = RequestState(
+            config=config, policy=config.make_policy(), pages=HeadPages(self.layout), rotary=self.rotary
+        )
         if config.ragged:
             try:
                 state.gate = _gate_runtime(runner, req_state)
@@ -125,6 +130,36 @@ def _caches_by_layer(runner) -> dict[int, torch.Tensor]:
     if len(names) != len(runner.kv_caches):
         raise RuntimeError(f"kvserve: {len(names)} attention layers but {len(runner.kv_caches)} KV caches")
     return {extract_layer_index(name): cache for name, cache in zip(names, runner.kv_caches, strict=True)}
+
+
+def _rotary_tables(model: torch.nn.Module, model_layers: tuple[int, ...], device: torch.device) -> dict[int, Rotary]:
+    """The RoPE table of each paged layer (by page-view index), read from the model's own rotary modules, so that a
+    scaled variant (YaRN, Llama 3, ...) arrives as the model applies it. A layer's module is the one named inside it
+    (`model.layers.5.self_attn.rotary_emb`); a model with one rotary module outside its layers shares it. A layer
+    with neither gets none (a policy that needs it then fails with the reason)."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+
+    by_layer: dict[int, RotaryEmbeddingBase] = {}
+    shared: set[int] = set()
+    for name, module in model.named_modules(remove_duplicate=False):  # get_rope hands one module to many layers
+        if isinstance(module, RotaryEmbeddingBase):
+            shared.add(id(module))
+            try:
+                by_layer.setdefault(extract_layer_index(name), module)
+            except AssertionError:  # no layer number in the name: a model-level module
+                by_layer.setdefault(-1, module)
+    tables = {}
+    for index, model_layer in enumerate(model_layers):
+        module = by_layer.get(model_layer, by_layer.get(-1) if len(shared) == 1 else None)
+        if module is None:
+            continue
+        try:  # vLLM's float32 table, before it is cast to the model's dtype
+            table = module._compute_cos_sin_cache()
+        except TypeError:  # a variant whose table takes arguments: the one the model holds
+            table = module.cos_sin_cache
+        cos, sin = table.float().to(device).chunk(2, dim=-1)
+        tables[index] = Rotary(cos.contiguous(), sin.contiguous(), neox=bool(module.is_neox_style))
+    return tables
 
 
 def _gate_runtime(runner, req_state) -> GateRuntime:

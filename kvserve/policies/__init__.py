@@ -11,6 +11,7 @@ from kvserve.policies.attention_gate import AttentionGate
 from kvserve.policies.base import LayerObservation, Policy, ScoredPolicy, Selection
 from kvserve.policies.caote import META_SCORES, caote_variant
 from kvserve.policies.ems import EMS
+from kvserve.policies.expected_attention import ExpectedAttention
 from kvserve.policies.h2o import H2O
 from kvserve.policies.knobs import Knob, knob
 from kvserve.policies.mat import MAT
@@ -19,7 +20,17 @@ from kvserve.policies.streamingllm import StreamingLLM
 from kvserve.policies.tova import TOVA
 
 # The registry: every policy a request can name is one of these or a meta-score over a scored one.
-BASE_POLICIES: tuple[type[Policy], ...] = (StreamingLLM, H2O, SnapKV, TOVA, AhaKV, MAT, EMS, AttentionGate)
+BASE_POLICIES: tuple[type[Policy], ...] = (
+    StreamingLLM,
+    H2O,
+    SnapKV,
+    TOVA,
+    AhaKV,
+    MAT,
+    EMS,
+    AttentionGate,
+    ExpectedAttention,
+)
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in BASE_POLICIES}
 for _base in BASE_POLICIES:
@@ -36,6 +47,7 @@ __all__ = [
     "AhaKV",
     "AttentionGate",
     "EMS",
+    "ExpectedAttention",
     "H2O",
     "Knob",
     "LayerObservation",

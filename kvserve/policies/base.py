@@ -16,6 +16,7 @@ from typing import ClassVar
 import torch
 
 from kvserve.policies.knobs import Knob, knobs_of
+from kvserve.policies.rotary import Rotary
 
 
 @dataclass
@@ -44,6 +45,7 @@ class LayerObservation:
     # [H] entries of each head when heads hold different counts (None: all n); a head's entries past its length are
     # padding: zero keys and values, position -1, never attended, never kept
     lengths: torch.Tensor | None = None
+    rotary: Rotary | None = None  # how the layer rotates queries and keys by position (None: not given)
 
     @property
     def num_heads(self) -> int:

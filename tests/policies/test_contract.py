@@ -25,6 +25,7 @@ from kvserve.config import parse_kv_config
 from kvserve.errors import InvalidSetting
 from kvserve.policies import POLICIES, LayerObservation, Policy, ScoredPolicy
 from kvserve.policies.base import PassStatistics
+from kvserve.policies.rotary import Rotary
 
 HEADS, GROUP, DIM, LENGTH, LAYER = 3, 2, 16, 96, 3
 PREFILL = LENGTH - 8  # a prompt chunk, then single-token decode steps, as the engine feeds statistics
@@ -75,6 +76,7 @@ def observe(
         window_positions=torch.arange(LENGTH - window, LENGTH),
         stats=stats,
         budget=budget,
+        rotary=Rotary.default(DIM, 10000.0, 2 * LENGTH),  # the engine gives every layer of a RoPE model its table
     )
 
 
