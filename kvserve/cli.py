@@ -96,8 +96,8 @@ def defaults_from_args(args: argparse.Namespace) -> dict:
         defaults.update(loaded)
     flags = {k: v for k, v in vars(args).items() if k.startswith("kv_") and k != "kv_config" and v is not None}
     defaults.update(flags)
-    if not defaults:
-        defaults = dict(BUILTIN_DEFAULTS)
+    if "kv_policy" not in defaults:  # knobs alone (`--kv-window 64`) tune the built-in policy, not `full`
+        defaults = {**BUILTIN_DEFAULTS, **defaults}
     try:
         parse_kv_config(defaults, defaults={})  # fail at start-up, not on the first request
     except InvalidSetting as exc:

@@ -51,6 +51,11 @@ def test_cli_flags_override_the_config_file():
     assert parse_kv_config({}, defaults).policy == "streamingllm"
 
 
+def test_a_knob_flag_alone_tunes_the_builtin_policy():
+    defaults = defaults_from_args(argparse.Namespace(kv_config=None, kv_policy=None, kv_budget=None, kv_window="64"))
+    assert parse_kv_config({}, defaults) == parse_kv_config({**BUILTIN_DEFAULTS, "kv_window": 64}, defaults={})
+
+
 def test_cli_rejects_an_invalid_default_at_start_up():
     with pytest.raises(SystemExit, match="kv_budget"):
         defaults_from_args(namespace(kv_policy="snapkv", kv_budget="8"))
