@@ -40,6 +40,11 @@ class KVConfig:
         """The policy decides per head how many entries to keep (Attention-Gate); the budget, if any, caps them."""
         return self.evicts and POLICIES[self.policy].ragged
 
+    @property
+    def own_counts(self) -> bool:
+        """The policy gives each head its own count from the budget (DuoAttention's roles)."""
+        return self.evicts and POLICIES[self.policy].own_counts
+
     def make_policy(self) -> Policy:
         return POLICIES[self.policy](**dict(self.knobs))
 
@@ -49,7 +54,7 @@ class KVConfig:
             return PrefixSharing(reads=True, publishes=True)
         # heads / global decide their counts while they compact, so the pages to keep out of shared blocks are not
         # known beforehand; a gate masks attention inside the prompt, so its keys are not a plain request's
-        shares = not self.ragged and self.allocation in ("uniform", "pyramid")
+        shares = not self.ragged and not self.own_counts and self.allocation in ("uniform", "pyramid")
         queries = self.make_policy().prompt_queries_read() if shares else None
         return PrefixSharing(
             # A compaction after every chunk makes later chunks' keys depend on where chunks end, so such a request
@@ -166,6 +171,14 @@ def _allocation_and_span(
         if "kv_span" in requested and span != 1:
             raise InvalidSetting("kv_span", f"{cls.name} flags tokens with its gate, it has no scores to sum")
         return "uniform", 1
+    if cls.own_counts and allocation != "uniform":
+        if "kv_allocation" in requested:
+            raise InvalidSetting(
+                "kv_allocation",
+                f"{cls.name} gives each head its count from its trained roles; an allocation of the budget does not "
+                "apply",
+            )
+        allocation = "uniform"
     scored = issubclass(cls, ScoredPolicy)
     if not scored and allocation in ("heads", "global"):
         if "kv_allocation" in requested:
@@ -241,5 +254,12 @@ def check_against_model(config: KVConfig, model_config, request_args: dict[str, 
         try:
             gate_entry(model)
         except NoGateError as exc:
+            raise InvalidSetting("kv_policy", str(exc)) from exc
+    if config.own_counts:  # DuoAttention: the model's trained head roles
+        from kvserve.duo.roles import HeadRoles
+
+        try:
+            HeadRoles.for_model(model, model_config.get_total_num_kv_heads())
+        except ValueError as exc:
             raise InvalidSetting("kv_policy", str(exc)) from exc
     return config

@@ -16,8 +16,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from kvserve.policies import POLICIES, representative_policies  # noqa: E402
 
-# every registered policy that ranks entries against a budget (Attention-Gate's gated path is tested elsewhere)
-KERNEL_POLICIES = representative_policies(ragged=False)
+# every registered policy that ranks entries against a budget, DuoAttention's own counts included (Attention-Gate's
+# gated path is tested elsewhere)
+KERNEL_POLICIES = representative_policies(ragged=False) + [n for n, cls in POLICIES.items() if cls.own_counts]
 KERNEL_BUDGET, KERNEL_MAX_TOKENS = 96, 40  # a prefill compaction, then one in decode (cache 96 -> 128 -> 96)
 # Triton's interpreter is slow: one policy per statistic the attention pass measures
 TRITON_POLICIES = [

@@ -20,8 +20,9 @@ from kvserve.eval.haystack import haystack
 from kvserve.metrics import metrics
 from kvserve.policies import POLICIES, POLICY_NAMES
 
-# Policies that keep exactly the budget; Attention-Gate decides its own ragged counts (test_attention_gate_engine.py)
-BUDGETED = [name for name in POLICY_NAMES if name == "full" or not POLICIES[name].ragged]
+# Policies that keep exactly the budget; Attention-Gate decides its own ragged counts (test_attention_gate_engine.py),
+# DuoAttention gives each head its count from its roles, so even a budget above the sequence cuts its streaming heads
+BUDGETED = [name for name in POLICY_NAMES if name == "full" or not (POLICIES[name].ragged or POLICIES[name].own_counts)]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -104,6 +105,46 @@ def test_expected_attention_keeps_what_the_models_own_query_statistics_choose(en
     assert len(state.layers) == len(ref_keep)
     for layer, keep in enumerate(ref_keep):
         _assert_same_kept(state.layers[layer].kept_positions, keep, ref_scores[layer], layer)
+
+
+def test_duoattention_streaming_heads_keep_sinks_and_recent_and_retrieval_heads_snapkvs_choice(engine, hf_model):
+    """The shipped roles of the default model at retrieval fraction 0.5: a streaming head keeps exactly its 16 sinks
+    and 64 newest tokens; a retrieval head keeps the retrieval heads' equal share of 30 x 3 x B, chosen as SnapKV
+    chooses from the model's own attention; the blocks freed follow from those counts."""
+    from kvserve.duo.roles import HeadRoles
+    from kvserve.model import DEFAULT_MODEL_NAME
+
+    ids = prompt(engine, 400, seed=10)
+    budget, fraction = 128, 0.5
+    out = engine.generate([ids], 1, {"kv_policy": "duoattention", "kv_budget": budget})[0]
+    state = engine.eviction_state(out.request_id)
+    roles = HeadRoles.for_model(DEFAULT_MODEL_NAME, hf_model.config.num_key_value_heads).retrieval(fraction)
+    total, retrieval = roles.numel(), int(roles.sum())
+    share = (total * budget - (total - retrieval) * 80) // retrieval
+    ref_keep, ref_scores = snapkv_reference(hf_model, ids, share, 32, 7)
+    streaming_keep = list(range(16)) + list(range(len(ids) - 64, len(ids)))
+    for layer, (keep, scores) in enumerate(zip(ref_keep, ref_scores, strict=True)):
+        kept = state.layers[layer].kept_positions
+        for head in range(kept.shape[0]):
+            positions = [p for p in kept[head].tolist() if p >= 0]
+            if roles[layer, head]:
+                assert len(positions) == share, (layer, head)
+                _assert_same_kept(torch.tensor([positions]), keep[head : head + 1], scores[head : head + 1], layer)
+            else:
+                assert positions == streaming_keep, (layer, head)
+    # decoding: once a block of new tokens arrived every list returns to its count, the streaming heads to the
+    # sinks and the newest tokens
+    out = engine.generate([ids], 2 * BLOCK_SIZE + 8, {"kv_policy": "duoattention", "kv_budget": budget})[0]
+    state = engine.eviction_state(out.request_id)
+    assert state.compactions >= 2
+    for layer, layer_state in state.layers.items():
+        for head, row in enumerate(layer_state.kept_positions.tolist()):
+            positions = [p for p in row if p >= 0]
+            if roles[layer, head]:
+                assert len(positions) == share and positions[-32:] == list(range(state.since - 32, state.since))
+            else:
+                assert positions == list(range(16)) + list(range(state.since - 64, state.since)), (layer, head)
+    assert engine.free_blocks() == NUM_BLOCKS - 1  # every block back once the requests are done (one stays null)
 
 
 @pytest.mark.parametrize("policy", ["tova", "h2o"])

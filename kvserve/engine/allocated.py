@@ -48,7 +48,9 @@ def select(
         else torch.full((obs.num_heads,), obs.num_tokens, device=obs.positions.device)
     )
     counts = None
-    if plan.compaction.decode and layer.share is not None:
+    if policy.own_counts:  # fixed per head by the policy (DuoAttention's roles), at the prompt and in decode alike
+        counts = torch.minimum(policy.head_counts(obs, budget), limits)
+    elif plan.compaction.decode and layer.share is not None:
         counts = torch.minimum(layer.share, limits)
     elif config.allocation == "pyramid":
         minimum = policy.protected_tokens() + 1  # every layer's budget must exceed what the policy protects

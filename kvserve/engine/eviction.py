@@ -173,6 +173,7 @@ def _observe(
         budget=plan.compaction.keep_tokens if plan.compaction else 0,
         lengths=lengths.to(device).long() if ragged else None,
         rotary=plan.state.rotary.get(layer_idx),
+        model=plan.state.model,
     )
 
 

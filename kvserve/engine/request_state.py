@@ -147,6 +147,7 @@ class RequestState:
     layers: dict[int, LayerState] = field(default_factory=dict)
     gate: GateRuntime | None = None
     rotary: Mapping[int, Rotary] = field(default_factory=dict)  # each paged layer's RoPE, by page-view index
+    model: str = ""  # the served model's name, for policies trained per model
 
     def layer(self, idx: int) -> LayerState:
         return self.layers.setdefault(idx, LayerState())

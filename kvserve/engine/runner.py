@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -105,7 +106,11 @@ class EvictionBook:
             self.not_evicting.add(req_id)
             return None
         state = RequestState(
-            config=config, policy=config.make_policy(), pages=HeadPages(self.layout), rotary=self.rotary
+            config=config,
+            policy=config.make_policy(),
+            pages=HeadPages(self.layout),
+            rotary=self.rotary,
+            model=Path(str(runner.model_config.model).rstrip("/")).name,
         )
         if config.ragged:
             try:

@@ -217,11 +217,12 @@ class EvictingScheduler(Scheduler):
                 return None
             # an allocation keeps some lists longer than B: compact once a block of tokens came since the last time
             report = self.evicting_manager.reports.get(req_id)
-            longest = report.longest if report is not None and config.allocation != "uniform" else budget
+            varies = config.allocation != "uniform" or config.own_counts  # some lists keep more than B
+            longest = report.longest if report is not None and varies else budget
             return budget if cached >= longest + self.block_size else None
         if not prompt_done and not config.evict_every_chunk:
             return None
-        if config.ragged:  # the gate decides; the budget caps
+        if config.ragged or config.own_counts:  # a gate or trained roles decide; the budget caps
             return cached if budget is None else min(budget, cached)
         return budget if cached > budget else None
 

@@ -66,11 +66,19 @@ def gate_keep_matrix(flags: torch.Tensor) -> torch.Tensor:
     return keep + torch.eye(n, dtype=flags.dtype)
 
 
+def streaming_keep_matrix(n: int, sinks: int, recent: int) -> torch.Tensor:
+    """[n (query), n (key)] 0/1: what a streaming head sees (DuoAttention, StreamingLLM): the first `sinks` keys and
+    the `recent` newest up to the query itself, causally."""
+    query, key = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    return ((key <= query) & ((key < sinks) | (key > query - recent))).float()
+
+
 @dataclass
 class GatedOutput:
     logits: torch.Tensor  # [B, n, vocab]
     keep_probability: list[torch.Tensor]  # per layer, [B, n, H_kv]
     flags: list[torch.Tensor]  # per layer, [B, n, H_kv] (0/1 floats; straight-through when training)
+    hidden: torch.Tensor | None = None  # [B, n, hidden] the last layer's normalised output (before the LM head)
 
 
 class PlainLlama(torch.nn.Module):
@@ -101,10 +109,14 @@ class PlainLlama(torch.nn.Module):
         train_gates: bool = False,
         forced_keep: torch.Tensor | None = None,
         visible: list[torch.Tensor] | None = None,
+        head_mix: torch.Tensor | None = None,
+        streaming: tuple[int, int] = (0, 0),
     ) -> GatedOutput:
         """input_ids [B, n]. Without gates: the plain causal model. `forced_keep` [n] (bool): positions always kept
         regardless of the gate (decode-time tokens, which the gate does not judge). `visible`, without gates: per
-        layer [H_kv, n (query), n (key)] bool, which keys each query of each KV head sees (any keep rule, per head)."""
+        layer [H_kv, n (query), n (key)] bool, which keys each query of each KV head sees (any keep rule, per head).
+        `head_mix` [L, H_kv] in [0, 1] (DuoAttention's gates): each KV head's attention is head_mix x full causal
+        attention + (1 - head_mix) x streaming attention over `streaming` = (sinks, recent) keys."""
         s = self.shape
         batch, n = input_ids.shape
         positions = torch.arange(n)
@@ -139,13 +151,17 @@ class PlainLlama(torch.nn.Module):
                 keep = gate_keep_matrix(flags).repeat_interleave(group, dim=1)  # [B, Hq, n, n]
             scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, dim=2)) / s.head_dim**0.5
             attention = masked_softmax(scores, keep)
+            if head_mix is not None:  # outputs are linear in the weights: mixing weights mixes the outputs
+                mix = head_mix[layer].repeat_interleave(group)[None, :, None, None]
+                stream = masked_softmax(scores, streaming_keep_matrix(n, *streaming))
+                attention = mix * attention + (1 - mix) * stream
             mixed = torch.einsum("bhqk,bkhd->bqhd", attention, v.repeat_interleave(group, dim=2))
             hidden = hidden + mixed.reshape(batch, n, -1) @ self._w(layer, "self_attn.o_proj").T
             x = self._rms(hidden, self.weights[f"layers.{layer}.post_attention_layernorm.weight"])
             gated = F.silu(x @ self._w(layer, "mlp.gate_proj").T) * (x @ self._w(layer, "mlp.up_proj").T)
             hidden = hidden + gated @ self._w(layer, "mlp.down_proj").T
         hidden = self._rms(hidden, self.weights["norm.weight"])
-        return GatedOutput(hidden @ self.weights["lm_head.weight"].T, probabilities, all_flags)
+        return GatedOutput(hidden @ self.weights["lm_head.weight"].T, probabilities, all_flags, hidden)
 
     @torch.no_grad()
     def greedy(self, prompt_ids: list[int], max_tokens: int, gates=None) -> tuple[list[int], list[torch.Tensor]]:
@@ -164,4 +180,12 @@ class PlainLlama(torch.nn.Module):
         return tokens[len(prompt_ids) :], flags
 
 
-__all__ = ["GatePast", "GatedOutput", "LlamaShape", "PlainLlama", "gate_keep_matrix", "masked_softmax"]
+__all__ = [
+    "GatePast",
+    "GatedOutput",
+    "LlamaShape",
+    "PlainLlama",
+    "gate_keep_matrix",
+    "masked_softmax",
+    "streaming_keep_matrix",
+]

@@ -10,6 +10,7 @@ from kvserve.policies.ahakv import AhaKV
 from kvserve.policies.attention_gate import AttentionGate
 from kvserve.policies.base import LayerObservation, Policy, ScoredPolicy, Selection
 from kvserve.policies.caote import META_SCORES, caote_variant
+from kvserve.policies.duo_attention import DuoAttention
 from kvserve.policies.ems import EMS
 from kvserve.policies.expected_attention import ExpectedAttention
 from kvserve.policies.h2o import H2O
@@ -30,6 +31,7 @@ BASE_POLICIES: tuple[type[Policy], ...] = (
     EMS,
     AttentionGate,
     ExpectedAttention,
+    DuoAttention,
 )
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in BASE_POLICIES}
@@ -46,6 +48,7 @@ __all__ = [
     "POLICY_NAMES",
     "AhaKV",
     "AttentionGate",
+    "DuoAttention",
     "EMS",
     "ExpectedAttention",
     "H2O",
@@ -69,8 +72,9 @@ def representative_policies(ragged: bool = True) -> list[str]:
     """One registered name per way a policy runs: every base policy, then each meta-score over the first scored base.
 
     What engine-level tests and the load mix cycle through, so a newly registered policy is in them at once;
-    `ragged=False` leaves out the policies whose heads keep different counts (they need a gate to run)."""
-    names = [cls.name for cls in BASE_POLICIES if ragged or not cls.ragged]
+    `ragged=False` leaves out the policies whose heads keep different counts (they need a gate or head roles trained
+    for the model to run)."""
+    names = [cls.name for cls in BASE_POLICIES if ragged or not (cls.ragged or cls.own_counts)]
     first_scored = next(cls.name for cls in BASE_POLICIES if issubclass(cls, ScoredPolicy))
     return names + [f"{first_scored}+{meta}" for meta in META_SCORES]
 

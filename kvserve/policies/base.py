@@ -46,6 +46,7 @@ class LayerObservation:
     # padding: zero keys and values, position -1, never attended, never kept
     lengths: torch.Tensor | None = None
     rotary: Rotary | None = None  # how the layer rotates queries and keys by position (None: not given)
+    model: str = ""  # the served model's name (its directory's), for policies trained per model (DuoAttention)
 
     @property
     def num_heads(self) -> int:
@@ -154,6 +155,8 @@ class Policy:
     # True: the policy decides each head's count itself (heads keep different counts: "ragged"); kv_budget, then
     # optional, only caps the counts
     ragged: ClassVar[bool] = False
+    # True: the policy gives each head its own count from the budget (DuoAttention's roles), not an allocation's
+    own_counts: ClassVar[bool] = False
     # what the engine should measure in the attention pass (fields of PassStatistics); window_sums only at compactions
     pass_statistics: ClassVar[tuple[str, ...]] = ()
 

@@ -23,14 +23,16 @@ import torch
 
 from kvserve.config import parse_kv_config
 from kvserve.errors import InvalidSetting
+from kvserve.model import DEFAULT_MODEL_NAME
 from kvserve.policies import POLICIES, LayerObservation, Policy, ScoredPolicy
 from kvserve.policies.base import PassStatistics
 from kvserve.policies.rotary import Rotary
 
-HEADS, GROUP, DIM, LENGTH, LAYER = 3, 2, 16, 96, 3
+HEADS, GROUP, DIM, LENGTH, LAYER = 3, 2, 16, 128, 3
 PREFILL = LENGTH - 8  # a prompt chunk, then single-token decode steps, as the engine feeds statistics
-BUDGETED = sorted(name for name, cls in POLICIES.items() if not cls.ragged)
+BUDGETED = sorted(name for name, cls in POLICIES.items() if not cls.ragged and not cls.own_counts)
 RAGGED = sorted(name for name, cls in POLICIES.items() if cls.ragged)
+OWN_COUNTS = sorted(name for name, cls in POLICIES.items() if cls.own_counts)  # counts per head from trained roles
 
 
 def budget_for(policy: Policy) -> int:
@@ -77,6 +79,7 @@ def observe(
         stats=stats,
         budget=budget,
         rotary=Rotary.default(DIM, 10000.0, 2 * LENGTH),  # the engine gives every layer of a RoPE model its table
+        model=DEFAULT_MODEL_NAME,  # a model with shipped DuoAttention roles (3 KV heads, as here)
     )
 
 
@@ -131,7 +134,7 @@ def test_a_budget_covering_the_cache_keeps_it_unchanged(name):
         torch.testing.assert_close(selection.values, values)
 
 
-@pytest.mark.parametrize("name", BUDGETED)
+@pytest.mark.parametrize("name", BUDGETED + OWN_COUNTS)
 def test_same_observation_same_selection_and_inputs_untouched(name):
     policy = POLICIES[name]()
     budget = budget_for(policy)
@@ -216,3 +219,18 @@ def test_a_ragged_policy_keeps_each_heads_flagged_entries_newest_first_under_a_c
         expected = flagged[-cap:] if cap is not None and len(flagged) > cap else flagged
         assert int(counts[head]) == len(expected)
         assert keep[head, : len(expected)].tolist() == expected, (name, head)
+
+
+@pytest.mark.parametrize("name", OWN_COUNTS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_policy_with_its_own_counts_keeps_them_as_ascending_distinct_indices(name, seed):
+    policy = POLICIES[name]()
+    budget = budget_for(policy)
+    obs = observe(policy, *inputs(seed), budget)
+    selection = policy.select(obs, budget)
+    counts = policy.head_counts(obs, budget)
+    assert torch.equal(selection.keep_counts, counts), name
+    assert bool((counts <= LENGTH).all()) and int(counts.max()) > 0, name
+    for head, row in enumerate(kept_rows(selection.keep_indices)):
+        kept = row[: int(counts[head])]
+        assert kept == sorted(set(kept)) and all(0 <= index < LENGTH for index in kept), (name, head)
