@@ -144,6 +144,9 @@ def test_duoattention_streaming_heads_keep_sinks_and_recent_and_retrieval_heads_
                 assert len(positions) == share and positions[-32:] == list(range(state.since - 32, state.since))
             else:
                 assert positions == list(range(16)) + list(range(state.since - 64, state.since)), (layer, head)
+    # a prompt shorter than the streaming window: every head keeps all it holds until decoding passes its count
+    short = engine.generate([ids[:24]], 72, {"kv_policy": "duoattention", "kv_budget": budget})[0]
+    assert len(short.outputs[0].token_ids) == 72 and engine.eviction_state(short.request_id).compactions >= 2
     assert engine.free_blocks() == NUM_BLOCKS - 1  # every block back once the requests are done (one stays null)
 
 

@@ -10,7 +10,9 @@ After the step ran, the worker reports the request's page lists and the blocks i
 
 Each (layer, KV head) list has its own count; "the cache" in these rules is the longest list. A ragged policy
 (Attention-Gate) decides its counts in the worker: its prompt always compacts, each head to at most B (or to what its
-gate kept, without a budget); during decoding the B + bs rule applies only when a budget was given.
+gate kept, without a budget); during decoding the B + bs rule applies only when a budget was given. A policy with
+its own counts (DuoAttention) also always compacts its prompt, with B, and each head keeps its count for B or all it
+holds, whichever is less.
 
 Pipeline parallelism (`--pipeline-parallel-size`): every stage gets the same plan and compacts its own layers; the
 last stage decides which blocks the request gives back (`kvserve/engine/stages.py`) and reports; the next schedule
@@ -222,8 +224,10 @@ class EvictingScheduler(Scheduler):
             return budget if cached >= longest + self.block_size else None
         if not prompt_done and not config.evict_every_chunk:
             return None
-        if config.ragged or config.own_counts:  # a gate or trained roles decide; the budget caps
+        if config.ragged:  # the gate decides; the budget caps
             return cached if budget is None else min(budget, cached)
+        if config.own_counts and budget is not None:  # the policy's counts for B, each capped at what a head holds
+            return budget  # (a prompt shorter than B still drops its streaming heads' middle)
         return budget if cached > budget else None
 
     def update_from_output(self, scheduler_output, model_runner_output):

@@ -70,7 +70,7 @@ class DuoAttention(SnapKV):
         retrieval_count = (total_heads * budget - (total_heads - retrieval) * streaming_count) // max(retrieval, 1)
         counts = torch.where(self.retrieval_heads(obs), retrieval_count, streaming_count)
         held = obs.lengths if obs.lengths is not None else torch.full_like(counts, obs.num_tokens)
-        return torch.minimum(counts, held.to(counts.device))
+        return torch.minimum(counts, held.to(counts.device)).clamp(min=0)
 
     def protected_mask(self, obs: LayerObservation) -> torch.Tensor:
         """A retrieval head protects SnapKV's window; a streaming head its sinks and its `recent` newest entries

@@ -79,6 +79,13 @@ def test_a_budget_above_the_cache_keeps_every_entry_of_a_retrieval_head(trained)
     assert as_lists(selection.keep_indices)[0] == list(range(N))
 
 
+def test_a_cache_shorter_than_the_budget_keeps_what_each_head_holds_up_to_its_count(trained):
+    obs = window_observation(40, heads=HEADS, group=2, dim=16, window=32, seed=1)
+    obs = LayerObservation(**{**obs.__dict__, "layer_idx": 0, "model": "tiny-duo"})
+    selection = DuoAttention(retrieval_fraction=0.25).select(obs, 100)
+    assert selection.keep_counts.tolist() == [40, 40, 40]  # 160 and 80 capped at the 40 each head holds
+
+
 def test_a_model_without_roles_is_refused_with_its_name(trained):
     obs = LayerObservation(**{**observe(0).__dict__, "model": "other-model"})
     with pytest.raises(ValueError, match="no DuoAttention head roles for model 'other-model'"):
