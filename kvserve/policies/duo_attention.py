@@ -23,6 +23,7 @@ from typing import ClassVar
 
 import torch
 
+from kvserve.policies.allocation import ranked, top_counts
 from kvserve.policies.base import LayerObservation, Selection, recent_mask
 from kvserve.policies.knobs import knob
 from kvserve.policies.snapkv import SnapKV
@@ -81,8 +82,6 @@ class DuoAttention(SnapKV):
         return torch.where(self.retrieval_heads(obs)[:, None], window, streaming)
 
     def select(self, obs: LayerObservation, budget: int) -> Selection:
-        from kvserve.policies.allocation import ranked, top_counts
-
         counts = self.head_counts(obs, budget)
         padding = obs.padding()
         protected = self.protected_mask(obs) if padding is None else self.protected_mask(obs) & ~padding
