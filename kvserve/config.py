@@ -256,10 +256,10 @@ def check_against_model(config: KVConfig, model_config, request_args: dict[str, 
         except NoGateError as exc:
             raise InvalidSetting("kv_policy", str(exc)) from exc
     if config.own_counts:  # DuoAttention: the model's trained head roles
-        from kvserve.duo.roles import HeadRoles
+        from kvserve.duo.roles import roles_for
 
         try:
-            HeadRoles.for_model(model, model_config.get_total_num_kv_heads())
+            roles_for(model, model_config.get_total_num_kv_heads())
         except ValueError as exc:
             raise InvalidSetting("kv_policy", str(exc)) from exc
     return config

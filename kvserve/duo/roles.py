@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -65,3 +66,10 @@ class HeadRoles:
                 f"{path.name} holds roles for {roles.gates.shape[1]} KV heads, the model has {num_kv_heads}"
             )
         return roles
+
+
+@cache
+def roles_for(model_name: str, num_kv_heads: int) -> HeadRoles:
+    """`HeadRoles.for_model`, read once per process: the policy asks at every compaction of every layer, the front
+    end at every request. (A missing file raises each time: errors are not cached.)"""
+    return HeadRoles.for_model(model_name, num_kv_heads)

@@ -49,7 +49,7 @@ def select(
     )
     counts = None
     if policy.own_counts:  # fixed per head by the policy (DuoAttention's roles), at the prompt and in decode alike
-        counts = torch.minimum(policy.head_counts(obs, budget), limits)
+        counts = policy.head_counts(obs, budget)  # each already capped at what its head holds
     elif plan.compaction.decode and layer.share is not None:
         counts = torch.minimum(layer.share, limits)
     elif config.allocation == "pyramid":

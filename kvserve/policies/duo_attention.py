@@ -18,22 +18,15 @@ its count once a block of new tokens arrived.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 from typing import ClassVar
 
 import torch
 
+from kvserve.duo.roles import roles_for
 from kvserve.policies.allocation import ranked, top_counts
 from kvserve.policies.base import LayerObservation, Selection, recent_mask
 from kvserve.policies.knobs import knob
 from kvserve.policies.snapkv import SnapKV
-
-
-@cache
-def _roles(model: str, num_heads: int):
-    from kvserve.duo.roles import HeadRoles  # the roles file, read once per model
-
-    return HeadRoles.for_model(model, num_heads)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +47,7 @@ class DuoAttention(SnapKV):
 
     def retrieval_heads(self, obs: LayerObservation) -> torch.Tensor:
         """[H] bool: this layer's retrieval heads."""
-        retrieval = _roles(obs.model, obs.num_heads).retrieval(self.retrieval_fraction)
+        retrieval = roles_for(obs.model, obs.num_heads).retrieval(self.retrieval_fraction)
         if obs.layer_idx >= retrieval.shape[0]:
             raise ValueError(
                 f"the DuoAttention roles of {obs.model!r} have {retrieval.shape[0]} layers, not layer {obs.layer_idx}"
@@ -64,7 +57,7 @@ class DuoAttention(SnapKV):
     def head_counts(self, obs: LayerObservation, budget: int) -> torch.Tensor:
         """[H] entries each head keeps: sinks + recent for a streaming head, the retrieval heads' equal share of the
         model's L x H x B for a retrieval head; never more than a head holds."""
-        roles = _roles(obs.model, obs.num_heads)
+        roles = roles_for(obs.model, obs.num_heads)
         total_heads = roles.gates.numel()
         retrieval = int(roles.retrieval(self.retrieval_fraction).sum())
         streaming_count = self.sink_tokens + self.recent

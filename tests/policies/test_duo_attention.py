@@ -10,9 +10,8 @@ import torch
 from references import as_lists, window_observation
 
 from kvserve.duo import roles as roles_module
-from kvserve.duo.roles import HeadRoles
+from kvserve.duo.roles import HeadRoles, roles_for
 from kvserve.policies import DuoAttention, LayerObservation, SnapKV
-from kvserve.policies.duo_attention import _roles
 
 LAYERS, HEADS, N = 4, 3, 200
 
@@ -22,10 +21,10 @@ def trained(tmp_path, monkeypatch):
     """Roles of a made-up model, 4 layers x 3 KV heads, with distinct gates."""
     gates = torch.tensor([[0.9, 0.1, 0.5], [0.2, 0.8, 0.05], [0.3, 0.95, 0.4], [0.0, 0.6, 0.7]])
     monkeypatch.setattr(roles_module, "ROLES_DIR", tmp_path)
-    _roles.cache_clear()
+    roles_for.cache_clear()
     HeadRoles("tiny-duo", gates, sink_tokens=16, recent=64).save(tmp_path / "tiny-duo.json", {"test": True})
     yield gates
-    _roles.cache_clear()
+    roles_for.cache_clear()
 
 
 def observe(layer: int, seed: int = 0) -> LayerObservation:
