@@ -231,3 +231,24 @@ def test_no_room_for_the_copy_compacts_in_place_and_stops_publishing(engine):
     (after,) = run(engine, [salted(long_prompt, salt)], None, max_tokens=2)
     assert after.num_cached_tokens == 0  # the blocks it compacted in place left the cache
     assert engine.free_blocks() == free
+
+
+def test_a_prompt_near_max_model_len_hits_only_what_its_row_has_room_to_copy_out_of(engine):
+    """A published document that fills the block-table row nearly to max_model_len: the compaction's copies out of
+    cached blocks would need cdiv(B, bs) spare blocks past the prompt's, which the row cannot hold. The evicting
+    request then hits only what the row has room for, compacts in place, and answers as on a miss."""
+    kv = {"kv_policy": "snapkv", "kv_budget": 512}
+    row = engine.scheduler.evicting_manager.max_blocks_per_request
+    salt = uuid.uuid4().hex
+    ids = haystack(engine.tokenizer, row * BLOCK_SIZE - 50, seed=450) + question(engine, "What is this text about?")
+    room = row - -(-len(ids) // BLOCK_SIZE)
+    assert 0 <= room < 512 // BLOCK_SIZE  # the row cannot hold the copies of a whole hit
+    free = engine.free_blocks()
+    (plain,) = run(engine, [salted(ids, salt)], None, max_tokens=2)  # publishes the document
+    (hit,) = run(engine, [salted(ids, salt)], kv, max_tokens=4)
+    (reference,) = run(engine, [salted(ids, uuid.uuid4().hex)], kv, max_tokens=4)
+    assert hit.outputs[0].finish_reason == "length", hit.outputs[0]
+    assert list(hit.outputs[0].token_ids) == list(reference.outputs[0].token_ids)
+    assert evicted(hit) == evicted(reference) > 0
+    assert hit.num_cached_tokens <= room * BLOCK_SIZE
+    assert engine.free_blocks() == free

@@ -29,7 +29,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.request import Request
 
-from kvserve.config import KVConfig, parse_kv_config
+from kvserve.config import KVConfig, PrefixSharing, parse_kv_config
 from kvserve.engine import phases
 from kvserve.engine.block_manager import EvictingFullAttentionManager
 from kvserve.engine.plan import (
@@ -172,12 +172,25 @@ class EvictingScheduler(Scheduler):
         if sharing is None or hit == 0:
             return blocks, hit, boundary, diverged
         limit = max(min(hit, request.num_tokens - sharing.computed_tail), 0) // self.block_size * self.block_size
+        limit = min(limit, self._copyable_hit(request, sharing))
         if limit < hit:
             # looked up again rather than sliced: a sliding-window group's hit holds only the blocks of the window
             # before ITS end, which a shorter hit moves
             found, limit, _ = self.kv_cache_manager.coordinator.find_longest_cache_hit(request.block_hashes, limit)
             blocks = self.kv_cache_manager.create_kv_cache_blocks(found)
         return blocks, limit, boundary, diverged
+
+    def _copyable_hit(self, request: Request, sharing: PrefixSharing) -> int:
+        """The longest hit (tokens) whose blocks the prompt's compaction can copy its kept pages out of. The copies go
+        to spare blocks past the prompt's in the request's block-table row; a prompt near `max_model_len` leaves the
+        row no room for them, so it hits only as many blocks as the row can still take (the blocks it computes
+        itself then stop publishing and are compacted in place: `kvserve:prefix_publish_fallbacks`)."""
+        keep = self._keep_after(request.request_id, request.num_tokens)
+        if keep is None:  # the prompt does not compact: nothing to copy
+            return request.num_tokens
+        room = self.evicting_manager.max_blocks_per_request - cdiv(request.num_tokens, self.block_size)
+        copies = cdiv(keep, self.block_size) + sharing.spare_blocks
+        return request.num_tokens if copies <= room else max(room, 0) * self.block_size
 
     def _keep_after(self, req_id: str, num_tokens: int) -> int | None:
         """What `_keep_tokens` will decide for a step that ends at `num_tokens` logical tokens, asked while the step
