@@ -193,6 +193,42 @@ def test_eval_settings_cross_allocations_and_spans_where_the_server_accepts_them
         xargs = {key.removeprefix("x-").replace("-", "_"): value for key, value in setting.headers().items()}
         config = parse_kv_config(xargs, defaults={})
         assert (config.allocation, config.span) == (setting.allocation, setting.span)
+        # a server whose defaults differ (the built-in default has span 8) still runs exactly the row's setting
+        server_defaults = {"kv_policy": "snapkv", "kv_budget": 1024, "kv_span": 8, "kv_allocation": "heads"}
+        config = parse_kv_config(xargs, defaults=server_defaults)
+        assert (config.policy, config.allocation, config.span) == (setting.policy, setting.allocation, setting.span)
+
+
+def test_eval_settings_carry_a_policys_knobs_to_its_headers_and_refuse_what_the_server_would():
+    from kvserve.config import parse_kv_config
+    from kvserve.eval.client import settings
+
+    grid = settings(
+        ["full", "duoattention:retrieval_fraction=0.25", "duoattention:retrieval_fraction=0.5:recent=32"],
+        [256],
+        allocations=("uniform", "heads"),
+        spans=(1, 8),
+    )
+    labels = [s.label for s in grid]
+    assert len(labels) == len(set(labels))  # two fractions of one policy are two rows
+    assert "duoattention:retrieval_fraction=0.25/span8" in labels
+    assert not any("/heads" in label for label in labels)  # per-head counts of its own: uniform only
+    for setting in grid[1:]:
+        xargs = {key.removeprefix("x-").replace("-", "_"): value for key, value in setting.headers().items()}
+        config = parse_kv_config(xargs, defaults={})
+        assert config.policy == "duoattention" and config.span == setting.span
+        assert {name: float(value) for name, value in setting.knobs} == {
+            name: float(dict(config.knobs)[name]) for name, _ in setting.knobs
+        }
+    for bad, named in [
+        ("duoattention:retrieval_fraction=2", "retrieval_fraction"),
+        ("duoattention:fraction=0.5", "fraction"),
+        ("snapkv:window", "window"),
+        ("nosuch", "nosuch"),
+        ("full:window=4", "full"),
+    ]:
+        with pytest.raises(ValueError, match=named):
+            settings([bad], [256])
 
 
 def test_allocation_table_compares_each_allocation_with_uniform_at_the_same_policy_span_and_budget():
@@ -215,3 +251,82 @@ def test_allocation_table_compares_each_allocation_with_uniform_at_the_same_poli
     assert "global vs uniform: better in 0, worse in 1, equal in 0 of 1" in table
     flipped = allocation_table(values, higher_is_better=True)  # a score: higher is better
     assert "heads vs uniform: better in 0, worse in 1" in flipped
+
+
+def test_suite_verdict_judges_only_tasks_full_passes_and_weighs_each_task_and_length_alike():
+    import random
+
+    from kvserve.eval.suite import Suite, length_group, verdict
+
+    rng = random.Random(3)
+    rows = []
+    truth: dict[tuple, list[float]] = {}
+    for policy, budget, skill in [("full", None, 0.9), ("snapkv/span8", 256, 0.6), ("tova/span8", 256, 0.7)]:
+        for task, hardness in [("niah_single_1", 1.0), ("passkey", 0.8), ("niah_multikey_3", 0.1)]:
+            for length in (1024, 2000, 4096):
+                count = rng.choice([4, 12])  # cells of unequal size: a pooled mean would differ
+                scores = [float(rng.random() < skill * hardness) for _ in range(count)]
+                truth[(policy, budget, task, length_group(length))] = scores
+                rows += [dict(policy=policy, budget=budget, task=task, length=length, score=s) for s in scores]
+    suite = Suite.from_rows(rows)
+
+    def cell_mean(policy, budget, task):
+        means = [sum(v) / len(v) for (p, b, t, _), v in truth.items() if (p, b, t) == (policy, budget, task)]
+        return sum(means) / len(means)
+
+    judged = [t for t in ("niah_multikey_3", "niah_single_1", "passkey") if cell_mean("full", None, t) >= 0.5]
+    assert suite.judged_tasks(0.5) == sorted(judged) and "niah_multikey_3" not in judged
+    cells = suite.judged_cells(0.5)
+    for label in ("snapkv/span8", "tova/span8"):
+        expected = sum(cell_mean(label, 256, t) for t in judged) / len(judged)
+        assert suite.mean((label, 256), cells)[0] == pytest.approx(expected)
+        full = sum(cell_mean("full", None, t) for t in judged) / len(judged)
+        assert suite.ratio((label, 256), cells) == pytest.approx(expected / full)
+    leaders, top = suite.best(256, cells)
+    assert top == max(suite.mean((label, 256), cells)[0] for label in ("snapkv/span8", "tova/span8"))
+    text = verdict(suite, 0.5, {256: 2.0})
+    assert f"B=256: best {', '.join(leaders)} {top:.3f}" in text and "NOT met" in text
+    assert suite.mean(("tova/span8", 128), cells) is None  # a budget it did not run: no number invented
+
+
+def test_matched_budgets_give_each_case_the_entries_the_matched_setting_kept_there(tmp_path):
+    """`--match-budget attention_gate`: each case's request carries, as its budget, the entries the gate kept on
+    that same case (its prompt less what it evicted), read from the gate's rows."""
+    import json as json_module
+
+    from kvserve.eval import quality
+    from kvserve.eval.client import settings
+    from kvserve.eval.tasks import Case
+
+    cases = [Case("passkey", 1000, i, 0, f"prompt {i}", ("1",), 4, 0.5) for i in range(3)]
+    out = tmp_path / "rows.jsonl"
+    kept = {0: 480, 1: 512, 2: 333}
+    with out.open("w") as f:
+        for case in cases:
+            row = dict(policy="attention_gate", budget=None, task=case.task, length=case.length, index=case.index)
+            row.update(seed=case.seed, score=1.0, prompt_tokens=1000 + case.index, kv_tokens_evicted=0)
+            row["kv_tokens_evicted"] = row["prompt_tokens"] - kept[case.index]
+            f.write(json_module.dumps(row) + "\n")
+
+    class FakeServer:
+        sent: list[dict] = []
+
+        def blocks_freed(self) -> float:
+            return 0.0
+
+        def gate_counts(self):
+            return 0.0, {}
+
+        def complete(self, setting, prompt, **body):
+            self.sent.append({"prompt": prompt, **setting.headers()})
+            return {"choices": [{"text": " 1"}], "usage": {"prompt_tokens": 1000, "kv_tokens_evicted": 10}}
+
+    server = FakeServer()
+    grid = settings(["snapkv"], [128, 256], spans=(8,), match="attention_gate")
+    assert [s.label for s in grid] == ["snapkv@attention_gate/span8"]
+    rows = quality.run([server], grid, cases, str(out), progress=False)
+    budgets = {int(sent["prompt"].split()[1]): int(sent["x-kv-budget"]) for sent in server.sent}
+    assert budgets == kept
+    assert {r["index"]: r["matched_budget"] for r in rows if r["policy"].startswith("snapkv")} == kept
+    with pytest.raises(RuntimeError, match="no tova row"):
+        quality.run([server], settings(["snapkv"], [], match="tova"), cases, str(out), progress=False)

@@ -1,4 +1,4 @@
-"""`python -m kvserve.eval {ruler,tasks,ppl,passkey} ...` (also `kvserve eval ...`): quality of eviction settings.
+"""`python -m kvserve.eval {ruler,tasks,ppl,passkey,suite} ...` (also `kvserve eval ...`): quality of eviction settings.
 
     # RULER through lm-evaluation-harness (pip install 'kvserve[ruler]'); the server needs
     # --max-model-len >= the longest length
@@ -14,8 +14,11 @@
     python -m kvserve.eval ppl --url http://127.0.0.1:8000 --policies full,snapkv --budgets 128,256 \\
         --tokens 2048 --passages 2 --out ppl.jsonl --plot docs/plots/ppl.png
 
-Every command talks to OpenAI-compatible servers only (vanilla vLLM works for `full`), writes one JSON line per
-answer (rerunning resumes), and prints markdown tables.
+    # the verdict: judged tasks (full >= 0.5), each setting's mean and ratio to full per budget
+    python -m kvserve.eval suite ruler.jsonl tasks.jsonl --by-task
+
+Every command but `suite` talks to OpenAI-compatible servers only (vanilla vLLM works for `full`), writes one JSON
+line per answer (rerunning resumes), and prints markdown tables.
 """
 
 from __future__ import annotations
@@ -33,7 +36,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server URL; a comma list shares the work")
     parser.add_argument("--model", default=None, help="served model name (default: the server's first model)")
     parser.add_argument("--tokenizer", default=str(default_model_dir()))
-    parser.add_argument("--policies", default="full,streamingllm,snapkv")
+    parser.add_argument(
+        "--policies",
+        default="full,streamingllm,snapkv",
+        help="comma list; a policy may set knobs: duoattention:retrieval_fraction=0.25:recent=128",
+    )
     parser.add_argument("--budgets", default="128,256,512")
     parser.add_argument(
         "--allocations", default="uniform", help="kv_allocation values to run each budgeted policy with (comma list)"
@@ -47,6 +54,18 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def _ints(text: str) -> list[int]:
     return [int(item) for item in text.split(",") if item]
+
+
+def _settings(parser: argparse.ArgumentParser, args: argparse.Namespace, evict_every_chunk: bool = False) -> list:
+    """The settings the command line asks for; a bad policy, knob or value ends with a message naming it."""
+    layout = {"allocations": tuple(args.allocations.split(",")), "spans": tuple(_ints(args.spans))}
+    match = getattr(args, "match_budget", None)
+    try:
+        return settings(
+            args.policies.split(","), _ints(args.budgets), evict_every_chunk=evict_every_chunk, match=match, **layout
+        )
+    except ValueError as error:
+        parser.error(f"--policies: {error}")
 
 
 def _ruler(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -74,7 +93,7 @@ def _ruler(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         concurrency=args.concurrency,
     )
     layout = {"allocations": tuple(args.allocations.split(",")), "spans": tuple(_ints(args.spans))}
-    rows = run_settings(run, settings(args.policies.split(","), _ints(args.budgets), **layout), progress=not args.quiet)
+    rows = run_settings(run, _settings(parser, args), progress=not args.quiet)
     print(
         f"RULER (lm-evaluation-harness), {args.samples} samples per task and length, lengths {args.lengths}",
         quality.summary_table(rows),
@@ -109,6 +128,13 @@ def main(argv: list[str] | None = None) -> None:
     tasks.add_argument("--tasks", default=",".join(TASKS), help=f"any of {', '.join(TASKS)}")
     tasks.add_argument("--lengths", default="1000,2000,4000", help="prompt lengths in tokens")
     tasks.add_argument("--samples", type=int, default=1, help="cases per task and length")
+    tasks.add_argument(
+        "--match-budget",
+        default=None,
+        metavar="LABEL",
+        help="instead of --budgets, run each budgeted policy on each case at the entries the LABEL setting kept "
+        "there (e.g. attention_gate, whose rows must be in --out): equal memory per case",
+    )
     ppl = commands.add_parser("ppl", help="perplexity with eviction between prefill chunks")
     _common(ppl)
     ppl.add_argument("--tokens", type=int, default=2048, help="passage length")
@@ -116,11 +142,19 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser(
         "passkey", help="the issue-2/3 passkey table (see python -m kvserve.eval.passkey -h)", add_help=False
     )
+    commands.add_parser(
+        "suite", help="the verdict over ruler/tasks results: judged tasks, ratios to full", add_help=False
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "passkey":
         from kvserve.eval import passkey
 
         passkey.main(rest)
+        return
+    if args.command == "suite":
+        from kvserve.eval import suite
+
+        suite.main(rest)
         return
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -133,14 +167,13 @@ def main(argv: list[str] | None = None) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     servers = [Server(url, args.model) for url in args.url.split(",")]
-    policies, budgets = args.policies.split(","), _ints(args.budgets)
     layout = {"allocations": tuple(args.allocations.split(",")), "spans": tuple(_ints(args.spans))}
     if args.command == "tasks":
         from kvserve.eval import quality
         from kvserve.eval.tasks import make_cases
 
         cases = make_cases(tokenizer, args.tasks.split(","), _ints(args.lengths), args.samples, args.seed)
-        rows = quality.run(servers, settings(policies, budgets, **layout), cases, args.out, progress=not args.quiet)
+        rows = quality.run(servers, _settings(parser, args), cases, args.out, progress=not args.quiet)
         print(
             quality.summary_table(rows),
             "",
@@ -164,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         passages = perplexity.texts(tokenizer, args.tokens, args.passages, args.seed)
         rows = perplexity.run(
             servers[0],
-            settings(policies, budgets, evict_every_chunk=True, **layout),
+            _settings(parser, args, evict_every_chunk=True),
             passages,
             args.out,
             args.seed,

@@ -23,25 +23,30 @@ class Setting:
     evict_every_chunk: bool = False
     allocation: str = "uniform"
     span: int = 1
+    knobs: tuple[tuple[str, str], ...] = ()  # (knob name, value) pairs sent as the knobs' headers
+    # the label of a setting whose entries kept on each case set this one's budget on that case (equal memory per
+    # case, e.g. against attention_gate, whose gates decide how much to keep); `budget` is then None
+    match: str | None = None
 
     @property
     def label(self) -> str:
-        """The row's name in results and tables: the policy, then a non-uniform allocation and a span above 1
-        (`snapkv/heads/span8`)."""
-        parts = (
-            [self.policy] + [self.allocation] * (self.allocation != "uniform") + [f"span{self.span}"] * (self.span > 1)
-        )
+        """The row's name in results and tables: the policy with its knobs as given on the command line, then a
+        non-uniform allocation and a span above 1 (`snapkv/heads/span8`, `duoattention:retrieval_fraction=0.25`)."""
+        policy = ":".join([self.policy] + [f"{name}={value}" for name, value in self.knobs])
+        policy += f"@{self.match}" if self.match else ""
+        parts = [policy] + [self.allocation] * (self.allocation != "uniform") + [f"span{self.span}"] * (self.span > 1)
         return "/".join(parts)
 
     def headers(self) -> dict[str, str]:
         headers = {"x-kv-policy": self.policy}
+        for name, value in self.knobs:
+            headers["x-kv-" + name.replace("_", "-")] = value
         if self.budget is not None:
             headers["x-kv-budget"] = str(self.budget)
         if self.evict_every_chunk:
             headers["x-kv-evict-every-chunk"] = "true"
-        if self.allocation != "uniform":
+        if self.policy != "full":  # always sent: the row's label must hold whatever the server's defaults are
             headers["x-kv-allocation"] = self.allocation
-        if self.span != 1:
             headers["x-kv-span"] = str(self.span)
         return headers
 
@@ -59,30 +64,66 @@ async def stream_chunks(
                 yield json.loads(line[len("data: ") :])
 
 
+def parse_policy(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """`name` or `name:knob=value:knob=value` (a policy with some of its knobs set) -> (name, knobs); ValueError
+    naming the unknown policy or knob, or the bad value."""
+    from kvserve.policies import POLICIES
+    from kvserve.policies.knobs import knobs_of
+
+    name, *assignments = text.split(":")
+    if name == "full":
+        if assignments:
+            raise ValueError(f"{text!r}: full has no knobs")
+        return name, ()
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r} (known: full, {', '.join(sorted(POLICIES))})")
+    declared = knobs_of(POLICIES[name])
+    knobs = []
+    for assignment in assignments:
+        knob_name, sep, value = assignment.partition("=")
+        if not sep or knob_name not in declared:
+            raise ValueError(
+                f"{text!r}: {assignment!r} is not knob=value with a knob of {name} "
+                f"({', '.join(declared) or 'it has none'})"
+            )
+        declared[knob_name].parse(value)  # raises on a value the server would refuse
+        knobs.append((knob_name, value))
+    return name, tuple(knobs)
+
+
 def settings(
     policies: list[str],
     budgets: list[int],
     evict_every_chunk: bool = False,
     allocations: tuple[str, ...] = ("uniform",),
     spans: tuple[int, ...] = (1,),
+    match: str | None = None,
 ) -> list[Setting]:
     """`full` once (the reference row), a policy that sets its own counts (attention_gate) once without a budget,
     every other policy at every budget, allocation and span it can use (score-based policies take every allocation
-    and span; the others `uniform` and `pyramid` at span 1)."""
+    and span; the others `uniform` and `pyramid` at span 1; a policy that sets its own counts per head only
+    `uniform`). A policy may carry knobs: `duoattention:retrieval_fraction=0.25` (see `parse_policy`). With `match`
+    (a setting's label), each budgeted policy runs once per allocation and span at the budget that setting kept on
+    each case, instead of at `budgets`."""
     from kvserve.policies import POLICIES, ScoredPolicy
+
+    parsed = [parse_policy(text) for text in policies]
 
     def unbudgeted(policy: str) -> bool:
         return policy == "full" or POLICIES[policy].ragged
 
     def usable(policy: str, allocation: str, span: int) -> bool:
-        return issubclass(POLICIES[policy], ScoredPolicy) or (allocation in ("uniform", "pyramid") and span == 1)
+        cls = POLICIES[policy]
+        if cls.own_counts:
+            return allocation == "uniform"
+        return issubclass(cls, ScoredPolicy) or (allocation in ("uniform", "pyramid") and span == 1)
 
-    once = [Setting(p, None, evict_every_chunk and p != "full") for p in policies if unbudgeted(p)]
+    once = [Setting(p, None, evict_every_chunk and p != "full", knobs=k) for p, k in parsed if unbudgeted(p)]
     return once + [
-        Setting(p, b, evict_every_chunk, allocation, span)
-        for p in policies
+        Setting(p, b, evict_every_chunk, allocation, span, knobs, match)
+        for p, knobs in parsed
         if not unbudgeted(p)
-        for b in budgets
+        for b in ([None] if match else budgets)
         for allocation in allocations
         for span in spans
         if usable(p, allocation, span)

@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 from kvserve.eval.client import Server, Setting, append_row, gate_keep_ratios, load_rows
 from kvserve.eval.report import grid_table
@@ -27,7 +28,8 @@ def run(
     rows = load_rows(out)
     done = {row_key(r) for r in rows}
     todo: queue.Queue = queue.Queue()
-    for setting in settings:
+    # settings whose budget another setting's rows decide run after all others (they read those rows)
+    for setting in sorted(settings, key=lambda s: s.match is not None):
         for case in cases:
             if (setting.label, setting.budget, *case.key) not in done:
                 todo.put((setting, case))
@@ -42,7 +44,13 @@ def run(
             except queue.Empty:
                 return
             try:
-                row = answer(server, setting, case)
+                if setting.match:
+                    with lock:
+                        budget = matched_budget(rows, setting.match, case)
+                    row = answer(server, replace(setting, budget=budget), case)
+                    row.update(policy=setting.label, budget=None, matched_budget=budget)
+                else:
+                    row = answer(server, setting, case)
             except BaseException as error:  # noqa: BLE001 - reported after the other workers stop
                 errors.append(error)
                 return
@@ -61,6 +69,15 @@ def run(
         raise errors[0]
     wanted = {(s.label, s.budget, *c.key) for s in settings for c in cases}
     return [r for r in rows if row_key(r) in wanted]
+
+
+def matched_budget(rows: list[dict], label: str, case: Case) -> int:
+    """The entries per (layer, KV head) the `label` setting kept of `case`'s prompt (its prompt less what it
+    evicted, averaged over the lists): the budget that gives another policy the same memory on that case."""
+    for row in rows:
+        if row["policy"] == label and (row["task"], row["length"], row["index"], row["seed"]) == case.key:
+            return max(int(round(row["prompt_tokens"] - (row["kv_tokens_evicted"] or 0))), 1)
+    raise RuntimeError(f"no {label} row for case {case.key}: run {label} on the same cases first (same --out)")
 
 
 def answer(server: Server, setting: Setting, case: Case) -> dict:
