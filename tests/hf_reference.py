@@ -122,8 +122,8 @@ def top_keep(scores: torch.Tensor, budget: int, protected: int) -> torch.Tensor:
 
 @torch.no_grad()
 def expected_attention_reference(model, prompt_ids: list[int], budget: int, window: int, future: int, sinks: int):
-    """Expected Attention's choice per layer (arXiv:2510.00636) computed the way its authors' kvpress does, from
-    the model's own modules: the queries' mean and covariance from the hidden states entering each attention layer
+    """Expected Attention's choice per layer (arXiv:2510.00636) computed the way its authors' kvpress does (plus the
+    window kept, as kvserve serves it: kvpress keeps the question out of compression), from the model's own modules: the queries' mean and covariance from the hidden states entering each attention layer
     times W_q (before RoPE), RoPE's matrix from the model's rotary embedding averaged over the next `future`
     positions, keys and values from the model's cache.
 
@@ -171,10 +171,11 @@ def expected_attention_reference(model, prompt_ids: list[int], budget: int, wind
         logits[:, :sinks] = float("-inf")
         probs = torch.softmax(logits, dim=-1).view(num_kv, -1, n).mean(dim=1)
         scores = probs * values.norm(dim=-1)
-        ranked = (
-            torch.sort(scores[:, sinks:], dim=-1, descending=True, stable=True).indices[:, : budget - sinks] + sinks
-        )
+        # the sinks and the window's own tokens (the prompt's tail: the question) are kept; the rest by score
+        middle = scores[:, sinks : n - window]
+        ranked = torch.sort(middle, dim=-1, descending=True, stable=True).indices[:, : budget - sinks - window] + sinks
         sink_idx = torch.arange(sinks).expand(num_kv, -1)
-        keeps.append(torch.sort(torch.cat([sink_idx, ranked], dim=1), dim=1).values)
+        window_idx = torch.arange(n - window, n).expand(num_kv, -1)
+        keeps.append(torch.sort(torch.cat([sink_idx, ranked, window_idx], dim=1), dim=1).values)
         all_scores.append(scores)
     return keeps, all_scores

@@ -66,7 +66,7 @@ from kvserve_kernels import reference  # noqa: E402
 from kvserve_kernels.layout import new_kv_cache, split_kv_cache  # noqa: E402
 
 from kvserve import kernel_dispatch  # noqa: E402
-from kvserve.policies import representative_policies  # noqa: E402
+from kvserve.policies import POLICIES, representative_policies  # noqa: E402
 from kvserve.policies.rotary import Rotary  # noqa: E402
 
 _INTERPRET_AFTER_IMPORT = os.environ.get("TRITON_INTERPRET")
@@ -483,6 +483,8 @@ def _serve_one_layer(
     else:
         paged = (AmxPages if layout == "amx" else VecPages)(raw)
     request = {"kv_policy": policy, "kv_budget": PATH_BUDGET, "kv_allocation": allocation, "kv_span": span}
+    if POLICIES[policy]().protected_tokens() >= PATH_BUDGET:  # expected_attention keeps its 64-query window
+        request["kv_window"] = 16
     config = parse_kv_config(request, defaults={})
     rotary = {PATH_LAYER: Rotary.default(HEAD_DIM, 10000.0, 4096)}  # as the runner reads it from a RoPE model
     state = RequestState(config=config, policy=config.make_policy(), pages=HeadPages(page_layout), rotary=rotary)
