@@ -117,6 +117,49 @@ def test_masked_attention_matches_dense_reference():
     assert float(got[0, 1, 5, 2]) == 0.0 or flags[0, 2, 1] == 1
 
 
+@pytest.mark.parametrize("recent", [1, 3])
+def test_the_recent_window_shows_each_query_its_recent_keys_whatever_their_flags(recent):
+    torch.manual_seed(1)
+    batch, heads, n = 1, 2, 10
+    flags = (torch.rand(batch, n, heads) > 0.6).float()
+    keep = gate_keep_matrix(flags, recent)
+    for h in range(heads):
+        for s in range(n):
+            for t in range(n):
+                expected = s == t or (t < s and (bool(flags[0, t, h]) or t >= s - recent))
+                assert bool(keep[0, h, s, t]) == expected, (h, s, t)
+
+
+def test_served_masked_attention_with_a_window_equals_the_training_mask():
+    """kvserve/engine/gated.py's prefill attention (entries by position, a validity per head, the gates' window)
+    against the training model's masked softmax over gate_keep_matrix: the same weights, so the same outputs."""
+    from kvserve.engine.gated import masked_attention
+
+    torch.manual_seed(2)
+    kv_heads, group, n, dim, recent = 2, 3, 12, 8, 4
+    queries = torch.randn(n, kv_heads * group, dim)
+    keys, values = torch.randn(kv_heads, n, dim), torch.randn(kv_heads, n, dim)
+    flags = torch.rand(1, n, kv_heads) > 0.5
+    positions = torch.arange(n)
+    served = masked_attention(
+        queries, positions, keys, values, positions.expand(kv_heads, n), flags[0].T, 0.3, recent=recent
+    )
+    keep = gate_keep_matrix(flags.float(), recent)[0].repeat_interleave(group, dim=0)  # [Hq, n, n]
+    scores = torch.einsum("qhd,hkd->hqk", queries, keys.repeat_interleave(group, dim=0)) * 0.3
+    dense = torch.einsum("hqk,hkd->qhd", masked_softmax(scores, keep), values.repeat_interleave(group, dim=0))
+    torch.testing.assert_close(served, dense, atol=1e-5, rtol=1e-5)
+
+
+def test_sink_tokens_are_never_flagged_out():
+    torch.manual_seed(3)
+    gate = LayerGate(16, 2, GateHyper(gamma=-50.0, sink_tokens=3))  # every gate says evict
+    logits, _ = gate(torch.randn(1, 7, 16))
+    flags = gate.flags(logits, torch.arange(7))[0]
+    assert flags[:3].all() and not flags[3:].any()
+    shifted = gate.flags(logits, torch.arange(7) + 2)[0]  # a later chunk: only positions 0-2 are sinks
+    assert shifted[:1].all() and not shifted[1:].any()
+
+
 def test_all_keep_gates_equal_the_plain_model(tiny):
     ids = torch.randint(0, 64, (2, 12))
     plain = tiny(ids).logits
@@ -177,6 +220,10 @@ def test_training_lowers_loss_and_moves_keep_towards_beta(tiny_dir, tmp_path):
             "20",
             "--eval-windows",
             "2",
+            "--retrieval-fraction",
+            "0",  # synthetic passkeys need the real tokenizer
+            "--recent",
+            "4",
             "--out",
             str(tmp_path / "weights" / "tiny.safetensors"),
             "--registry",
@@ -197,12 +244,16 @@ def test_training_lowers_loss_and_moves_keep_towards_beta(tiny_dir, tmp_path):
         return sum(r[key] for r in rows) / len(rows)
 
     assert mean(last, "loss") < mean(first, "loss")
-    assert abs(mean(last, "keep") - 0.4) < abs(mean(first, "keep") - 0.4)
+    assert abs(mean(last, "keep") - 0.5) < abs(mean(first, "keep") - 0.5)
+    assert all(r["kl"] >= 0 for r in steps) and mean(steps, "kl") > 0  # the distillation term is on by default
+    log_text = (tmp_path / "log.jsonl").read_text()
+    assert str(tmp_path) not in log_text and str(model_dir) not in log_text  # no machine paths in a shipped log
     entry = yaml.safe_load(registry.read_text())[model_dir.name]
     assert entry == {"file": "weights/tiny.safetensors", "sha256": summary["sha256"]}
     assert file_sha256(tmp_path / "weights" / "tiny.safetensors") == summary["sha256"]
     loaded = GateSet.load(tmp_path / "weights" / "tiny.safetensors")
     assert loaded.recipe["steps"] == 40 and len(loaded.recipe["final"]["keep_by_layer"]) == 2
+    assert (loaded.hyper.sink_tokens, loaded.hyper.recent) == (4, 4)  # served with the window it trained with
     assert (tmp_path / "plot.png").stat().st_size > 0
 
 

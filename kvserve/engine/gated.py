@@ -26,8 +26,10 @@ def masked_attention(
     key_positions: torch.Tensor,
     valid: torch.Tensor,
     scale: float,
+    recent: int = 0,
 ) -> torch.Tensor:
-    """queries [m, Hq, D] at positions [m]; entries [H, n, D] at key_positions [H, n], valid [H, n] -> [m, Hq, D]."""
+    """queries [m, Hq, D] at positions [m]; entries [H, n, D] at key_positions [H, n], valid [H, n] -> [m, Hq, D].
+    A query sees its own entry, earlier valid ones, and (`recent`, the gates' window) the `recent` just before it."""
     num_heads, _, dim = keys.shape
     out = []
     for start in range(0, queries.shape[0], QUERY_CHUNK):
@@ -36,7 +38,13 @@ def masked_attention(
         grouped = q.reshape(q.shape[0], num_heads, -1, dim).permute(1, 2, 0, 3)  # [H, G, q, D]
         logits = torch.einsum("hgqd,hnd->hgqn", grouped, keys.float()) * scale
         own = key_positions[:, None, :] == q_pos[None, :, None]  # [H, q, n]
-        earlier = (key_positions[:, None, :] < q_pos[None, :, None]) & valid[:, None, :]
+        earlier = key_positions[:, None, :] < q_pos[None, :, None]
+        seen = (
+            valid[:, None, :] | (key_positions[:, None, :] >= q_pos[None, :, None] - recent)
+            if recent
+            else valid[:, None, :]
+        )
+        earlier = earlier & seen
         logits = logits.masked_fill(~(own | earlier)[:, None], float("-inf"))
         mixed = torch.einsum("hgqn,hnd->hgqd", torch.softmax(logits, dim=-1), values.float())
         out.append(mixed.permute(2, 0, 1, 3).reshape(q.shape[0], -1, dim))
@@ -68,6 +76,7 @@ def gated_layer_step(
     lengths = plan.lengths(layer_idx).long()
     valid = valid_mask(layer, lengths)
     in_prompt = query_positions < runtime.prompt_len
+    recent = runtime.gates.hyper.recent
     if bool(in_prompt[0]):  # a prompt chunk: the gate judges its tokens (every list got them appended)
         model_layer = state.pages.layout.model_layer(layer_idx)  # the gates are trained per model layer
         flags, layer.gate_past = state.policy.gate_flags(
@@ -84,10 +93,12 @@ def gated_layer_step(
     inside = torch.arange(valid.shape[1])[None, :] < lengths[:, None]
     if not bool(valid[inside].all()):  # every entry visible: vLLM's output is already the masked attention
         keys, values = cache.read_lists(table, lengths)
-        attended = masked_attention(queries, query_positions, keys, values, positions, valid, scale)
+        attended = masked_attention(queries, query_positions, keys, values, positions, valid, scale, recent)
         output[plan.query_start : plan.query_end] = attended.to(output.dtype)
     if plan.compaction is None:
         return
+    if recent:  # the prompt's last `recent` entries were in every later query's window: they stay
+        valid = valid | (inside & (positions >= runtime.prompt_len - recent))
     keep, counts = state.policy.ragged_keep(valid, plan.compaction.keep_tokens)
     cache.compact(table, keep, counts)
     kept_here = torch.arange(keep.shape[1])[None, :] < counts[:, None]

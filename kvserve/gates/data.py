@@ -53,6 +53,8 @@ class Corpus:
     header: list[int]  # chat-template header tokens (may be empty)
     train_docs: list[str] = field(default_factory=list)
     held_out_docs: list[str] = field(default_factory=list)
+    extra_train_docs: int = 0  # documents of other text in the train stream (stdlib docstrings)
+    extra_train_tokens: int = 0
 
     def description(self) -> dict:
         return {
@@ -64,12 +66,51 @@ class Corpus:
             "train_tokens": len(self.train),
             "held_out_tokens": len(self.held_out),
             "chat_header_tokens": len(self.header),
+            "extra_train": (
+                f"{self.extra_train_docs} standard-library modules' docstrings ({self.extra_train_tokens} tokens)"
+                if self.extra_train_docs
+                else "none"
+            ),
         }
 
 
+def stdlib_docstrings(minimum_chars: int = 200) -> dict[str, str]:
+    """More prose that ships with Python: the docstrings of the standard library's modules, classes and functions
+    (read from the source with `ast`, nothing imported), one document per module, by module path. Test suites and
+    private modules are left out."""
+    import ast
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    documents: dict[str, str] = {}
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if any(
+            part in ("test", "tests", "idlelib", "site-packages") or part.startswith("_") for part in relative.parts
+        ):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        nodes = [tree] + [
+            node for node in ast.walk(tree) if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        ]
+        texts = [doc for node in nodes if (doc := ast.get_docstring(node)) and len(doc) >= minimum_chars]
+        if texts:
+            documents[str(relative.with_suffix("")).replace("/", ".")] = "\n\n".join(texts)
+    return documents
+
+
 def load_corpus(
-    model_dir: str | Path, seed: int = 0, held_out_fraction: float = 0.1, topics: dict[str, str] | None = None
+    model_dir: str | Path,
+    seed: int = 0,
+    held_out_fraction: float = 0.1,
+    topics: dict[str, str] | None = None,
+    extra_train: dict[str, str] | None = None,
 ) -> Corpus:
+    """pydoc topics split by document into train and held-out; `extra_train` documents (e.g. `stdlib_docstrings()`)
+    join the train stream only, so the held-out split stays the same whatever is added."""
     if topics is None:
         from pydoc_data.topics import topics
     tokenizer = load_tokenizer(model_dir)
@@ -90,7 +131,18 @@ def load_corpus(
 
     header = chat_header(model_dir)
     header_ids = tokenizer.encode(header, add_special_tokens=False).ids if header else []
-    return Corpus(stream(train), stream(held_out), header_ids, train, held_out)
+    train_stream = stream(train)
+    extra_tokens = 0
+    if extra_train:
+        extra = tokenizer.encode(
+            "\n\n".join(extra_train[k].strip() for k in sorted(extra_train)), add_special_tokens=False
+        )
+        extra_tokens = len(extra.ids)
+        train_stream += extra.ids
+    corpus = Corpus(train_stream, stream(held_out), header_ids, train, held_out)
+    corpus.extra_train_docs = len(extra_train or {})
+    corpus.extra_train_tokens = extra_tokens
+    return corpus
 
 
 def window(stream: list[int], header: list[int], seq_len: int, start: int, chat: bool) -> list[int]:

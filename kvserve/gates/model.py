@@ -58,11 +58,15 @@ def masked_softmax(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return weights / weights.sum(dim=-1, keepdim=True)
 
 
-def gate_keep_matrix(flags: torch.Tensor) -> torch.Tensor:
-    """flags [B, n, H] -> keep [B, H, n (query), n (key)] of Eq. 7: 1 on the diagonal, flag_t below, 0 above."""
+def gate_keep_matrix(flags: torch.Tensor, recent: int = 0) -> torch.Tensor:
+    """flags [B, n, H] -> keep [B, H, n (query), n (key)] of Eq. 7: 1 on the diagonal, flag_t below, 0 above; with
+    a `recent` window (`GateHyper.recent`) also 1 for the `recent` keys just before each query, whatever their flag."""
     n = flags.shape[1]
     below = torch.tril(torch.ones(n, n, dtype=torch.bool), diagonal=-1)
     keep = flags.transpose(1, 2)[:, :, None, :] * below  # [B, H, 1, n] x [n, n]
+    if recent:
+        band = below & ~torch.tril(torch.ones(n, n, dtype=torch.bool), diagonal=-recent - 1)
+        keep = torch.where(band, torch.ones_like(keep), keep)
     return keep + torch.eye(n, dtype=flags.dtype)
 
 
@@ -138,8 +142,10 @@ class PlainLlama(torch.nn.Module):
                     if train_gates
                     else (probability > gate.hyper.tau).float()
                 )
+                forced = positions < gate.hyper.sink_tokens
                 if forced_keep is not None:
-                    flags = torch.where(forced_keep[None, :, None], torch.ones_like(flags), flags)
+                    forced = forced | forced_keep
+                flags = torch.where(forced[None, :, None], torch.ones_like(flags), flags)
                 probabilities.append(probability)
                 all_flags.append(flags)
             q = torch.stack([rotate(q[b], positions, s.rope_theta) for b in range(batch)])
@@ -148,7 +154,8 @@ class PlainLlama(torch.nn.Module):
             if visible is not None:
                 keep = visible[layer][None].float().repeat_interleave(group, dim=1)
             else:
-                keep = gate_keep_matrix(flags).repeat_interleave(group, dim=1)  # [B, Hq, n, n]
+                recent = gates.hyper.recent if gates is not None else 0
+                keep = gate_keep_matrix(flags, recent).repeat_interleave(group, dim=1)  # [B, Hq, n, n]
             scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, dim=2)) / s.head_dim**0.5
             attention = masked_softmax(scores, keep)
             if head_mix is not None:  # outputs are linear in the weights: mixing weights mixes the outputs
@@ -171,8 +178,10 @@ class PlainLlama(torch.nn.Module):
         serving."""
         tokens = list(prompt_ids)
         flags: list[torch.Tensor] = []
+        recent = gates.hyper.recent if gates is not None else 0
         for _ in range(max_tokens):
-            forced = torch.arange(len(tokens)) >= len(prompt_ids)
+            # decode tokens, and the prompt's last `recent` (every later query's window held them), are kept
+            forced = torch.arange(len(tokens)) >= len(prompt_ids) - recent
             out = self.forward(torch.tensor([tokens]), gates, forced_keep=forced)
             if not flags and gates is not None:
                 flags = [f[0, : len(prompt_ids)].bool() for f in out.flags]

@@ -35,6 +35,11 @@ class GateHyper:
     head_dim: int = 16
     tau: float = 0.5  # keep a token if sigmoid(logit + gamma) > tau
     gamma: float = 2.0  # initial bias towards keeping (Attention-Gate paper, CPT setting)
+    # A fallback the gates are trained with, not part of the paper's method: StreamingLLM's guard (attention sinks
+    # and a recent window, arXiv:2309.17453). No gate evicts the first `sink_tokens` tokens, and a query always sees
+    # the `recent` tokens before it (so the prompt's last `recent` tokens stay). Files without these fields load 0.
+    sink_tokens: int = 0
+    recent: int = 0
 
 
 class LayerGate(nn.Module):
@@ -76,9 +81,15 @@ class LayerGate(nn.Module):
     def keep_probability(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(logits + self.hyper.gamma)
 
-    def flags(self, logits: torch.Tensor) -> torch.Tensor:
-        """Hard keep flags (bool), the serving decision: sigmoid(logit + gamma) > tau."""
-        return self.keep_probability(logits) > self.hyper.tau
+    def flags(self, logits: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Hard keep flags (bool), the serving decision: sigmoid(logit + gamma) > tau, and always for the first
+        `sink_tokens` positions (logits [..., n, H]; `positions` [n], default 0..n-1)."""
+        flags = self.keep_probability(logits) > self.hyper.tau
+        if self.hyper.sink_tokens:
+            if positions is None:
+                positions = torch.arange(logits.shape[-2])
+            flags = flags | (positions < self.hyper.sink_tokens)[:, None]
+        return flags
 
 
 def straight_through(probability: torch.Tensor, tau: float) -> torch.Tensor:

@@ -1,13 +1,17 @@
 """Train a model's Attention-Gates by continual pre-training ("In-context KV-Cache Eviction for LLMs via
 Attention-Gate", Zeng et al. 2024, arXiv:2410.12876, section 3.4): the base model is frozen and only
-the GateSet learns, with loss = LM loss + alpha * |mean(flags) - beta|.
+the GateSet learns, with loss = LM loss + alpha * |mean(flags) - beta| (+ distill x KL(full model || gated model)
+over the next-token distributions, an addition for this small model).
 
 The flags are straight-through (hard 0/1 forward, the sigmoid's gradient backward), so the eviction term's forward
-value is the real keep ratio (mean over all layers, KV heads and tokens). Data: `kvserve.gates.data` (Python's own
-documentation, split by document). Writes the gate file (float16 safetensors with the recipe in its metadata), its
-sha256 into the registry, a JSON-lines log and a PNG of the curves.
+value is the real keep ratio (mean over all layers, KV heads and tokens). Data (`kvserve.gates.data`, all shipped
+with Python): windows of Python's documentation (split by document into train and held-out) and of the standard
+library's docstrings, and a share of synthetic retrieval samples (passkeys hidden in that prose, recited at the end:
+`kvserve.duo.data`). The gates train with a fallback no gate overrides: the first `sink_tokens` tokens and each
+query's `recent` previous tokens (`GateHyper`), served the same way. Writes the gate file (float16 safetensors with
+the recipe in its metadata), its sha256 into the registry, a JSON-lines log (no machine paths) and a PNG.
 
-    python -m kvserve.gates.train --steps 200 --seq-len 256 --batch 1 --lr 1e-3
+    python -m kvserve.gates.train          # the shipped gates' recipe (the defaults)
 """
 
 from __future__ import annotations
@@ -18,20 +22,26 @@ import math
 import os
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import yaml
 
-from kvserve.gates.data import Corpus, fixed_windows, load_corpus, sample_batch
+from kvserve.cpu_dtype import default_dtype
+from kvserve.duo.data import retrieval_sample, vocabulary
+from kvserve.gates.data import Corpus, fixed_windows, load_corpus, load_tokenizer, sample_batch, stdlib_docstrings
 from kvserve.gates.gateset import GateSet
 from kvserve.gates.model import PlainLlama
 from kvserve.gates.module import GateHyper
 from kvserve.gates.registry import registry_path
 from kvserve.model import ensure_default_model
 
+STEPS = 100
+SEQ_LEN = 1024
 WEIGHTS = Path(__file__).parent / "weights"
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = WEIGHTS / "smollm2-135m-instruct.safetensors"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "gates"
 
@@ -46,13 +56,25 @@ def keep_mean(flags: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([f.reshape(-1) for f in flags]).mean()
 
 
-def step_losses(model: PlainLlama, gates: GateSet, ids: torch.Tensor, alpha: float, beta: float):
-    """(total loss, lm loss, eviction loss, keep ratio) of one batch, with straight-through gates."""
+def distillation(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) of the next-token distributions, mean over predicted positions."""
+    teacher = F.log_softmax(teacher_logits[:, :-1].float(), dim=-1)
+    student = F.log_softmax(student_logits[:, :-1].float(), dim=-1)
+    return (teacher.exp() * (teacher - student)).sum(-1).mean()
+
+
+def step_losses(model: PlainLlama, gates: GateSet, ids: torch.Tensor, alpha: float, beta: float, distill: float = 0.0):
+    """(total loss, lm loss, eviction loss, keep ratio, distillation loss) of one batch, straight-through gates."""
     out = model(ids, gates, train_gates=True)
     lm = lm_loss(out.logits, ids)
     keep = keep_mean(out.flags)
     evict = alpha * (keep - beta).abs()
-    return lm + evict, lm, evict, keep
+    kl = torch.zeros(())
+    if distill:
+        with torch.no_grad():
+            teacher = model(ids).logits
+        kl = distillation(out.logits, teacher)
+    return lm + evict + distill * kl, lm, evict, keep, kl
 
 
 @torch.no_grad()
@@ -162,6 +184,32 @@ def plot(records: list[dict], final: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def portable(path: Path) -> str:
+    """A path as the log may record it: relative to the repository when inside it, else its name only (the log
+    ships in the repository; no machine's absolute paths)."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else resolved.name
+
+
+@dataclass(frozen=True)
+class RetrievalSource:
+    """What synthetic retrieval samples need: the tokenizer and the passkey words (the train prose's vocabulary)."""
+
+    tokenizer: object
+    words: list[str]
+
+    @classmethod
+    def for_corpus(cls, model_dir: Path, corpus: Corpus) -> RetrievalSource:
+        from pydoc_data.topics import topics
+
+        text = " ".join(topics[name] for name in corpus.train_docs if name in topics)
+        return cls(load_tokenizer(model_dir), vocabulary(text))
+
+    def batch(self, corpus: Corpus, seq_len: int, batch: int, rng: random.Random) -> torch.Tensor:
+        rows = [retrieval_sample(self.tokenizer, corpus.train, self.words, seq_len, rng).ids for _ in range(batch)]
+        return torch.tensor(rows)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m kvserve.gates.train", description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -170,22 +218,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="Hugging Face Llama checkpoint folder (default: the default model, converted if needed)",
     )
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--seq-len", type=int, default=SEQ_LEN)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (0: off)")
     p.add_argument("--alpha", type=float, default=5.0)
-    p.add_argument("--beta", type=float, default=0.4, help="target mean keep probability")
+    p.add_argument("--beta", type=float, default=0.5, help="target mean keep probability")
+    p.add_argument("--distill", type=float, default=1.0, help="weight of KL(full model || gated model); 0: off")
     p.add_argument("--tau", type=float, default=0.5)
     p.add_argument("--gamma", type=float, default=2.0)
     p.add_argument("--gate-heads", type=int, default=GateHyper.heads)
     p.add_argument("--gate-head-dim", type=int, default=GateHyper.head_dim)
+    p.add_argument("--sink-tokens", type=int, default=4, help="first tokens no gate evicts (0: none)")
+    p.add_argument("--recent", type=int, default=64, help="previous tokens every query sees whatever the gates say")
     p.add_argument("--chat-fraction", type=float, default=0.5, help="share of samples behind the chat header")
-    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument(
+        "--retrieval-fraction", type=float, default=0.25, help="share of synthetic passkey-retrieval samples"
+    )
+    p.add_argument(
+        "--no-stdlib-docs", action="store_true", help="train on pydoc topics only (no standard-library docstrings)"
+    )
+    p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--eval-windows", type=int, default=6)
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default=None,
+        help="autocast dtype of the frozen model's forward (default: bfloat16 where the CPU has it natively, "
+        "else float32); gates, losses and the saved file stay float32 / float16",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -206,14 +270,27 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    if args.dtype is None:
+        args.dtype = default_dtype()[0]
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
     rng = random.Random(args.seed)
     started = time.time()
     if args.model is None:
         args.model = ensure_default_model()
     model = PlainLlama(args.model)
     s = model.shape
-    corpus = corpus or load_corpus(args.model, seed=args.seed)
-    hyper = GateHyper(heads=args.gate_heads, head_dim=args.gate_head_dim, tau=args.tau, gamma=args.gamma)
+    if corpus is None:
+        extra = None if args.no_stdlib_docs else stdlib_docstrings()
+        corpus = load_corpus(args.model, seed=args.seed, extra_train=extra)
+    retrieval = RetrievalSource.for_corpus(args.model, corpus) if args.retrieval_fraction > 0 else None
+    hyper = GateHyper(
+        heads=args.gate_heads,
+        head_dim=args.gate_head_dim,
+        tau=args.tau,
+        gamma=args.gamma,
+        sink_tokens=args.sink_tokens,
+        recent=args.recent,
+    )
     gates = GateSet(s.num_layers, s.num_heads * s.head_dim, s.num_kv_heads, hyper)
     optimizer = torch.optim.AdamW(gates.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: schedule(i, args.steps, args.warmup))
@@ -233,7 +310,7 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
     emit(
         {
             "kind": "start",
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "args": {k: portable(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "data": corpus.description(),
             "held_out_no_gates": held_out_plain,
             "gate_parameters": sum(p.numel() for p in gates.parameters()),
@@ -242,14 +319,18 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
     bar = tqdm(range(1, args.steps + 1), desc="gates", dynamic_ncols=True)
     for step in bar:
         tick = time.time()
-        ids = sample_batch(corpus, args.seq_len, args.batch, rng, args.chat_fraction)
-        loss, lm, evict, keep = step_losses(model, gates, ids, args.alpha, args.beta)
+        if retrieval is not None and rng.random() < args.retrieval_fraction:
+            ids = retrieval.batch(corpus, args.seq_len, args.batch, rng)
+        else:
+            ids = sample_batch(corpus, args.seq_len, args.batch, rng, args.chat_fraction)
+        with autocast:
+            loss, lm, evict, keep, kl = step_losses(model, gates, ids, args.alpha, args.beta, args.distill)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(gates.parameters(), args.clip if args.clip > 0 else float("inf"))
         optimizer.step()
         scheduler.step()
-        loss, lm, evict, keep = (t.item() for t in (loss, lm, evict, keep))
+        loss, lm, evict, keep, kl = (t.item() for t in (loss, lm, evict, keep, kl))
         emit(
             {
                 "kind": "step",
@@ -258,6 +339,7 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
                 "lm": lm,
                 "evict": evict,
                 "keep": keep,
+                "kl": kl,
                 "grad_norm": norm.item(),
                 "lr": optimizer.param_groups[0]["lr"],
                 "sec": round(time.time() - tick, 2),
@@ -297,11 +379,16 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
     }
     recipe = {
         "method": "Attention-Gate continual pre-training (arXiv:2410.12876): base model frozen, gates only; "
-        "loss = LM + alpha*|mean(straight-through flags) - beta|",
+        "loss = LM + alpha*|mean(straight-through flags) - beta| + distill*KL(full || gated)",
         "model": args.model.name,
         "data": corpus.description(),
-        "sample": f"{args.seq_len}-token windows at seeded random offsets of the train stream, "
-        f"{args.chat_fraction:.0%} behind the chat-template header",
+        "sample": f"{args.seq_len}-token sequences: {args.retrieval_fraction:.0%} synthetic passkey retrieval "
+        "(kvserve.duo.data), the rest windows at seeded random offsets of the train stream, "
+        f"{args.chat_fraction:.0%} of those behind the chat-template header",
+        "distill": args.distill,
+        "dtype": f"{args.dtype} autocast of the forward passes",
+        "sink_tokens": args.sink_tokens,
+        "recent": args.recent,
         "steps": args.steps,
         "seq_len": args.seq_len,
         "batch": args.batch,
@@ -331,8 +418,8 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
     summary = {
         "kind": "final",
         "sha256": sha256,
-        "out": str(args.out),
-        "registry": str(registry),
+        "out": portable(args.out),
+        "registry": portable(registry) if registry is not None else None,
         "train_seconds": round(train_seconds, 1),
         "beta": args.beta,
         **final,

@@ -30,7 +30,7 @@ class AttentionGate(Policy):
         """Keep flags [H, m] for prompt tokens at `positions` [m] from the layer's post-RoPE queries [m, Hq, D]."""
         gate_input = unrotate(queries, positions, rope_theta).reshape(1, queries.shape[0], -1)
         logits, past = gate(gate_input, past)
-        return gate.flags(logits)[0].T, past
+        return gate.flags(logits, positions)[0].T, past
 
     @staticmethod
     def ragged_keep(valid: torch.Tensor, cap: int | None) -> tuple[torch.Tensor, torch.Tensor]:
