@@ -122,10 +122,11 @@ def top_keep(scores: torch.Tensor, budget: int, protected: int) -> torch.Tensor:
 
 @torch.no_grad()
 def expected_attention_reference(model, prompt_ids: list[int], budget: int, window: int, future: int, sinks: int):
-    """Expected Attention's choice per layer (arXiv:2510.00636) computed the way its authors' kvpress does (plus the
-    window kept, as kvserve serves it: kvpress keeps the question out of compression), from the model's own modules: the queries' mean and covariance from the hidden states entering each attention layer
-    times W_q (before RoPE), RoPE's matrix from the model's rotary embedding averaged over the next `future`
-    positions, keys and values from the model's cache.
+    """Expected Attention's choice per layer (arXiv:2510.00636) computed the way its authors' kvpress does (plus
+    the window kept, as kvserve serves it: kvpress keeps the question out of compression), from the model's own
+    modules: the queries' mean and covariance from the hidden states entering each attention layer times W_q (before
+    RoPE), RoPE's matrix from the model's rotary embedding averaged over the next `future` positions, keys and values
+    from the model's cache.
 
     Returns (keep [L][H, B] sorted positions, scores [L][H, n]).
     """

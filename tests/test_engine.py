@@ -108,14 +108,16 @@ def test_expected_attention_keeps_what_the_models_own_query_statistics_choose(en
 
 
 def test_duoattention_streaming_heads_keep_sinks_and_recent_and_retrieval_heads_snapkvs_choice(engine, hf_model):
-    """The shipped roles of the default model at retrieval fraction 0.5: a streaming head keeps exactly its 16 sinks
-    and 64 newest tokens; a retrieval head keeps the retrieval heads' equal share of 30 x 3 x B, chosen as SnapKV
+    """The shipped roles of the default model at its default retrieval fraction: a streaming head keeps exactly its 16
+    sinks and 64 newest tokens; a retrieval head keeps the retrieval heads' equal share of 30 x 3 x B, chosen as SnapKV
     chooses from the model's own attention; the blocks freed follow from those counts."""
     from kvserve.duo.roles import HeadRoles
     from kvserve.model import DEFAULT_MODEL_NAME
 
     ids = prompt(engine, 400, seed=10)
-    budget, fraction = 128, 0.5
+    from kvserve.policies.duo_attention import DuoAttention
+
+    budget, fraction = 128, DuoAttention().retrieval_fraction
     out = engine.generate([ids], 1, {"kv_policy": "duoattention", "kv_budget": budget})[0]
     state = engine.eviction_state(out.request_id)
     roles = HeadRoles.for_model(DEFAULT_MODEL_NAME, hf_model.config.num_key_value_heads).retrieval(fraction)

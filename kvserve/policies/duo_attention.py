@@ -33,8 +33,9 @@ from kvserve.policies.snapkv import SnapKV
 class DuoAttention(SnapKV):
     name = "duoattention"
     own_counts: ClassVar[bool] = True
+    # 0.25 by the quality suite: 95% / 98% / 98% of full at B = 128 / 256 / 512 against 82% / 92% / 100% with 0.5
     retrieval_fraction: float = knob(
-        0.5, "share of KV heads (largest trained gates) that retrieve", minimum=0.0, maximum=1.0
+        0.25, "share of KV heads (largest trained gates) that retrieve", minimum=0.0, maximum=1.0
     )
     sink_tokens: int = knob(16, "a streaming head's first tokens (the roles were trained with 16)", minimum=0)
     recent: int = knob(64, "a streaming head's newest tokens (the roles were trained with 64)", minimum=1)
