@@ -195,6 +195,8 @@ def _allocation_and_span(
                 "kv_span", f"spans sum per-token scores, and {cls.name} selects by a fixed rule, not by scores"
             )
         span = 1
+    if budget is not None and span > budget - protected and "kv_span" not in requested:
+        span = 1  # a server default span that this request's small budget leaves no room for is dropped, not refused
     if budget is not None and span > budget - protected:
         raise InvalidSetting(
             "kv_span",
