@@ -287,6 +287,14 @@ def test_suite_verdict_judges_only_tasks_full_passes_and_weighs_each_task_and_le
     text = verdict(suite, 0.5, {256: 2.0})
     assert f"B=256: best {', '.join(leaders)} {top:.3f}" in text and "NOT met" in text
     assert suite.mean(("tova/span8", 128), cells) is None  # a budget it did not run: no number invented
+    gate_rows = [dict(r, policy="attention_gate", budget=None) for r in rows if r["policy"] == "tova/span8"]
+    with_gate = Suite.from_rows(rows + gate_rows)
+    assert with_gate.own_count_labels() == ["attention_gate"]
+    ratio = with_gate.ratio(("attention_gate", None), cells)
+    assert ratio == pytest.approx(suite.ratio(("tova/span8", 256), cells))  # the same answers, its own column
+    assert f"| attention_gate | {with_gate.mean(('attention_gate', None), cells)[0]:.3f} ({ratio:.0%}" in verdict(
+        with_gate
+    )
 
 
 def test_matched_budgets_give_each_case_the_entries_the_matched_setting_kept_there(tmp_path):

@@ -88,6 +88,10 @@ class Suite:
     def labels(self) -> list[str]:
         return sorted({label for label, budget in self.cells if budget is not None})
 
+    def own_count_labels(self) -> list[str]:
+        """Settings without one budget (attention_gate's own counts, `--match-budget` rows), `full` aside."""
+        return sorted({label for label, budget in self.cells if budget is None and label != "full"})
+
     def best(self, budget: int, cells: list[Cell]) -> tuple[list[str], float] | None:
         """The labels with the highest mean at `budget` (all that tie) and that mean."""
         means = {label: m[0] for label in self.labels() if (m := self.mean((label, budget), cells)) is not None}
@@ -109,10 +113,15 @@ def verdict(suite: Suite, floor: float = 0.5, goals: dict[int, float] | None = N
         f"Judged tasks (full >= {floor}): {', '.join(tasks)}; cells (task, length): "
         + ", ".join(f"{task} {k}k" for task, k in cells),
         "",
-        "| setting | " + " | ".join(f"B={b}" for b in budgets) + " |",
-        "|---" * (len(budgets) + 1) + "|",
-        "| full | " + " | ".join([f"{full_mean:.3f} (100%, n={full_n})"] * len(budgets)) + " |",
+        f"full: {full_mean:.3f} (n={full_n})",
     ]
+    if budgets:
+        lines += [
+            "",
+            "| setting | " + " | ".join(f"B={b}" for b in budgets) + " |",
+            "|---" * (len(budgets) + 1) + "|",
+            "| full | " + " | ".join([f"{full_mean:.3f} (100%, n={full_n})"] * len(budgets)) + " |",
+        ]
     best = {budget: suite.best(budget, cells) for budget in budgets}
     for label in suite.labels():
         row = []
@@ -125,6 +134,13 @@ def verdict(suite: Suite, floor: float = 0.5, goals: dict[int, float] | None = N
             leaders = best[budget]
             row.append(f"**{text}**" if leaders and label in leaders[0] else text)
         lines.append(f"| {label} | " + " | ".join(row) + " |")
+    own = suite.own_count_labels()
+    if own:
+        lines += ["", "| setting (its own or a matched count per case) | score |", "|---|---|"]
+        for label in own:
+            mean = suite.mean((label, None), cells)
+            text = "-" if mean is None else f"{mean[0]:.3f} ({suite.ratio((label, None), cells):.0%}, n={mean[1]})"
+            lines.append(f"| {label} | {text} |")
     lines.append("")
     for budget in budgets:
         if best[budget] is None:
@@ -138,14 +154,18 @@ def verdict(suite: Suite, floor: float = 0.5, goals: dict[int, float] | None = N
     return "\n".join(lines)
 
 
-def by_task(suite: Suite, budget: int) -> str:
-    """Every task and length (judged or not) at one budget, `full` first: what the verdict's means are made of."""
+def by_task(suite: Suite, budget: int | None) -> str:
+    """Every task and length (judged or not) at one budget (None: the settings with their own or matched counts),
+    `full` first: what the verdict's means are made of."""
     cells = sorted({cell for by_cell in suite.cells.values() for cell in by_cell})
+    labels = suite.labels() if budget is not None else suite.own_count_labels()
     lines = [
-        f"B={budget} | " + " | ".join(f"{task} {k}k" for task, k in cells) + " |",
+        f"{'B=' + str(budget) if budget is not None else 'own count'} | "
+        + " | ".join(f"{task} {k}k" for task, k in cells)
+        + " |",
         "|---" * (len(cells) + 1) + "|",
     ]
-    for setting in [("full", None)] + [(label, budget) for label in suite.labels()]:
+    for setting in [("full", None)] + [(label, budget) for label in labels]:
         have = suite.cells.get(setting, {})
         if not have:
             continue
@@ -172,5 +192,5 @@ def main(argv: list[str] | None = None) -> None:
     suite = Suite.from_rows(load_rows(args.results))
     print(verdict(suite, args.floor, _goals(args.goal)))
     if args.by_task:
-        for budget in suite.budgets():
+        for budget in suite.budgets() + ([None] if suite.own_count_labels() else []):
             print("", by_task(suite, budget), sep="\n")
