@@ -29,6 +29,8 @@ def test_no_tracked_file_holds_a_machine_path():
     here = {str(ROOT), str(Path.home())}
     found = []
     for path in tracked_text_files():
+        if path == Path(__file__).resolve():  # this file spells the patterns out
+            continue
         text = path.read_text(errors="replace")
         for number, line in enumerate(text.splitlines(), 1):
             if MACHINE_PATH.search(line) or any(prefix + "/" in line for prefix in here if len(prefix) > 1):

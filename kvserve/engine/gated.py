@@ -82,6 +82,8 @@ def gated_layer_step(
         flags, layer.gate_past = state.policy.gate_flags(
             runtime.gates[model_layer], queries, query_positions, runtime.rope_theta, layer.gate_past
         )
+        if recent:  # the prompt's last `recent` tokens are in every later query's window: kept, and counted so
+            flags = flags | (query_positions >= runtime.prompt_len - recent)[None, :]
         _count_gate_decisions(model_layer, flags[:, in_prompt])
         # after a preemption the recompute chunk also holds generated tokens: never gated, always kept
         fresh = torch.arange(queries.shape[0])[None, :] + (lengths[:, None] - queries.shape[0])
@@ -97,8 +99,6 @@ def gated_layer_step(
         output[plan.query_start : plan.query_end] = attended.to(output.dtype)
     if plan.compaction is None:
         return
-    if recent:  # the prompt's last `recent` entries were in every later query's window: they stay
-        valid = valid | (inside & (positions >= runtime.prompt_len - recent))
     keep, counts = state.policy.ragged_keep(valid, plan.compaction.keep_tokens)
     cache.compact(table, keep, counts)
     kept_here = torch.arange(keep.shape[1])[None, :] < counts[:, None]
