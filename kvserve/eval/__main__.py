@@ -56,6 +56,11 @@ def _ints(text: str) -> list[int]:
     return [int(item) for item in text.split(",") if item]
 
 
+def _several_allocations(args: argparse.Namespace) -> bool:
+    """Whether the command compares allocations (then it also prints the allocation table)."""
+    return len(args.allocations.split(",")) > 1
+
+
 def _settings(parser: argparse.ArgumentParser, args: argparse.Namespace, evict_every_chunk: bool = False) -> list:
     """The settings the command line asks for; a bad policy, knob or value ends with a message naming it."""
     layout = {"allocations": tuple(args.allocations.split(",")), "spans": tuple(_ints(args.spans))}
@@ -92,7 +97,6 @@ def _ruler(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         out=args.out,
         concurrency=args.concurrency,
     )
-    layout = {"allocations": tuple(args.allocations.split(",")), "spans": tuple(_ints(args.spans))}
     rows = run_settings(run, _settings(parser, args), progress=not args.quiet)
     print(
         f"RULER (lm-evaluation-harness), {args.samples} samples per task and length, lengths {args.lengths}",
@@ -106,7 +110,7 @@ def _ruler(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         sep="\n",
     )
     values = {key: mean for key, (mean, _) in quality.mean_scores(rows, ("policy", "budget")).items()}
-    if len(layout["allocations"]) > 1:
+    if _several_allocations(args):
         print("", allocation_table(values, higher_is_better=True), sep="\n")
     if args.plot:
         plot_vs_budget(values, "mean RULER score", args.plot, f"RULER {args.tasks} at {args.lengths} tokens")
@@ -167,7 +171,6 @@ def main(argv: list[str] | None = None) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     servers = [Server(url, args.model) for url in args.url.split(",")]
-    layout = {"allocations": tuple(args.allocations.split(",")), "spans": tuple(_ints(args.spans))}
     if args.command == "tasks":
         from kvserve.eval import quality
         from kvserve.eval.tasks import make_cases
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
             sep="\n",
         )
         values = {key: mean for key, (mean, _) in quality.mean_scores(rows, ("policy", "budget")).items()}
-        if len(layout["allocations"]) > 1:
+        if _several_allocations(args):
             print("", allocation_table(values, higher_is_better=True), sep="\n")
         if args.plot:
             title = f"Mean score over {len(args.tasks.split(','))} tasks at {args.lengths} tokens"
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
             progress=not args.quiet,
         )
         print(perplexity.perplexity_table(rows))
-        if len(layout["allocations"]) > 1:
+        if _several_allocations(args):
             print("", allocation_table(perplexity.perplexities(rows), higher_is_better=False), sep="\n")
         if args.plot:
             plot_vs_budget(
