@@ -160,6 +160,24 @@ def test_sink_tokens_are_never_flagged_out():
     assert shifted[:1].all() and not shifted[1:].any()
 
 
+@pytest.mark.parametrize("tau", [0.2, 0.5, 0.8])
+def test_a_requests_tau_sets_the_keep_threshold(tau):
+    """The served policy's `tau` knob is Eq. 6's threshold: flags are sigmoid(logit + gamma) > tau, sinks aside,
+    and a higher tau keeps a subset of what a lower one keeps."""
+    from kvserve.policies.attention_gate import AttentionGate
+
+    torch.manual_seed(4)
+    gate = LayerGate(8 * 4, 2, GateHyper(gamma=0.0, sink_tokens=2))
+    queries, positions = torch.randn(20, 4, 8), torch.arange(20)
+    flags, _ = AttentionGate(tau=tau).gate_flags(gate, queries, positions, 10000.0, None)
+    logits, _ = gate(unrotate(queries, positions, 10000.0).reshape(1, 20, -1))
+    expected = torch.sigmoid(logits[0].T) > tau
+    expected[:, :2] = True
+    assert torch.equal(flags, expected)
+    lower, _ = AttentionGate(tau=tau - 0.1).gate_flags(gate, queries, positions, 10000.0, None)
+    assert bool((lower | ~flags).all()) and int(lower.sum()) >= int(flags.sum())
+
+
 def test_all_keep_gates_equal_the_plain_model(tiny):
     ids = torch.randint(0, 64, (2, 12))
     plain = tiny(ids).logits
@@ -189,6 +207,23 @@ def test_straight_through_gradients_reach_every_gate(tiny):
     assert hard.tolist() == [0.0, 1.0]
     hard.sum().backward()
     assert probability.grad.tolist() == [1.0, 1.0]
+
+
+def test_the_answer_term_is_the_kl_at_the_recited_positions_only(tiny):
+    """`answer_weight` adds KL(full || gated) averaged over the positions predicting the answer of a retrieval row;
+    a prose row (no answer) adds nothing, and the total is the sum of its terms."""
+    from kvserve.gates.train import step_losses, token_kl
+
+    gates = tiny_gates(tiny, gamma=0.0)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    losses = step_losses(tiny, gates, ids, 5.0, 0.5, distill=0.0, answer_weight=2.0, answer_starts=[10, None])
+    with torch.no_grad():
+        per_token = token_kl(tiny(ids, gates).logits, tiny(ids).logits)
+    torch.testing.assert_close(losses.answer_kl.detach(), per_token[0, 9:].mean())  # position 9 predicts token 10
+    torch.testing.assert_close(losses.kl.detach(), per_token.mean())
+    torch.testing.assert_close(losses.total.detach(), (losses.lm + losses.evict + 2.0 * losses.answer_kl).detach())
+    prose = step_losses(tiny, gates, ids, 5.0, 0.5, distill=0.0, answer_weight=2.0, answer_starts=[None, None])
+    assert float(prose.answer_kl) == 0.0
 
 
 # (c) a few training steps (the real training entry point) lower the loss and move the keep ratio towards beta

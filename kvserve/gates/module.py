@@ -81,10 +81,12 @@ class LayerGate(nn.Module):
     def keep_probability(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(logits + self.hyper.gamma)
 
-    def flags(self, logits: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Hard keep flags (bool), the serving decision: sigmoid(logit + gamma) > tau, and always for the first
-        `sink_tokens` positions (logits [..., n, H]; `positions` [n], default 0..n-1)."""
-        flags = self.keep_probability(logits) > self.hyper.tau
+    def flags(
+        self, logits: torch.Tensor, positions: torch.Tensor | None = None, tau: float | None = None
+    ) -> torch.Tensor:
+        """Hard keep flags (bool), the serving decision: sigmoid(logit + gamma) > tau (default: the trained tau), and
+        always for the first `sink_tokens` positions (logits [..., n, H]; `positions` [n], default 0..n-1)."""
+        flags = self.keep_probability(logits) > (self.hyper.tau if tau is None else tau)
         if self.hyper.sink_tokens:
             if positions is None:
                 positions = torch.arange(logits.shape[-2])

@@ -1,7 +1,8 @@
 """Train a model's Attention-Gates by continual pre-training ("In-context KV-Cache Eviction for LLMs via
 Attention-Gate", Zeng et al. 2024, arXiv:2410.12876, section 3.4): the base model is frozen and only
 the GateSet learns, with loss = LM loss + alpha * |mean(flags) - beta| (+ distill x KL(full model || gated model)
-over the next-token distributions, an addition for this small model).
+over the next-token distributions, and answer_weight x the same KL on the positions that recite the retrieval
+samples' passkeys: additions for this small model, docs/gates/findings.md has the evidence for each).
 
 The flags are straight-through (hard 0/1 forward, the sigmoid's gradient backward), so the eviction term's forward
 value is the real keep ratio (mean over all layers, KV heads and tokens). Data (`kvserve.gates.data`, all shipped
@@ -39,6 +40,7 @@ from kvserve.gates.registry import registry_path
 from kvserve.model import ensure_default_model
 
 STEPS = 100
+ANSWER_WEIGHT = 5.0
 SEQ_LEN = 1024
 WEIGHTS = Path(__file__).parent / "weights"
 REPO = Path(__file__).resolve().parents[2]
@@ -56,25 +58,63 @@ def keep_mean(flags: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([f.reshape(-1) for f in flags]).mean()
 
 
-def distillation(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """KL(teacher || student) of the next-token distributions, mean over predicted positions."""
+def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) of the next-token distributions at each predicted position: [B, n - 1]."""
     teacher = F.log_softmax(teacher_logits[:, :-1].float(), dim=-1)
     student = F.log_softmax(student_logits[:, :-1].float(), dim=-1)
-    return (teacher.exp() * (teacher - student)).sum(-1).mean()
+    return (teacher.exp() * (teacher - student)).sum(-1)
 
 
-def step_losses(model: PlainLlama, gates: GateSet, ids: torch.Tensor, alpha: float, beta: float, distill: float = 0.0):
-    """(total loss, lm loss, eviction loss, keep ratio, distillation loss) of one batch, straight-through gates."""
+def distillation(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) of the next-token distributions, mean over predicted positions."""
+    return token_kl(student_logits, teacher_logits).mean()
+
+
+def answer_mask(answer_starts: list[int | None], n: int) -> torch.Tensor:
+    """[B, n - 1] bool: the predicted positions whose target is a recited passkey token (position t predicts t + 1);
+    all False for a row without an answer (a prose window)."""
+    targets = torch.arange(1, n)
+    rows = [targets >= start if start is not None else torch.zeros(n - 1, dtype=torch.bool) for start in answer_starts]
+    return torch.stack(rows)
+
+
+@dataclass
+class StepLosses:
+    total: torch.Tensor
+    lm: torch.Tensor  # next-token cross-entropy, gates on
+    evict: torch.Tensor  # alpha * |keep - beta|
+    keep: torch.Tensor  # mean straight-through flag
+    kl: torch.Tensor  # KL(full || gated), mean over every predicted position
+    answer_kl: torch.Tensor  # KL(full || gated), mean over the recited passkeys' positions (0 without any)
+
+
+def step_losses(
+    model: PlainLlama,
+    gates: GateSet,
+    ids: torch.Tensor,
+    alpha: float,
+    beta: float,
+    distill: float = 0.0,
+    answer_weight: float = 0.0,
+    answer_starts: list[int | None] | None = None,
+) -> StepLosses:
+    """The losses of one batch, straight-through gates. `answer_weight` adds the KL on the positions that recite
+    retrieved passkeys (`answer_starts`, per row): there a head that reads far back matters, while in prose the
+    mean over a thousand positions hides it (DuoAttention's training signal, arXiv:2410.10819, section 3.2)."""
     out = model(ids, gates, train_gates=True)
     lm = lm_loss(out.logits, ids)
     keep = keep_mean(out.flags)
     evict = alpha * (keep - beta).abs()
-    kl = torch.zeros(())
-    if distill:
+    kl = answer_kl = torch.zeros(())
+    if distill or answer_weight:
         with torch.no_grad():
             teacher = model(ids).logits
-        kl = distillation(out.logits, teacher)
-    return lm + evict + distill * kl, lm, evict, keep, kl
+        per_token = token_kl(out.logits, teacher)
+        kl = per_token.mean()
+        mask = answer_mask(answer_starts or [None] * len(ids), ids.shape[1])
+        if mask.any():
+            answer_kl = per_token[mask].mean()
+    return StepLosses(lm + evict + distill * kl + answer_weight * answer_kl, lm, evict, keep, kl, answer_kl)
 
 
 @torch.no_grad()
@@ -97,6 +137,20 @@ def evaluate(model: PlainLlama, gates: GateSet | None, windows: torch.Tensor, ba
             keep_by_layer_head=[[round(float(k), 4) for k in row] for row in per_head],
         )
     return result
+
+
+@torch.no_grad()
+def evaluate_retrieval(model: PlainLlama, gates: GateSet | None, samples: list[tuple[torch.Tensor, int]]) -> dict:
+    """On held-out retrieval samples (passkeys in held-out prose): the cross-entropy of the recited passkeys and the
+    share of their tokens the model predicts greedily; the direct measure of what eviction costs retrieval."""
+    total, hits, count = 0.0, 0, 0
+    for ids, answer_start in samples:
+        logits = model(ids[None], gates).logits[0, answer_start - 1 : -1].float()
+        targets = ids[answer_start:]
+        total += float(F.cross_entropy(logits, targets, reduction="sum"))
+        hits += int((logits.argmax(-1) == targets).sum())
+        count += len(targets)
+    return {"answer_ce": total / count, "answer_accuracy": hits / count}
 
 
 def schedule(step: int, steps: int, warmup: int) -> float:
@@ -205,9 +259,17 @@ class RetrievalSource:
         text = " ".join(topics[name] for name in corpus.train_docs if name in topics)
         return cls(load_tokenizer(model_dir), vocabulary(text))
 
-    def batch(self, corpus: Corpus, seq_len: int, batch: int, rng: random.Random) -> torch.Tensor:
-        rows = [retrieval_sample(self.tokenizer, corpus.train, self.words, seq_len, rng).ids for _ in range(batch)]
-        return torch.tensor(rows)
+    def held_out(self, corpus: Corpus, seq_len: int, count: int, seed: int) -> list[tuple[torch.Tensor, int]]:
+        """`count` fixed samples hidden in the held-out prose (words still from the train vocabulary)."""
+        rng = random.Random(seed + 1)
+        samples = [retrieval_sample(self.tokenizer, corpus.held_out, self.words, seq_len, rng) for _ in range(count)]
+        return [(torch.tensor(sample.ids), sample.answer_start) for sample in samples]
+
+    def batch(self, corpus: Corpus, seq_len: int, batch: int, rng: random.Random) -> tuple[torch.Tensor, list[int]]:
+        """[batch, ~seq_len] ids and each row's answer start (rows share one length: the passkeys are cut to it)."""
+        samples = [retrieval_sample(self.tokenizer, corpus.train, self.words, seq_len, rng) for _ in range(batch)]
+        length = min(len(sample.ids) for sample in samples)
+        return torch.tensor([sample.ids[:length] for sample in samples]), [s.answer_start for s in samples]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -228,6 +290,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=5.0)
     p.add_argument("--beta", type=float, default=0.5, help="target mean keep probability")
     p.add_argument("--distill", type=float, default=1.0, help="weight of KL(full model || gated model); 0: off")
+    p.add_argument(
+        "--answer-weight",
+        type=float,
+        default=ANSWER_WEIGHT,
+        help="weight of KL(full || gated) on the retrieval samples' recited passkeys; 0: off",
+    )
     p.add_argument("--tau", type=float, default=0.5)
     p.add_argument("--gamma", type=float, default=2.0)
     p.add_argument("--gate-heads", type=int, default=GateHyper.heads)
@@ -236,7 +304,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recent", type=int, default=64, help="previous tokens every query sees whatever the gates say")
     p.add_argument("--chat-fraction", type=float, default=0.5, help="share of samples behind the chat header")
     p.add_argument(
-        "--retrieval-fraction", type=float, default=0.25, help="share of synthetic passkey-retrieval samples"
+        "--retrieval-fraction", type=float, default=0.5, help="share of synthetic passkey-retrieval samples"
     )
     p.add_argument(
         "--no-stdlib-docs", action="store_true", help="train on pydoc topics only (no standard-library docstrings)"
@@ -298,6 +366,8 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
     held_out = fixed_windows(corpus.held_out, corpus.header, args.seq_len, args.eval_windows)
     train_windows = fixed_windows(corpus.train, corpus.header, args.seq_len, args.eval_windows)
     held_out_plain = evaluate(model, None, held_out)["lm"]
+    retrieval_held_out = retrieval.held_out(corpus, args.seq_len, args.eval_windows, args.seed) if retrieval else []
+    retrieval_plain = evaluate_retrieval(model, None, retrieval_held_out) if retrieval_held_out else None
     args.log.parent.mkdir(parents=True, exist_ok=True)
     log = args.log.open("w")
     records: list[dict] = []
@@ -313,6 +383,7 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
             "args": {k: portable(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "data": corpus.description(),
             "held_out_no_gates": held_out_plain,
+            "held_out_retrieval_no_gates": retrieval_plain,
             "gate_parameters": sum(p.numel() for p in gates.parameters()),
         }
     )
@@ -320,17 +391,19 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
     for step in bar:
         tick = time.time()
         if retrieval is not None and rng.random() < args.retrieval_fraction:
-            ids = retrieval.batch(corpus, args.seq_len, args.batch, rng)
+            ids, answer_starts = retrieval.batch(corpus, args.seq_len, args.batch, rng)
         else:
-            ids = sample_batch(corpus, args.seq_len, args.batch, rng, args.chat_fraction)
+            ids, answer_starts = sample_batch(corpus, args.seq_len, args.batch, rng, args.chat_fraction), None
         with autocast:
-            loss, lm, evict, keep, kl = step_losses(model, gates, ids, args.alpha, args.beta, args.distill)
+            losses = step_losses(
+                model, gates, ids, args.alpha, args.beta, args.distill, args.answer_weight, answer_starts
+            )
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        losses.total.backward()
         norm = torch.nn.utils.clip_grad_norm_(gates.parameters(), args.clip if args.clip > 0 else float("inf"))
         optimizer.step()
         scheduler.step()
-        loss, lm, evict, keep, kl = (t.item() for t in (loss, lm, evict, keep, kl))
+        loss, lm, evict, keep, kl = (t.item() for t in (losses.total, losses.lm, losses.evict, losses.keep, losses.kl))
         emit(
             {
                 "kind": "step",
@@ -340,6 +413,7 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
                 "evict": evict,
                 "keep": keep,
                 "kl": kl,
+                "answer_kl": losses.answer_kl.item() if answer_starts else None,
                 "grad_norm": norm.item(),
                 "lr": optimizer.param_groups[0]["lr"],
                 "sec": round(time.time() - tick, 2),
@@ -348,10 +422,24 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
         bar.set_postfix(lm=f"{lm:.3f}", evict=f"{evict:.3f}", keep=f"{keep:.3f}")
         if step % args.eval_every == 0 or step == args.steps:
             result = evaluate(model, gates, held_out)
-            emit({"kind": "eval", "step": step, "held_out": result, "held_out_no_gates": held_out_plain})
+            found = evaluate_retrieval(model, gates, retrieval_held_out) if retrieval_held_out else None
+            emit(
+                {
+                    "kind": "eval",
+                    "step": step,
+                    "held_out": result,
+                    "held_out_no_gates": held_out_plain,
+                    "held_out_retrieval": found,
+                }
+            )
             bar.write(
                 f"step {step}: held-out LM {result['lm']:.4f} (no gates {held_out_plain:.4f}), "
                 f"keep {result['keep']:.3f}"
+                + (
+                    f", passkey tokens {found['answer_accuracy']:.3f} ({retrieval_plain['answer_accuracy']:.3f})"
+                    if found
+                    else ""
+                )
             )
     train_seconds = time.time() - started
 
@@ -363,6 +451,7 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
     tmp.unlink()
     final_held_out = evaluate(model, shipped, held_out)
     final_train = evaluate(model, shipped, train_windows)
+    final_retrieval = evaluate_retrieval(model, shipped, retrieval_held_out) if retrieval_held_out else None
     train_plain = evaluate(model, None, train_windows)["lm"]
     last = [r for r in records if r["kind"] == "step"][-20:]
     final = {
@@ -372,6 +461,8 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
         "train_lm_no_gates": round(train_plain, 4),
         "train_lm_last20_steps": round(sum(r["lm"] for r in last) / len(last), 4),
         "train_evict_last20_steps": round(sum(r["evict"] for r in last) / len(last), 4),
+        "held_out_retrieval_gates": final_retrieval,
+        "held_out_retrieval_no_gates": retrieval_plain,
         "keep": round(final_held_out["keep"], 4),
         "train_keep": round(final_train["keep"], 4),
         "keep_by_layer": final_held_out["keep_by_layer"],
@@ -379,13 +470,15 @@ def train(args: argparse.Namespace, corpus: Corpus | None = None) -> dict:
     }
     recipe = {
         "method": "Attention-Gate continual pre-training (arXiv:2410.12876): base model frozen, gates only; "
-        "loss = LM + alpha*|mean(straight-through flags) - beta| + distill*KL(full || gated)",
+        "loss = LM + alpha*|mean(straight-through flags) - beta| + distill*KL(full || gated) "
+        "+ answer_weight*KL(full || gated) on the retrieval samples' recited passkeys",
         "model": args.model.name,
         "data": corpus.description(),
         "sample": f"{args.seq_len}-token sequences: {args.retrieval_fraction:.0%} synthetic passkey retrieval "
         "(kvserve.duo.data), the rest windows at seeded random offsets of the train stream, "
         f"{args.chat_fraction:.0%} of those behind the chat-template header",
         "distill": args.distill,
+        "answer_weight": args.answer_weight,
         "dtype": f"{args.dtype} autocast of the forward passes",
         "sink_tokens": args.sink_tokens,
         "recent": args.recent,

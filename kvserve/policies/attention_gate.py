@@ -7,6 +7,9 @@ per layer and KV head), so what a gate evicts is freed (`kvserve/engine/gated.py
 token is hidden from every later query at once (Eq. 4/7), while it still sees itself. Decode-time tokens are not
 gated (the paper runs the gate in prefill only) and are appended; with a budget B, once a head's cache reaches
 B + block_size the head keeps its B most recent entries (a window rule that caps growth).
+
+`tau` is the paper's keep threshold (Eq. 6). The shipped gates are trained at 0.5; a request may raise it to evict
+more or lower it to keep more with the same gates (the score-against-keep curve in the benchmarks is drawn that way).
 """
 
 from __future__ import annotations
@@ -17,12 +20,16 @@ import torch
 
 from kvserve.gates.module import GatePast, unrotate
 from kvserve.policies.base import Policy
+from kvserve.policies.knobs import knob
 
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionGate(Policy):
     name = "attention_gate"
     ragged = True  # without kv_budget the cache grows by one entry per generated token
+    tau: float = knob(
+        0.5, "keep a prompt token where sigmoid(gate logit + gamma) > tau (gates trained at 0.5)", minimum=0, maximum=1
+    )
 
     def gate_flags(
         self, gate, queries: torch.Tensor, positions: torch.Tensor, rope_theta: float, past: GatePast | None
@@ -30,7 +37,7 @@ class AttentionGate(Policy):
         """Keep flags [H, m] for prompt tokens at `positions` [m] from the layer's post-RoPE queries [m, Hq, D]."""
         gate_input = unrotate(queries, positions, rope_theta).reshape(1, queries.shape[0], -1)
         logits, past = gate(gate_input, past)
-        return gate.flags(logits, positions)[0].T, past
+        return gate.flags(logits, positions, self.tau)[0].T, past
 
     @staticmethod
     def ragged_keep(valid: torch.Tensor, cap: int | None) -> tuple[torch.Tensor, torch.Tensor]:
