@@ -196,14 +196,21 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(
             "usage: kvserve serve [MODEL] [--kv-policy P --kv-budget B ...] [vllm flags]\n"
+            "       kvserve --version                the version, and the vLLM release it patches\n"
             "       kvserve eval {ruler,tasks,ppl,passkey} ...  quality of eviction settings through a server\n"
             "       kvserve bench {capacity,overhead} ... kvserve against vanilla vLLM, one run\n"
             "       kvserve bench load ...           mixed-policy load test of one server (loopback)\n"
             "       kvserve bench crash ...          kill a server's engine: time to failing /health and exit\n"
             "       kvserve bench soak ...           engine memory over long evicting requests, per allocator\n"
             "       kvserve bench layouts ...        cache operations per CPU cache layout (vec, AMX), one process\n"
+            "       kvserve report [DATA] -o PAGE    rebuild the benchmarks page and its plots from the result files\n"
             "       kvserve setup-model            convert the default model once and print its folder"
         )
+        return
+    if argv[0] == "--version":
+        from kvserve import REQUIRED_VLLM_VERSION, __version__
+
+        print(f"kvserve {__version__} (for vLLM {REQUIRED_VLLM_VERSION})")
         return
     command, rest = argv[0], argv[1:]
     if command == "serve":
@@ -216,12 +223,16 @@ def main(argv: list[str] | None = None) -> None:
         from kvserve.bench.__main__ import main as bench_main
 
         bench_main(rest)
+    elif command == "report":
+        from kvserve.report.__main__ import main as report_main
+
+        report_main(rest)
     elif command == "setup-model":
         from kvserve.model import ensure_default_model
 
         print(ensure_default_model())
     else:
-        raise SystemExit(f"kvserve: unknown command {command!r} (serve, eval, bench, setup-model)")
+        raise SystemExit(f"kvserve: unknown command {command!r} (serve, eval, bench, report, setup-model)")
 
 
 if __name__ == "__main__":

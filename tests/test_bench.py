@@ -232,3 +232,24 @@ def test_layouts_bench_times_the_same_work_in_every_layout(tmp_path, monkeypatch
     monkeypatch.setattr(AmxPages, "page_logits", lambda self, *args: product(self, *args) * 1.01)
     with pytest.raises(AssertionError, match="disagree"):
         layouts.main([*tiny, "--repeats", "1"])
+
+
+def test_each_setting_runs_on_its_own_prefix_cache_salt(monkeypatch):
+    """Settings run one after another with the same prompts on one server: without a salt of its own, a setting that
+    reads prefix-cache hits would be served from the previous setting's blocks and time a warm cache."""
+    import asyncio
+
+    from kvserve.bench import workload
+    from kvserve.eval.client import Setting
+
+    bodies = []
+
+    async def fake_stream(client, url, path, body, setting):
+        bodies.append(body)
+        yield {"choices": [{"text": "x"}], "usage": {"completion_tokens": 1}}
+
+    monkeypatch.setattr(workload, "stream_chunks", fake_stream)
+    for setting in (Setting("snapkv", 128), Setting("snapkv", 256), Setting("tova", 128), Setting("full", None)):
+        asyncio.run(workload._one(None, "http://x", "m", [1, 2, 3], 1, setting))
+    salts = [body["cache_salt"] for body in bodies]
+    assert len(set(salts)) == len(salts)

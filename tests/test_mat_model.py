@@ -70,7 +70,7 @@ def test_deep_layers_have_anchors_that_mat_finds(hf_model):
         f"\ntoken 0 top-logit key in {sum(first_is_top)}/{len(first_is_top)} deep layers; anchors' mutual logits "
         f"lower in {sum(lower_between_anchors)}/{len(lower_between_anchors)} deep (layer, head) pairs"
     )
-    # Measured on this model (docs/results.md): token 0 is the top-logit key in most deep layers, which is what MAT's
+    # Measured on this model (printed above): token 0 is the top-logit key in most deep layers, which is what MAT's
     # rule relies on. The paper's second observation (Table 1: anchors attend to EACH OTHER with lower logits than
     # other tokens attend to them) did NOT hold here (1 of 84 layer-head pairs); it is printed, not asserted.
     assert sum(first_is_top) / len(first_is_top) > 0.5

@@ -307,3 +307,10 @@ def test_evicting_requests_read_and_publish_the_prefix_cache_and_vllm_counts_the
     # the second request read the document's blocks up to its last SnapKV window (32 queries) and a block
     assert metric(server, "vllm:prefix_cache_hits_total", labels) - hits >= prompt_tokens[0] - 32 - 2 * 32 - 16
     assert metric(server, "kvserve:prefix_blocks_published_total") - published >= prompt_tokens[0] // 32 - 1
+
+
+def test_the_start_up_log_names_kvserves_version(server, tmp_path_factory):
+    from kvserve import REQUIRED_VLLM_VERSION, __version__
+
+    logs = [path.read_text() for path in tmp_path_factory.getbasetemp().glob("server*/server.log")]
+    assert any(f"kvserve {__version__} (vLLM {REQUIRED_VLLM_VERSION}): serving" in log for log in logs)

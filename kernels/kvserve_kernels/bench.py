@@ -213,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         help="a shape to run instead of the defaults (repeatable)",
     )
     parser.add_argument("--splits", type=int, default=None, help="num_splits (default: the kernel's heuristic)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="JSON file for the results (the benchmarks page's format: device, versions, command, one row per shape)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
@@ -236,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
     header = f"{'shape (R, L, Hq, Hkv, D, bs)':32} {'variant':7} {'ms':>9} {'GB/s':>7} {'%peak':>6} {'%copy':>6}"
     print(header)
+    rows = []
     for case in cases:
         results = bench_case(case, dtype, do_bench, args.splits)
         kv_bytes = 2 * case.batch * case.seq_len * case.kv_heads * case.head_size * itemsize
@@ -249,12 +255,56 @@ def main(argv: list[str] | None = None) -> int:
             elif value is not None:
                 print(f"{shape:32} {variant:7} {value}")
         plain = results["plain"]
+        rows.append(
+            {
+                "shape": [case.batch, case.seq_len, case.q_heads, case.kv_heads, case.head_size, case.block_size],
+                "plain_ms": plain,
+                "plain_peak_fraction": kv_bytes / (plain * 1e-3) / 1e9 / table_peak if table_peak else None,
+                "h2o_overhead": results["h2o"] / plain - 1,
+                "fused_overhead": results["fused"] / plain - 1,
+                "torch_over_plain": results["torch"] / plain if isinstance(results.get("torch"), float) else None,
+            }
+        )
         print(
             f"{shape:32} scoring overhead: fused {100 * (results['fused'] / plain - 1):+.1f}%, "
             f"h2o only {100 * (results['h2o'] / plain - 1):+.1f}%"
             + (f"; |plain - vllm| max {results['vllm_max_abs_diff']:.2e}" if "vllm_max_abs_diff" in results else "")
         )
+    if args.out:
+        write_results(args, rows, name, copy_gbps, table_peak)
     return 0
+
+
+def write_results(
+    args: argparse.Namespace, rows: list[dict], device: str, copy_gbps: float, peak: float | None
+) -> None:
+    """The run as JSON, with the device, the versions and the exact command (kvserve's provenance record when
+    kvserve is importable, as on the project's machines; the GPU machine may carry the kernels alone)."""
+    import datetime as dt
+    import json
+    import shlex
+
+    import triton
+
+    command = shlex.join(["python", "-m", "kvserve_kernels.bench", *(sys.argv[1:])])
+    try:
+        from kvserve.provenance import provenance
+
+        ran = provenance(command)
+    except ImportError:
+        ran = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d"), "command": command, "machine": {"gpu": device}}
+    ran["machine"]["gpu"] = device
+    ran["versions"] = {"torch": torch.__version__, "triton": triton.__version__}
+    record = {
+        "provenance": ran,
+        "dtype": args.dtype,
+        "device": device,
+        "peak_gbps": peak,
+        "copy_gbps": copy_gbps,
+        "runs": [rows],
+    }
+    with open(args.out, "w") as out:
+        json.dump(record, out, indent=1)
 
 
 if __name__ == "__main__":

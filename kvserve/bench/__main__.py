@@ -37,6 +37,7 @@ from kvserve.bench.servers import running_server
 from kvserve.bench.workload import run_workload
 from kvserve.cpu_dtype import default_dtype, has_dtype_flag
 from kvserve.eval.client import Setting
+from kvserve.provenance import command_line, provenance
 
 SERVED_NAME = "bench"
 COLUMNS = ("peak_running", "requests_per_s", "output_tokens_per_s", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
@@ -351,7 +352,10 @@ def main(argv: list[str] | None = None) -> None:
             **vars(args),
             **{key: Path(getattr(args, key)).name for key in ("model", "out", "plot") if getattr(args, key)},
         }
-        Path(args.out).write_text(json.dumps({"command": args.command, "args": recorded, "results": results}, indent=1))
+        ran = provenance(command_line(argv, "kvserve bench"))
+        Path(args.out).write_text(
+            json.dumps({"command": args.command, "args": recorded, "provenance": ran, "results": results}, indent=1)
+        )
 
 
 if __name__ == "__main__":

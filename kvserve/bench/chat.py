@@ -32,6 +32,7 @@ import httpx
 from kvserve.bench.servers import running_server
 from kvserve.cpu_dtype import default_dtype, has_dtype_flag
 from kvserve.eval.client import Setting, metric_sum, stream_chunks
+from kvserve.provenance import command_line, provenance
 
 SERVED_NAME = "bench"
 TEMPLATE_MARGIN = 16  # chat-template tokens per message, on top of the text's
@@ -377,4 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         recorded = {**vars(args), "model": Path(args.model).name, "small_pool_blocks": small_blocks}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"command": "chat", "args": recorded, "results": results}, indent=1))
+        ran = provenance(command_line(argv, "kvserve bench chat"))
+        Path(args.out).write_text(
+            json.dumps({"command": "chat", "args": recorded, "provenance": ran, "results": results}, indent=1)
+        )

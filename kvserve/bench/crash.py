@@ -27,6 +27,8 @@ from typing import Any
 import httpx
 import psutil
 
+from kvserve.provenance import command_line, provenance
+
 ENGINE_PROCESS = "EngineCore"  # vLLM names its engine-core process VLLM::EngineCore
 
 
@@ -162,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     report["server_log"] = str(log)
     print(json.dumps(report, indent=1))
     if args.out:
+        report["provenance"] = provenance(command_line(argv, "kvserve bench crash"))
         Path(args.out).write_text(json.dumps(report, indent=1))
     sys.exit(0 if report["passed"] else 1)
 

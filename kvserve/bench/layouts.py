@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kvserve.engine.layouts import AmxPages, CachePages, VecPages
+from kvserve.provenance import command_line, provenance
 
 
 class StagedAmx:
@@ -163,4 +164,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {row['operation']} | {vec:.3f} | {amx:.3f} | {amx / vec:.2f}x | {staged:.3f} | {staged / vec:.2f}x |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results}, indent=1))
+        ran = provenance(command_line(argv, "kvserve bench layouts"))
+        recorded = vars(args) | {"out": str(args.out)}
+        args.out.write_text(json.dumps({"args": recorded, "provenance": ran, "results": results}, indent=1))

@@ -46,6 +46,7 @@ from kvserve.bench import sampling_fuzz
 from kvserve.config import parse_kv_config
 from kvserve.eval.client import metric_sum
 from kvserve.policies import POLICIES, POLICY_NAMES, Knob, representative_policies
+from kvserve.provenance import command_line, provenance
 
 SERVED_NAME = "load"
 # every registered policy once, and each meta-score (CAOTE, FastCAOTE) over one base: the mix cycles through these
@@ -707,6 +708,7 @@ def main(argv: list[str] | None = None) -> None:
     report["args"] = vars(args)
     print(render(report), flush=True)
     if args.out:
+        report["provenance"] = provenance(command_line(argv, "kvserve bench load"))
         Path(args.out).write_text(json.dumps(report, indent=1))
     sys.exit(0 if report["passed"] else 1)
 

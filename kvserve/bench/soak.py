@@ -24,6 +24,7 @@ import psutil
 
 from kvserve.allocator import ALLOCATOR_ENV, find_tcmalloc
 from kvserve.bench.servers import running_server_process
+from kvserve.provenance import command_line, provenance
 
 WORKER_PROCESS = "VLLM::Worker"
 SERVED_NAME = "soak"
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.out:
         recorded = {**vars(args), "model": Path(args.model).name}  # no machine paths in published results
-        Path(args.out).write_text(json.dumps({"args": recorded, "results": results}, indent=1))
+        ran = provenance(command_line(argv, "kvserve bench soak"))
+        Path(args.out).write_text(json.dumps({"args": recorded, "provenance": ran, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,9 @@ async def _one(
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        # each setting on its own prefix-cache salt: settings run one after another on one server with the same
+        # prompts, and a later setting must not be served from an earlier one's cached blocks (a cold start each)
+        "cache_salt": f"bench:{setting.label}:{setting.budget}",
     }
     start = time.perf_counter()
     first = None

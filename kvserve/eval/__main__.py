@@ -24,10 +24,13 @@ line per answer (rerunning resumes), and prints markdown tables.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from kvserve.eval.client import Server, settings
 from kvserve.eval.ruler import DEFAULT_TASKS, RULER_TASKS
 from kvserve.eval.tasks import TASKS
+from kvserve.provenance import command_line, provenance
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -116,6 +119,21 @@ def _ruler(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         plot_vs_budget(values, "mean RULER score", args.plot, f"RULER {args.tasks} at {args.lengths} tokens")
 
 
+def runs_file(out: str | Path) -> Path:
+    """Where the runs that wrote the result file `out` are recorded: `tasks.jsonl` -> `tasks.runs.jsonl`."""
+    out = Path(out)
+    return out.with_name(out.name.removesuffix(".jsonl") + ".runs.jsonl")
+
+
+def record_run(out: str | Path, argv: list[str] | None) -> None:
+    """Append this run's provenance (date, command, machine, version) to the runs file beside `out` (rows are
+    appended to `out` across runs, so one result file may hold several runs, on several machines)."""
+    path = runs_file(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as runs:
+        runs.write(json.dumps(provenance(command_line(argv, "kvserve eval"))) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="kvserve eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -162,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    record_run(args.out, argv)
     if args.command == "ruler":
         _ruler(parser, args)
         return

@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> None:
 
     cli_env_setup()
     args = parse_serve_args(sys.argv[1:] if argv is None else argv)
-    print(f"kvserve: serving {args.model}", file=sys.stderr, flush=True)
+    from kvserve import REQUIRED_VLLM_VERSION, __version__
+
+    print(f"kvserve {__version__} (vLLM {REQUIRED_VLLM_VERSION}): serving {args.model}", file=sys.stderr, flush=True)
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
     uvloop.run(entry.run_server(args))

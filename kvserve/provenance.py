@@ -1,0 +1,77 @@
+"""Where and how a result was measured: the machine, the date, the exact command and kvserve's version.
+
+Every benchmark and evaluation command records this beside its data (`kvserve.bench`: a "provenance" key in its JSON;
+`kvserve eval`: one line per run in `<out>.runs.jsonl`), and the benchmarks page (`kvserve report`) prints it under
+each table, so a number is never read without the machine it ran on. Timings from different machines are not
+comparable: the CPUs this project runs on differ in their bf16 support (AMX tiles, AVX512-BF16, AVX2 only).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+# The CPU features that decide vLLM's CPU path and kvserve's default dtype (kvserve.cpu_dtype), in that order.
+CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
+
+
+def cpu_model() -> str:
+    """The CPU's model name as lscpu prints it (from /proc/cpuinfo), or the platform's processor string."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def cpu_flags() -> list[str]:
+    """Those of `CPU_FLAGS` the CPU has."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return []
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags"):
+            present = set(line.split(":", 1)[1].split())
+            return [flag for flag in CPU_FLAGS if flag in present]
+    return []
+
+
+def machine() -> dict:
+    """{cpu, cpu_flags, cores, gpu}: gpu is the CUDA device's name, or None."""
+    gpu = None
+    torch = sys.modules.get("torch")  # only ask CUDA where torch is loaded anyway (importing it costs seconds)
+    if torch is not None and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(0)
+    return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "gpu": gpu}
+
+
+def command_line(argv: list[str] | None = None, program: str = "kvserve") -> str:
+    """The command as a user would type it again: `program` and the arguments, shell-quoted."""
+    arguments = sys.argv[1:] if argv is None else argv
+    return shlex.join([*shlex.split(program), *arguments])
+
+
+def provenance(command: str) -> dict:
+    """What a result file records about its run."""
+    from kvserve import __version__
+
+    return {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d"),
+        "command": command,
+        "machine": machine(),
+        "kvserve": __version__,
+    }
+
+
+def describe_machine(record: dict) -> str:
+    """One line for a table's caption: 'AMD EPYC, 2 cores (avx512_bf16, avx512f, avx2; no AMX)' or the GPU."""
+    if record.get("gpu"):
+        return record["gpu"]
+    flags = record.get("cpu_flags") or []
+    listed = f"{', '.join(flags)}{'' if 'amx_bf16' in flags else '; no AMX'}" if flags else "flags not recorded"
+    return f"{record.get('cpu') or 'CPU model not recorded'}, {record.get('cores') or '?'} cores ({listed})"

@@ -1,0 +1,115 @@
+"""The benchmarks page is generated from the committed result files (`kvserve report`), the runs are recorded with
+their machine, date and command, and the version is reported where users look for it."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvserve import __version__
+from kvserve.eval.__main__ import record_run, runs_file
+from kvserve.provenance import describe_machine, provenance
+from kvserve.report.page import build
+
+REPO = Path(__file__).resolve().parent.parent
+PAGE = REPO / "docs" / "benchmarks.md"
+DATA = REPO / "docs" / "eval"
+
+
+def test_the_committed_page_is_what_the_data_gives(tmp_path):
+    rebuilt = build(DATA, PAGE, root=REPO, plots=tmp_path)
+    assert rebuilt == PAGE.read_text(), (
+        "docs/benchmarks.md is stale: run `kvserve report docs/eval -o docs/benchmarks.md`"
+    )
+    for link in re.findall(r"!\[[^]]*\]\(([^)]+)\)", rebuilt):
+        assert (PAGE.parent / link).exists(), f"the page links a missing plot: {link}"
+        assert (tmp_path / Path(link).name).exists(), f"the build did not draw {link}"
+
+
+def test_a_changed_number_in_the_data_changes_the_page(tmp_path):
+    """The page is generated, not pasted: a throughput in the chat result file shows up in the rebuilt page."""
+    data = tmp_path / "docs" / "eval"
+    shutil.copytree(DATA, data)
+    chat = data / "chat" / "chat.json"
+    record = json.loads(chat.read_text())
+    vanilla = next(r for r in record["results"] if r["server"] == "vanilla")
+    before = build(data, tmp_path / "docs" / "benchmarks.md", root=tmp_path, plots=tmp_path / "plots")
+    vanilla["output_tokens_per_s"] = 12345.6
+    chat.write_text(json.dumps(record))
+    after = build(data, tmp_path / "docs" / "benchmarks.md", root=tmp_path, plots=tmp_path / "plots")
+    assert "12345.6" in after and "12345.6" not in before
+
+
+def test_a_result_file_without_its_run_is_refused(tmp_path):
+    data = tmp_path / "docs" / "eval"
+    shutil.copytree(DATA, data)
+    crash = data / "crash.json"
+    record = json.loads(crash.read_text())
+    del record["provenance"]
+    crash.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="crash.json records no run"):
+        build(data, tmp_path / "docs" / "benchmarks.md", root=tmp_path, plots=tmp_path / "plots")
+
+
+def test_every_table_names_its_machine_date_and_command():
+    text = PAGE.read_text()
+    tables = len(re.findall(r"^Data: `docs/eval/[^`]+`\.$", text, flags=re.M))
+    assert tables >= 15
+    captions = re.findall(r"^Data: `[^`]+`\.\nMachine: (.+); (\d{4}-\d\d-\d\d)\.\n\n```\n(.+)", text, flags=re.M)
+    assert len(captions) == tables
+    for machine, _, command in captions:
+        assert "cores" in machine or "H100" in machine or "H200" in machine
+        program = re.sub(r"^(\w+=\S+ )+", "", command)  # after environment settings
+        assert re.match(r"(python3? -m kvserve(_kernels)?[. ]|kvserve )", program), command
+
+
+def test_an_eval_run_is_recorded_beside_its_results(tmp_path):
+    out = tmp_path / "tasks.jsonl"
+    record_run(out, ["tasks", "--policies", "snapkv", "--out", str(out)])
+    record_run(out, ["tasks", "--policies", "tova", "--out", str(out)])
+    runs = [json.loads(line) for line in runs_file(out).read_text().splitlines()]
+    assert runs_file(out).name == "tasks.runs.jsonl"
+    assert [r["command"].split()[4] for r in runs] == ["snapkv", "tova"]
+    assert runs[0]["command"].startswith("kvserve eval tasks")
+    assert runs[0]["kvserve"] == __version__ and runs[0]["machine"]["cores"] >= 1
+
+
+def test_provenance_names_this_machine():
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    record = provenance("kvserve bench capacity")
+    flags = record["machine"]["cpu_flags"]
+    assert ("amx_bf16" in flags) == (" amx_bf16" in cpuinfo)
+    assert ("avx2" in flags) == (" avx2" in cpuinfo)
+    described = describe_machine(record["machine"])
+    assert record["machine"]["cpu"] in described and ("no AMX" in described) == ("amx_bf16" not in flags)
+
+
+def test_version_is_one_semver_reported_by_the_cli_and_listed_in_the_changelog():
+    assert re.fullmatch(r"\d+\.\d+\.\d+", __version__)
+    printed = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    assert printed.startswith(f"kvserve {__version__} ")
+    changelog = (REPO / "CHANGELOG.md").read_text()
+    versions = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d\d-\d\d$", changelog, flags=re.M)
+    assert versions and versions[0] == __version__, "CHANGELOG.md's newest section must be the package's version"
+    ordered = [tuple(map(int, v.split("."))) for v in versions]
+    assert ordered == sorted(ordered, reverse=True)
+
+
+def test_the_readme_headline_quotes_the_benchmarks_page():
+    """Each number in the README's headline (shares of full, ratios to vanilla) is on the generated page."""
+    readme = (REPO / "README.md").read_text()
+    headline = readme[readme.index("Measured on a") : readme.index("\n\n", readme.index("Measured on a"))]
+    assert "docs/benchmarks.md" in headline and "AMD EPYC" in headline
+    numbers = re.findall(r"\b\d+(?:\.\d+)?(?:%|x)", headline)
+    assert len(numbers) >= 3
+    page = PAGE.read_text()
+    for number in numbers:
+        assert number in page, f"the README's {number} is not on the benchmarks page"
