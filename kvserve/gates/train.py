@@ -303,9 +303,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sink-tokens", type=int, default=4, help="first tokens no gate evicts (0: none)")
     p.add_argument("--recent", type=int, default=64, help="previous tokens every query sees whatever the gates say")
     p.add_argument("--chat-fraction", type=float, default=0.5, help="share of samples behind the chat header")
-    p.add_argument(
-        "--retrieval-fraction", type=float, default=0.5, help="share of synthetic passkey-retrieval samples"
-    )
+    p.add_argument("--retrieval-fraction", type=float, default=0.5, help="share of synthetic passkey-retrieval samples")
     p.add_argument(
         "--no-stdlib-docs", action="store_true", help="train on pydoc topics only (no standard-library docstrings)"
     )
