@@ -20,8 +20,10 @@ MAX_MODEL_LEN = 2048  # the `server` fixture's
 # (an invalid request costs the server almost nothing); every valid one fuzzes sampling; 16 at a time as in the
 # full run
 REDUCED = Mix(
-    requests=64,
-    invalid_share=0.5,
+    # enough of both: each of the 29 invalid kinds is sent, and each of the 18 sampling parameters finds a valid request
+    # that can take it (the dealer covers them by construction only given that many eligible requests)
+    requests=72,
+    invalid_share=0.45,
     abort_share=0.125,
     prompt_lengths=(24, 64, 160),
     budgets=(40, 48, 64, 96),
