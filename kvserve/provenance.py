@@ -15,6 +15,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from kvserve.cpu_dtype import cpu_flags
+
 # The CPU features that decide vLLM's CPU path and kvserve's default dtype (kvserve.cpu_dtype), in that order.
 CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
 
@@ -29,16 +31,10 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def cpu_flags() -> list[str]:
-    """Those of `CPU_FLAGS` the CPU has."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return []
-    for line in cpuinfo.read_text().splitlines():
-        if line.startswith("flags"):
-            present = set(line.split(":", 1)[1].split())
-            return [flag for flag in CPU_FLAGS if flag in present]
-    return []
+def present_flags() -> list[str]:
+    """Those of `CPU_FLAGS` the CPU has (read by `kvserve.cpu_dtype.cpu_flags`, which picks the default dtype)."""
+    have = cpu_flags()
+    return [flag for flag in CPU_FLAGS if flag in have]
 
 
 def machine() -> dict:
@@ -47,7 +43,7 @@ def machine() -> dict:
     torch = sys.modules.get("torch")  # only ask CUDA where torch is loaded anyway (importing it costs seconds)
     if torch is not None and torch.cuda.is_available():
         gpu = torch.cuda.get_device_name(0)
-    return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "gpu": gpu}
+    return {"cpu": cpu_model(), "cpu_flags": present_flags(), "cores": os.cpu_count(), "gpu": gpu}
 
 
 def command_line(argv: list[str] | None = None, program: str = "kvserve") -> str:

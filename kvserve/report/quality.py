@@ -103,6 +103,11 @@ def perplexity_table(rows: list[dict], labels: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def kept_share(row: dict) -> float:
+    """The share of the prompt a request kept per (layer, KV head), from its evicted count."""
+    return 1 - row.get("kv_tokens_evicted", 0) / row["prompt_tokens"]
+
+
 def gate_table(rows: list[dict]) -> str:
     """Attention-Gate settings (and the baselines given its kept count per case) on each task and length, with the
     mean over each task's cells and over all cells as shares of `full`'s mean over the same cells."""
@@ -111,7 +116,7 @@ def gate_table(rows: list[dict]) -> str:
     for row in rows:
         by_setting[row["policy"]][(row["task"], length_group(row["length"]))].append(row["score"])
         if row.get("prompt_tokens") and row["policy"] != "full":
-            keep[row["policy"]].append(1 - row.get("kv_tokens_evicted", 0) / row["prompt_tokens"])
+            keep[row["policy"]].append(kept_share(row))
     cells = sorted({cell for scores in by_setting.values() for cell in scores})
     tasks = sorted({task for task, _ in cells})
 
@@ -156,7 +161,7 @@ def gate_curve(rows: list[dict], path: Path) -> None:
         if row["task"] != "passkey" or not row.get("prompt_tokens"):
             continue
         score[row["policy"]].append(row["score"])
-        keep[row["policy"]].append(1 - row.get("kv_tokens_evicted", 0) / row["prompt_tokens"])
+        keep[row["policy"]].append(kept_share(row))
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     gates = sorted(
