@@ -18,8 +18,9 @@ from safetensors.torch import save_file
 from kvserve.gates.data import Corpus
 from kvserve.gates.gateset import GateSet, file_sha256
 from kvserve.gates.model import PlainLlama, gate_keep_matrix, masked_softmax
-from kvserve.gates.module import GateHyper, LayerGate, rotate, straight_through, unrotate
+from kvserve.gates.module import GateHyper, LayerGate, straight_through
 from kvserve.gates.registry import REGISTRY_ENV, gate_entry, load_gates
+from kvserve.policies.rotary import Rotary
 
 REAL_MODEL = Path("~/.cache/kvserve/models/SmolLM2-135M-Instruct").expanduser()
 
@@ -168,13 +169,13 @@ def test_a_requests_tau_sets_the_keep_threshold(tau):
 
     torch.manual_seed(4)
     gate = LayerGate(8 * 4, 2, GateHyper(gamma=0.0, sink_tokens=2))
-    queries, positions = torch.randn(20, 4, 8), torch.arange(20)
-    flags, _ = AttentionGate(tau=tau).gate_flags(gate, queries, positions, 10000.0, None)
-    logits, _ = gate(unrotate(queries, positions, 10000.0).reshape(1, 20, -1))
+    queries, positions, rotary = torch.randn(20, 4, 8), torch.arange(20), Rotary.default(8, 10000.0, 20)
+    flags, _ = AttentionGate(tau=tau).gate_flags(gate, queries, positions, rotary, None)
+    logits, _ = gate(rotary.unrotate(queries, positions).reshape(1, 20, -1))
     expected = torch.sigmoid(logits[0].T) > tau
     expected[:, :2] = True
     assert torch.equal(flags, expected)
-    lower, _ = AttentionGate(tau=tau - 0.1).gate_flags(gate, queries, positions, 10000.0, None)
+    lower, _ = AttentionGate(tau=tau - 0.1).gate_flags(gate, queries, positions, rotary, None)
     assert bool((lower | ~flags).all()) and int(lower.sum()) >= int(flags.sum())
 
 
@@ -292,14 +293,16 @@ def test_training_lowers_loss_and_moves_keep_towards_beta(tiny_dir, tmp_path):
     assert (tmp_path / "plot.png").stat().st_size > 0
 
 
-# (d) RoPE helpers: unrotate inverts rotate; rotate matches an independent complex-number formula
+# (d) the RoPE the gates' training model applies (kvserve.policies.rotary, also the served path's): unrotate inverts
+# rotate; rotate matches an independent complex-number formula
 def test_rotate_unrotate():
     torch.manual_seed(0)
     n, heads, dim, theta = 11, 3, 16, 100000.0
     x = torch.randn(n, heads, dim)
     positions = torch.tensor([0, 1, 2, 3, 7, 100, 511, 512, 2048, 4095, 8000])
-    rotated = rotate(x, positions, theta)
-    torch.testing.assert_close(unrotate(rotated, positions, theta), x, atol=2e-5, rtol=1e-5)
+    rotary = Rotary.default(dim, theta, 8001)
+    rotated = rotary.rotate(x, positions)
+    torch.testing.assert_close(rotary.unrotate(rotated, positions), x, atol=2e-5, rtol=1e-5)
     half = dim // 2
     expected = torch.empty(n, heads, dim, dtype=torch.float64)
     for i, position in enumerate(positions.tolist()):
@@ -309,7 +312,7 @@ def test_rotate_unrotate():
                 math.cos(angle), math.sin(angle)
             )
             expected[i, :, j], expected[i, :, j + half] = z.real, z.imag
-    # float32 angles (as Hugging Face and vLLM compute them): about position * 6e-8 rad of error
+    # a float32 table (vLLM computes its angles in float32 too: about position * 6e-8 rad of error)
     torch.testing.assert_close(rotated.double(), expected, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(rotated[:5].double(), expected[:5], atol=1e-5, rtol=1e-5)
 

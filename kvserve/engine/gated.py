@@ -80,7 +80,7 @@ def gated_layer_step(
     if bool(in_prompt[0]):  # a prompt chunk: the gate judges its tokens (every list got them appended)
         model_layer = state.pages.layout.model_layer(layer_idx)  # the gates are trained per model layer
         flags, layer.gate_past = state.policy.gate_flags(
-            runtime.gates[model_layer], queries, query_positions, runtime.rope_theta, layer.gate_past
+            runtime.gates[model_layer], queries, query_positions, state.rotary[layer_idx], layer.gate_past
         )
         if recent:  # the prompt's last `recent` tokens are in every later query's window: kept, and counted so
             flags = flags | (query_positions >= runtime.prompt_len - recent)[None, :]

@@ -130,10 +130,9 @@ class LayerState:
 
 @dataclass
 class GateRuntime:
-    """What a ragged (gated) request needs besides its policy: the model's gates and how to undo its RoPE."""
+    """What a ragged (gated) request needs besides its policy: the model's gates (RoPE comes from `rotary`)."""
 
     gates: Any  # kvserve.gates.gateset.GateSet
-    rope_theta: float
     prompt_len: int
 
 

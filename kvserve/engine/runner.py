@@ -171,12 +171,12 @@ def _gate_runtime(runner, req_state) -> GateRuntime:
     from kvserve.gates.model import LlamaShape
     from kvserve.gates.registry import load_gates
 
-    # the same reading of the config as the gates' training model (it refuses RoPE variants the gate cannot undo)
+    # the gates' training model's reading of the config: it refuses RoPE variants (the gates learned plain RoPE)
     shape = LlamaShape.from_config(runner.model_config.hf_config.to_dict())
     gates = load_gates(
         runner.model_config.model, shape.num_layers, shape.num_heads * shape.head_dim, shape.num_kv_heads
     )
-    return GateRuntime(gates=gates, rope_theta=shape.rope_theta, prompt_len=req_state.num_prompt_tokens)
+    return GateRuntime(gates=gates, prompt_len=req_state.num_prompt_tokens)
 
 
 def book_of(runner) -> EvictionBook:

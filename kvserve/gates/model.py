@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from kvserve.gates.module import GatePast, rotate, straight_through
+from kvserve.gates.module import GatePast, straight_through
+from kvserve.policies.rotary import Rotary
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class PlainLlama(torch.nn.Module):
         s = self.shape
         batch, n = input_ids.shape
         positions = torch.arange(n)
+        rotary = Rotary.default(s.head_dim, s.rope_theta, n)  # Llama's plain RoPE (from_config refuses scaled ones)
         hidden = F.embedding(input_ids, self.weights["embed_tokens.weight"])
         probabilities, all_flags = [], []
         for layer in range(s.num_layers):
@@ -148,8 +150,8 @@ class PlainLlama(torch.nn.Module):
                 flags = torch.where(forced[None, :, None], torch.ones_like(flags), flags)
                 probabilities.append(probability)
                 all_flags.append(flags)
-            q = torch.stack([rotate(q[b], positions, s.rope_theta) for b in range(batch)])
-            k = torch.stack([rotate(k[b], positions, s.rope_theta) for b in range(batch)])
+            q = rotary.rotate(q.transpose(0, 1), positions).transpose(0, 1)  # positions lead: [n, B, heads, D]
+            k = rotary.rotate(k.transpose(0, 1), positions).transpose(0, 1)
             group = s.num_heads // s.num_kv_heads
             if visible is not None:
                 keep = visible[layer][None].float().repeat_interleave(group, dim=1)

@@ -3,10 +3,11 @@ LLMs via Attention-Gate", Zeng et al. 2024, arXiv:2410.12876, Eq. 5-6).
 
 Input: the layer's queries BEFORE RoPE, flattened over heads ([n, num_q_heads * head_dim]). That is X W_q, a linear
 image of the normalised hidden states X the paper feeds the gate (for the default model W_q is square, 576 x 576), and
-it is what the serving attention backend can see: it un-rotates the queries it is handed (`unrotate`), so the gate
-runs inside vLLM's attention pass with no extra hook. MHA' has `heads` heads of `head_dim` and an output projection
-to one logit per KV head (the model uses GQA: the gate decides per KV head directly). MHA' is causal, so a token's
-flag depends only on its prefix and the gate runs chunk by chunk during chunked prefill (`past` carries its K'/V').
+it is what the serving attention backend can see: it un-rotates the queries it is handed with the model's own RoPE
+table (`Rotary.unrotate`), so the gate runs inside vLLM's attention pass with no extra hook. MHA' has `heads` heads of
+`head_dim` and an output projection to one logit per KV head (the model uses GQA: the gate decides per KV head
+directly). MHA' is causal, so a token's flag depends only on its prefix and the gate runs chunk by chunk during chunked
+prefill (`past` carries its K'/V').
 """
 
 from __future__ import annotations
@@ -99,29 +100,3 @@ def straight_through(probability: torch.Tensor, tau: float) -> torch.Tensor:
     hard = (probability > tau).to(probability.dtype)
     # (p - p.detach()) is exactly 0, so the forward value is exactly 0/1 ((hard + p) - p can round to 1 - ulp)
     return hard + (probability - probability.detach())
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Llama's default RoPE (rotate-half / NeoX layout): cos and sin, [n, head_dim] each, in float32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
-
-
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Apply RoPE to x [n, heads, head_dim] at positions [n]."""
-    cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
-    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
-
-
-def unrotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Undo RoPE (rotate by the opposite angle): the serving backend's way back to the gate's input."""
-    cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
-    x = x.float()
-    return x * cos[:, None] - _rotate_half(x) * sin[:, None]

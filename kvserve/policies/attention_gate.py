@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.gates.module import GatePast, unrotate
+from kvserve.gates.module import GatePast
 from kvserve.policies.base import Policy
 from kvserve.policies.knobs import knob
+from kvserve.policies.rotary import Rotary
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,10 +33,11 @@ class AttentionGate(Policy):
     )
 
     def gate_flags(
-        self, gate, queries: torch.Tensor, positions: torch.Tensor, rope_theta: float, past: GatePast | None
+        self, gate, queries: torch.Tensor, positions: torch.Tensor, rotary: Rotary, past: GatePast | None
     ) -> tuple[torch.Tensor, GatePast]:
-        """Keep flags [H, m] for prompt tokens at `positions` [m] from the layer's post-RoPE queries [m, Hq, D]."""
-        gate_input = unrotate(queries, positions, rope_theta).reshape(1, queries.shape[0], -1)
+        """Keep flags [H, m] for prompt tokens at `positions` [m] from the layer's post-RoPE queries [m, Hq, D],
+        un-rotated with the layer's own RoPE table (the gate reads queries before RoPE)."""
+        gate_input = rotary.unrotate(queries, positions).reshape(1, queries.shape[0], -1)
         logits, past = gate(gate_input, past)
         return gate.flags(logits, positions, self.tau)[0].T, past
 

@@ -52,6 +52,12 @@ class Rotary:
             out = torch.stack([new_first, new_second], dim=-1).flatten(-2)
         return torch.cat([out, rest], dim=-1)
 
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [n, ..., D] rotated to `positions` [n], as the model rotates its queries and keys (float32)."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        shape = (positions.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+        return self.apply(x, cos.view(shape), sin.view(shape))
+
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [n, ..., D] rotated at `positions` [n] back to its unrotated form. A scaled table (YaRN multiplies cos and
         sin by a constant) is inverted too: the inverse of m * Rot(a) is Rot(-a) / m."""

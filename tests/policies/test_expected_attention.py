@@ -11,7 +11,6 @@ import pytest
 import torch
 from references import F64, as_lists, generator, ref_top
 
-from kvserve.gates.module import rotate
 from kvserve.policies import ExpectedAttention, LayerObservation
 from kvserve.policies.rotary import Rotary
 
@@ -40,8 +39,7 @@ def test_rotary_rotates_as_the_matrices_and_unrotates_back(neox):
     for row, position in enumerate(positions.tolist()):
         expected = x[row].to(F64) @ rotation_matrix(position, dim, neox).T
         torch.testing.assert_close(rotated[row].to(F64), expected, rtol=1e-5, atol=1e-5)
-    if neox:  # the same rotation as the gates' training model (Llama's rotate-half)
-        torch.testing.assert_close(rotated, rotate(x, positions, THETA), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rotary.rotate(x, positions), rotated)  # the table's rotation at those positions
     torch.testing.assert_close(rotary.unrotate(rotated, positions), x, rtol=1e-5, atol=1e-5)
     scaled = Rotary(rotary.cos * 1.3, rotary.sin * 1.3, neox=neox)  # YaRN-style magnitude: still inverted
     torch.testing.assert_close(scaled.unrotate(scaled.apply(x, cos * 1.3, sin * 1.3), positions), x)
@@ -78,7 +76,7 @@ def inputs(heads=2, group=3, dim=8, n=60, window=16, seed=0):
         values=values,
         positions=torch.arange(n).expand(heads, n).clone(),
         scale=dim**-0.5,
-        window_queries=rotate(plain_queries, query_positions, THETA),
+        window_queries=rotary.rotate(plain_queries, query_positions),
         window_positions=query_positions,
         rotary=rotary,
     )
