@@ -69,6 +69,13 @@ def _serve_parser() -> argparse.ArgumentParser:
         default=None,
         help="score-based policies keep whole spans of this many tokens (default 8 with the built-in snapkv)",
     )
+    general.add_argument(
+        "--kv-evict-when",
+        dest="kv_evict_when",
+        default=None,
+        help="eager (default): compact at the end of the prompt; pressure: serve as full, with prefix caching of "
+        "replies, until the pool is short of blocks",
+    )
     knobs = parser.add_argument_group("policy settings (each applies to the policies that declare it)")
     for key, help_text in sorted(_knob_help().items()):
         knobs.add_argument("--" + key.replace("_", "-"), dest=key, default=None, help=help_text)

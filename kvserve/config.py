@@ -19,7 +19,11 @@ from kvserve.policies.knobs import KEY_PREFIX, parse_bool, parse_int
 
 # Server-wide defaults travel to every vLLM process (API server, engine core, worker) in this variable.
 DEFAULTS_ENV = "KVSERVE_DEFAULTS"
-GENERAL_KEYS = ("kv_policy", "kv_budget", "kv_evict_every_chunk", "kv_allocation", "kv_span")
+GENERAL_KEYS = ("kv_policy", "kv_budget", "kv_evict_every_chunk", "kv_allocation", "kv_span", "kv_evict_when")
+# When a request first compacts: `eager` at the end of its prompt (and every block of new tokens after), `pressure`
+# only once the pool is short of blocks (kvserve/engine/scheduler.py); until then it is served, cached and published
+# like a `full` request.
+EVICT_WHEN = ("eager", "pressure")
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,12 @@ class KVConfig:
     knobs: tuple[tuple[str, Any], ...] = field(default_factory=tuple)  # (field name, value) of the policy's knobs
     allocation: str = "uniform"  # how the L*H*B entries spread over layers and heads (kvserve/policies/allocation.py)
     span: int = 1  # score whole spans of this many token positions (1: single tokens)
+    evict_when: str = "eager"  # one of EVICT_WHEN
+
+    @property
+    def defers(self) -> bool:
+        """The request compacts only under memory pressure (`kv_evict_when=pressure`)."""
+        return self.evict_when == "pressure"
 
     @property
     def evicts(self) -> bool:
@@ -144,10 +154,38 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
         "kv_evict_every_chunk", request.get("kv_evict_every_chunk", defaults.get("kv_evict_every_chunk", False))
     )
     allocation, span = _allocation_and_span(request, defaults, cls, budget, protected)
+    evict_when = _evict_when(request, defaults, cls, every_chunk)
     knobs = tuple((name, getattr(policy_obj, name)) for name in cls.knobs())
     return KVConfig(
-        policy=policy, budget=budget, evict_every_chunk=every_chunk, knobs=knobs, allocation=allocation, span=span
+        policy=policy,
+        budget=budget,
+        evict_every_chunk=every_chunk,
+        knobs=knobs,
+        allocation=allocation,
+        span=span,
+        evict_when=evict_when,
     )
+
+
+def _evict_when(request: dict[str, Any], defaults: dict[str, Any], cls: type[Policy], every_chunk: bool) -> str:
+    """kv_evict_when, refused where deferring cannot apply; a server default that cannot is dropped."""
+    evict_when = request.get("kv_evict_when", defaults.get("kv_evict_when", "eager"))
+    if evict_when not in EVICT_WHEN:
+        raise InvalidSetting("kv_evict_when", f"must be one of {', '.join(EVICT_WHEN)}, got {evict_when!r}")
+    if evict_when == "eager":
+        return evict_when
+    why = None
+    if every_chunk:
+        why = "kv_evict_every_chunk compacts while the prompt is computed, which pressure would postpone"
+    elif cls.ragged:
+        why = f"{cls.name}'s gates mask the prompt as it is computed; they cannot wait for pressure"
+    elif cls.own_counts:
+        why = f"{cls.name} gives its heads their roles at the end of the prompt"
+    if why is None:
+        return evict_when
+    if "kv_evict_when" in request:
+        raise InvalidSetting("kv_evict_when", f"pressure does not apply: {why}")
+    return "eager"
 
 
 def _allocation_and_span(

@@ -79,6 +79,10 @@ class Metrics:
             "Evicting requests that stopped publishing to the prefix cache: the pool had no room for the copy a "
             "compaction needs, so they compacted in place",
         )
+        self.deferred_compactions = Counter(
+            "kvserve:deferred_compactions",
+            "First compactions of kv_evict_when=pressure requests, run because the pool was short of blocks",
+        )
         self.compaction_seconds = Histogram(
             "kvserve:compaction_seconds",
             "Worker time of one request's eviction step: scoring and compacting every layer, outside vLLM's attention",

@@ -32,6 +32,14 @@ from kvserve.errors import InvalidSetting
         ({"kv_policy": "mat", "kv_budget": 64, "kv_anchor_fraction": -0.1}, "kv_anchor_fraction"),
         ({"kv_policy": "h2o+caote", "kv_budget": 16}, "kv_budget"),
         ({"kv_policy": "streamingllm+caote", "kv_budget": 64}, "kv_policy"),
+        ({"kv_policy": "snapkv", "kv_budget": 64, "kv_evict_when": "later"}, "kv_evict_when"),
+        ({"kv_policy": "full", "kv_evict_when": "pressure"}, "kv_evict_when"),
+        ({"kv_policy": "attention_gate", "kv_evict_when": "pressure"}, "kv_evict_when"),
+        ({"kv_policy": "duoattention", "kv_budget": 256, "kv_evict_when": "pressure"}, "kv_evict_when"),
+        (
+            {"kv_policy": "h2o", "kv_budget": 64, "kv_evict_every_chunk": True, "kv_evict_when": "pressure"},
+            "kv_evict_when",
+        ),
     ],
 )
 def test_invalid_settings_name_the_field(bad, field):
@@ -47,6 +55,10 @@ def test_server_defaults_apply_and_foreign_default_knobs_are_dropped():
     assert snap.policy == "snapkv" and snap.budget == 256 and dict(snap.knobs)["window"] == 32
     assert parse_kv_config({"kv_policy": "full"}, defaults).evicts is False
     assert parse_kv_config({"kv_budget": "300", "kv_evict_every_chunk": "true"}, defaults).evict_every_chunk
+    assert parse_kv_config({"kv_evict_when": "pressure"}, defaults).defers
+    assert not parse_kv_config({}, defaults).defers
+    # a server default of pressure is dropped, not refused, for a request whose policy cannot defer
+    assert parse_kv_config({"kv_policy": "attention_gate"}, {"kv_evict_when": "pressure"}).evict_when == "eager"
 
 
 @pytest.mark.parametrize("policy", ["ems+caote", "streamingllm+fastcaote", "mat+caote"])

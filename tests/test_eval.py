@@ -229,6 +229,9 @@ def test_eval_settings_carry_a_policys_knobs_to_its_headers_and_refuse_what_the_
     ]:
         with pytest.raises(ValueError, match=named):
             settings([bad], [256])
+    # a policy that takes none of the asked spans is refused by name (it once left an empty table, silently)
+    with pytest.raises(ValueError, match="mat: none of allocations uniform with spans 8"):
+        settings(["snapkv", "mat"], [256], spans=(8,))
 
 
 def test_allocation_table_compares_each_allocation_with_uniform_at_the_same_policy_span_and_budget():

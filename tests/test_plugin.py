@@ -59,6 +59,17 @@ def test_a_knob_flag_alone_tunes_the_builtin_policy():
 def test_cli_rejects_an_invalid_default_at_start_up():
     with pytest.raises(SystemExit, match="kv_budget"):
         defaults_from_args(namespace(kv_policy="snapkv", kv_budget="8"))
+    with pytest.raises(SystemExit, match="kv_evict_when"):
+        defaults_from_args(namespace(kv_evict_when="lazily"))
+
+
+def test_the_evict_when_flag_reaches_every_request_that_can_defer():
+    from kvserve.cli import _serve_parser
+
+    args, _ = _serve_parser().parse_known_args(["--kv-evict-when", "pressure"])
+    defaults = defaults_from_args(args)
+    assert parse_kv_config({}, defaults).defers  # the built-in snapkv defers
+    assert not parse_kv_config({"kv_policy": "attention_gate"}, defaults).defers  # cannot: dropped, not refused
 
 
 def test_readme_documents_every_policy_setting():

@@ -252,3 +252,59 @@ def test_a_prompt_near_max_model_len_hits_only_what_its_row_has_room_to_copy_out
     assert evicted(hit) == evicted(reference) > 0
     assert hit.num_cached_tokens <= room * BLOCK_SIZE
     assert engine.free_blocks() == free
+
+
+def test_deferred_eviction_with_room_serves_as_full_and_publishes_its_reply(engine):
+    """`kv_evict_when=pressure` in a pool with room: the request never compacts, answers as `full` does, and the
+    blocks its reply fills enter the prefix cache (an eager request publishes only its prompt's: the test above)."""
+    kv = {"kv_policy": "snapkv", "kv_budget": 64, "kv_evict_when": "pressure"}
+    salt = uuid.uuid4().hex
+    ids = haystack(engine.tokenizer, 300, seed=460)
+    (deferred,) = run(engine, [salted(ids, salt)], kv, max_tokens=40)
+    (plain,) = run(engine, [salted(ids, uuid.uuid4().hex)], None, max_tokens=40)
+    assert list(deferred.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
+    assert evicted(deferred) == 0
+    whole = ids + list(deferred.outputs[0].token_ids)[:36]
+    (turn,) = run(engine, [salted(whole, salt)], None, max_tokens=2)
+    assert turn.num_cached_tokens == (len(ids) + 36) // BLOCK_SIZE * BLOCK_SIZE > len(ids) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_deferred_eviction_compacts_when_the_pool_is_short(engine):
+    """Two 1,000-token prompts in an 80-block pool run as `full` (the pool has room); a third arrives and cannot
+    fit, so the two compact at their next step (counted) and it gets in. It then runs with room and never compacts,
+    answering as `full`. No request is preempted, every output is complete, and the pool is full again."""
+    from vllm import SamplingParams
+
+    from kvserve.metrics import metrics
+
+    kv = {"kv_policy": "snapkv", "kv_budget": 128, "kv_evict_when": "pressure"}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, extra_args=kv)
+    prompts = [salted(haystack(engine.tokenizer, 1000, seed=470 + i), uuid.uuid4().hex) for i in range(3)]
+    blocks = -(-1016 // BLOCK_SIZE)
+    assert 2 * blocks <= engine.free_blocks() < 3 * blocks
+    free, preemptions = engine.free_blocks(), engine.scheduler.num_preemptions
+    deferred_before = metrics().deferred_compactions._value.get()
+    llm_engine, finished = engine.llm.llm_engine, {}
+
+    def step_until(done) -> None:
+        while not done():
+            for output in llm_engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+
+    for number in (0, 1):
+        llm_engine.add_request(f"deferred-{number}", prompts[number], params)
+    running = engine.scheduler.running
+    step_until(lambda: len(running) == 2 and all(r.num_computed_tokens > r.num_prompt_tokens for r in running))
+    assert metrics().deferred_compactions._value.get() == deferred_before  # room so far: nothing compacted
+    llm_engine.add_request("deferred-2", prompts[2], params)
+    step_until(lambda: not llm_engine.has_unfinished_requests())
+    outputs = [finished[f"deferred-{number}"] for number in range(3)]
+    counts = [evicted(output) for output in outputs]
+    assert all(len(output.outputs[0].token_ids) == 16 for output in outputs)
+    assert counts[0] > 0 and counts[1] > 0 and counts[2] == 0, counts
+    assert metrics().deferred_compactions._value.get() == deferred_before + 2
+    assert engine.scheduler.num_preemptions == preemptions
+    (reference,) = run(engine, [salted(prompts[2]["prompt_token_ids"], uuid.uuid4().hex)], None, max_tokens=16)
+    assert list(outputs[2].outputs[0].token_ids) == list(reference.outputs[0].token_ids)
+    assert engine.free_blocks() == free

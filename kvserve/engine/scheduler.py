@@ -4,7 +4,10 @@ Rules (B = the request's budget, bs = block size), checked after each step is sc
 - the chunk that completes the prompt (or a preempted request's recompute): compact to B if the cache exceeds B;
 - any earlier prompt chunk: the same, only with `kv_evict_every_chunk`;
 - a decode step: compact back to B once the cache reaches B + bs, so eviction runs once per block of new tokens
-  (with `kv_allocation`, once the longest list grew by bs since the last compaction: each list returns to its share).
+  (with `kv_allocation`, once the longest list grew by bs since the last compaction: each list returns to its share);
+- `kv_evict_when=pressure`: none of the above until the pool is short (`_short_of_blocks`); until its first
+  compaction the request is a `full` one (every block it fills, its reply's too, enters the prefix cache), and the
+  first step it runs under pressure compacts it by the rules above.
 After the step ran, the worker reports the request's page lists and the blocks it emptied (`PageReport`), and
 `update_from_output` frees those blocks; from then on the block manager charges the request by its pages.
 
@@ -94,6 +97,7 @@ class EvictingScheduler(Scheduler):
         self.peak_running = 0
         self.peak_decoding = 0
         self.num_preemptions = 0
+        self.under_pressure = False  # this schedule found the pool short (`_short_of_blocks`)
 
     def add_request(self, request: Request) -> None:
         if request.request_id not in self.requests and request.sampling_params is not None:
@@ -132,6 +136,8 @@ class EvictingScheduler(Scheduler):
         return output
 
     def _schedule(self, *args, **kwargs):
+        # decided once per schedule: the allocation (`_keep_after`) and the plan below must agree
+        self.under_pressure = self.evicting_manager is not None and self._short_of_blocks()
         output = self._schedule_without_in_flight(*args, **kwargs)
         plan: dict[str, Compaction] = {}
         decoding = 0
@@ -143,6 +149,8 @@ class EvictingScheduler(Scheduler):
             if req_id not in self.kv_configs:
                 continue
             cached, keep = self._compaction_at(req_id, logical, is_decode)
+            if keep is not None and self.kv_configs[req_id].defers and req_id not in self.evicting_manager.reports:
+                metrics().deferred_compactions.inc()
             if keep is not None:
                 plan[req_id] = Compaction(
                     keep,
@@ -162,6 +170,18 @@ class EvictingScheduler(Scheduler):
         self.peak_running = max(self.peak_running, len(self.running))
         self.peak_decoding = max(self.peak_decoding, decoding)
         return output
+
+    def _short_of_blocks(self) -> bool:
+        """Whether the pool is short: fewer free blocks (cached ones count, vLLM reuses them) than the running
+        requests' uncomputed tokens need (the rest of a prompt, or one block for a decoding request) plus the next
+        waiting request's. `kv_evict_when=pressure` requests compact then, so that the running ones keep growing and
+        the waiting one gets in without a preemption."""
+        waiting = [self.waiting.peek_request()] if self.waiting else []
+        need = sum(
+            cdiv(max(request.num_tokens - request.num_computed_tokens, 1), self.block_size)
+            for request in [*self.running, *waiting]
+        )
+        return self.kv_cache_manager.block_pool.get_num_free_blocks() < need
 
     def _get_local_prefix_cache_hit(self, request: Request):
         """vLLM's prefix-cache hit, cut for an evicting request so that it computes the prompt's last queries its
@@ -226,6 +246,8 @@ class EvictingScheduler(Scheduler):
         self, config: KVConfig, cached: int, is_decode: bool, prompt_done: bool, req_id: str
     ) -> int | None:
         """The entries a request compacts to after this step, or None if it does not compact now."""
+        if config.defers and not self.under_pressure and req_id not in self.evicting_manager.reports:
+            return None  # kv_evict_when=pressure, and the pool has room: served as `full` for now
         budget = config.budget
         if is_decode:
             if budget is None:

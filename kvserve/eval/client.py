@@ -27,15 +27,17 @@ class Setting:
     # the label of a setting whose entries kept on each case set this one's budget on that case (equal memory per
     # case, e.g. against attention_gate, whose gates decide how much to keep); `budget` is then None
     match: str | None = None
+    evict_when: str = "eager"  # kv_evict_when
 
     @property
     def label(self) -> str:
         """The row's name in results and tables: the policy with its knobs as given on the command line, then a
-        non-uniform allocation and a span above 1 (`snapkv/heads/span8`, `duoattention:retrieval_fraction=0.25`)."""
+        non-uniform allocation, a span above 1 and deferred eviction (`snapkv/heads/span8`, `snapkv/pressure`,
+        `duoattention:retrieval_fraction=0.25`)."""
         policy = ":".join([self.policy] + [f"{name}={value}" for name, value in self.knobs])
         policy += f"@{self.match}" if self.match else ""
         parts = [policy] + [self.allocation] * (self.allocation != "uniform") + [f"span{self.span}"] * (self.span > 1)
-        return "/".join(parts)
+        return "/".join(parts + [self.evict_when] * (self.evict_when != "eager"))
 
     def headers(self) -> dict[str, str]:
         headers = {"x-kv-policy": self.policy}
@@ -45,6 +47,8 @@ class Setting:
             headers["x-kv-budget"] = str(self.budget)
         if self.evict_every_chunk:
             headers["x-kv-evict-every-chunk"] = "true"
+        if self.evict_when != "eager":
+            headers["x-kv-evict-when"] = self.evict_when
         if self.policy != "full":  # always sent: the row's label must hold whatever the server's defaults are
             headers["x-kv-allocation"] = self.allocation
             headers["x-kv-span"] = str(self.span)
@@ -118,6 +122,12 @@ def settings(
             return allocation == "uniform"
         return issubclass(cls, ScoredPolicy) or (allocation in ("uniform", "pyramid") and span == 1)
 
+    for policy, _ in parsed:  # a policy none of whose combinations runs is an error, not an empty row
+        if not unbudgeted(policy) and not any(usable(policy, a, s) for a in allocations for s in spans):
+            raise ValueError(
+                f"{policy}: none of allocations {', '.join(allocations)} with spans {', '.join(map(str, spans))} "
+                "applies (it selects by a fixed rule, not by scores: uniform or pyramid at span 1)"
+            )
     once = [Setting(p, None, evict_every_chunk and p != "full", knobs=k) for p, k in parsed if unbudgeted(p)]
     return once + [
         Setting(p, b, evict_every_chunk, allocation, span, knobs, match)

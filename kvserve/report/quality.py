@@ -63,7 +63,23 @@ def share_table(suite: Suite, cells: list[Cell], labels: dict[str, str]) -> str:
             row.append(f"**{text}**" if ratio is not None and ratio == top[b] else text)
         setting = label.removeprefix(policy).lstrip("/:") or "uniform, span 1"
         lines.append(f"| `{policy}` | {setting} | " + " | ".join(row) + " |")
-    return "\n".join(lines) + f"\n\n`full` answers {full_mean:.3f} of the judged cells (n = {full_n} answers)."
+    text = "\n".join(lines) + f"\n\n`full` answers {full_mean:.3f} of the judged cells (n = {full_n} answers)."
+    return text + too_small_budgets(labels, budgets, suite, cells)
+
+
+def too_small_budgets(labels: dict[str, str], budgets: list[int], suite: Suite, cells: list[Cell]) -> str:
+    """Why a cell is empty where the budget is not above what the policy always keeps (the server refuses it)."""
+    from kvserve.policies import POLICIES
+
+    reasons = []
+    for policy, label in labels.items():
+        protected = POLICIES[policy]().protected_tokens()
+        refused = [b for b in budgets if b <= protected and suite.ratio((label, b), cells) is None]
+        if refused:
+            reasons.append(
+                f"`{policy}` always keeps {protected} entries, so B={'/'.join(map(str, refused))} is refused"
+            )
+    return " A `-` marks a budget the policy cannot take: " + "; ".join(reasons) + "." if reasons else ""
 
 
 def share_plot(suite: Suite, cells: list[Cell], labels: dict[str, str], path: Path) -> None:

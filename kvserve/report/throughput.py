@@ -25,9 +25,11 @@ def setting_name(row: dict) -> str:
         return "vanilla vLLM"
     if row["policy"] == "full":
         return "kvserve `full` (eviction off)"
-    name = f"`{row['policy']}`" + (f" B={row['budget']}" if row.get("budget") else "")
+    policy, deferred, _ = row["policy"].partition("/pressure")  # the label of a kv_evict_when=pressure setting
+    name = f"`{policy}`" + (f" B={row['budget']}" if row.get("budget") else "")
     allocation = row.get("allocation")
-    return name + (f" {allocation}" if allocation and allocation != "uniform" else "")
+    name += f" {allocation}" if allocation and allocation != "uniform" else ""
+    return name + (", `kv_evict_when=pressure`" if deferred else "")
 
 
 def capacity_table(source: Source) -> str:
@@ -126,7 +128,9 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             "### Multi-turn chat with prefix caching",
             f"{args['conversations']} conversations of {args['turns']} turns sharing a {args['doc_tokens']:,}-token "
             f"document, {args['user_tokens']}-token user turns, {args['reply_tokens']}-token replies; a default pool "
-            f"and a small one of {args['small_pool_blocks']} blocks of {args['block_size']} tokens.",
+            f"and a small one of {args['small_pool_blocks']} blocks of {args['block_size']} tokens. An eager "
+            "evicting request compacts at the end of each prompt, so its reply is never published and the next turn "
+            "computes it again; with `kv_evict_when=pressure` it is served as `full` until the pool is short.",
             chat_table(chat),
             f"![TTFT and throughput per turn]({plot_link}/chat.png)",
             chat.caption(),
