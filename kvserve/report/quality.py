@@ -68,18 +68,21 @@ def share_table(suite: Suite, cells: list[Cell], labels: dict[str, str]) -> str:
 
 
 def too_small_budgets(labels: dict[str, str], budgets: list[int], suite: Suite, cells: list[Cell]) -> str:
-    """Why a cell is empty where the budget is not above what the policy always keeps (the server refuses it)."""
+    """Why cells are empty: a budget not above what the policy always keeps (the server refuses it), or not run."""
     from kvserve.policies import POLICIES
 
     reasons = []
     for policy, label in labels.items():
         protected = POLICIES[policy]().protected_tokens()
-        refused = [b for b in budgets if b <= protected and suite.ratio((label, b), cells) is None]
+        empty = [b for b in budgets if suite.ratio((label, b), cells) is None]
+        refused, missing = [b for b in empty if b <= protected], [b for b in empty if b > protected]
         if refused:
             reasons.append(
                 f"`{policy}` always keeps {protected} entries, so B={'/'.join(map(str, refused))} is refused"
             )
-    return " A `-` marks a budget the policy cannot take: " + "; ".join(reasons) + "." if reasons else ""
+        if missing:
+            reasons.append(f"`{policy}` has not run at B={'/'.join(map(str, missing))}")
+    return " A `-` is an empty cell: " + "; ".join(reasons) + "." if reasons else ""
 
 
 def share_plot(suite: Suite, cells: list[Cell], labels: dict[str, str], path: Path) -> None:
