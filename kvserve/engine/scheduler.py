@@ -174,14 +174,16 @@ class EvictingScheduler(Scheduler):
     def _short_of_blocks(self) -> bool:
         """Whether the pool is short: fewer free blocks (cached ones count, vLLM reuses them) than the running
         requests' uncomputed tokens need (the rest of a prompt, or one block for a decoding request) plus the next
-        waiting request's. `kv_evict_when=pressure` requests compact then, so that the running ones keep growing and
-        the waiting one gets in without a preemption."""
+        waiting request's, with one block to spare per running request. `kv_evict_when=pressure` requests compact
+        then, so that the running ones keep growing and the waiting one gets in without a preemption. A compaction
+        frees its blocks only after its step, so the pool counts as short until it has twice what is needed."""
         waiting = [self.waiting.peek_request()] if self.waiting else []
         need = sum(
             cdiv(max(request.num_tokens - request.num_computed_tokens, 1), self.block_size)
             for request in [*self.running, *waiting]
         )
-        return self.kv_cache_manager.block_pool.get_num_free_blocks() < need
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        return free < 2 * need if self.under_pressure else free < need + len(self.running)
 
     def _get_local_prefix_cache_hit(self, request: Request):
         """vLLM's prefix-cache hit, cut for an evicting request so that it computes the prompt's last queries its
