@@ -216,7 +216,7 @@ def run_pool(pool: str, engine_args: list[str], env: dict, document: str, users,
     return results
 
 
-def report(results: list[dict], policy_name: str) -> str:
+def report(results: list[dict]) -> str:
     lines = []
     for pool in dict.fromkeys(r["pool"] for r in results):
         for result in (r for r in results if r["pool"] == pool):
@@ -251,7 +251,7 @@ def report(results: list[dict], policy_name: str) -> str:
                     f"{e['output_tokens_per_s'] / v['output_tokens_per_s']:.2f} | "
                     f"{f['output_tokens_per_s'] / v['output_tokens_per_s']:.2f} |"
                 )
-    lines += ["", "Goals (issue 26):", ""] + goals(results, policy_name)
+    lines += ["", "Goals (issue 26):", ""] + goals(results)
     return "\n".join(lines)
 
 
@@ -268,7 +268,7 @@ def _pool_runs(results: list[dict], pool: str) -> tuple[dict, dict, list[dict]]:
     return vanilla, full, evicting
 
 
-def goals(results: list[dict], policy_name: str) -> list[str]:
+def goals(results: list[dict]) -> list[str]:
     """The issue's goals, measured: printed with PASS / FAIL, never asserted."""
     lines = []
     for pool in dict.fromkeys(r["pool"] for r in results):
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
             pool_args = engine_args + (["--num-gpu-blocks-override", str(small_blocks)] if pool == "small" else [])
             print(f"bench chat: {pool} pool" + (f" of {small_blocks} blocks" if pool == "small" else ""), flush=True)
             results += run_pool(pool, pool_args, env, document, users, args, Path(log_dir))
-    print(report(results, args.policy))
+    print(report(results))
     if args.plot:
         plot(results, args.plot)
     if args.out:
