@@ -107,6 +107,13 @@ class Engine:
 _background = Background()
 
 
+def pytest_report_header(config) -> str:
+    """The machine, first thing in the log: CI's machines differ (AMX or not, AVX-512 or AVX2 only)."""
+    from kvserve.provenance import describe_machine, machine
+
+    return f"machine: {describe_machine(machine())}"
+
+
 def pytest_collection_modifyitems(session, config, items: list) -> None:
     """The modules whose tests read background runs go last (in their order): the runs then have the rest of the
     session to finish beside this process's tests."""

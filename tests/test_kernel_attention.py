@@ -18,7 +18,7 @@ def background_runs() -> list[Run]:
     """The KVSERVE_ATTENTION=kernels engines, each in its own process (tests/background.py)."""
     env = {"KVSERVE_ATTENTION": "kernels"}
     return [
-        Run("kernel_engine_run", [sys.executable, SCRIPT, "{out}"], env),
+        Run("kernel_engine_run", [sys.executable, SCRIPT, "{out}"], env, timeout_s=300),  # ~30 s here
         Run("triton_engine_run", [sys.executable, SCRIPT, "{out}", "--triton"], env),
     ]
 
