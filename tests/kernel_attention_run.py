@@ -104,9 +104,12 @@ if __name__ == "__main__":
     tokenizer = llm.get_tokenizer()
     launches = count_kernel_launches() if triton_kernels else {}
     free_before = pool.get_num_free_blocks()
+    print("kernel_attention_run: engine ready", flush=True)  # the log says which phase a run that hangs was in
     plain = [] if triton_kernels else run_batch(llm, equivalence_prompts(tokenizer), [None] * 3, EQUIVALENCE_MAX_TOKENS)
+    print("kernel_attention_run: plain batch done", flush=True)
     prompts, kv_settings, max_tokens = policy_batch(tokenizer, triton_kernels)
     evicting = run_batch(llm, prompts, kv_settings, max_tokens)
+    print("kernel_attention_run: policy batch done", flush=True)
     result = {
         "impls": sorted({type(module.impl).__name__ for module in runner.model.modules() if hasattr(module, "impl")}),
         "plain": [list(o.outputs[0].token_ids) for o in plain],

@@ -88,10 +88,13 @@ def too_small_budgets(labels: dict[str, str], budgets: list[int], suite: Suite, 
 def share_plot(suite: Suite, cells: list[Cell], labels: dict[str, str], path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
-    ax.set_prop_cycle(color=plt.cm.tab20.colors)
-    for label in sorted(labels.values()):
+    colors = plt.cm.tab20.colors
+    for number, label in enumerate(sorted(labels.values())):
         points = [(b, r) for b in suite.budgets() if (r := suite.ratio((label, b), cells)) is not None]
-        ax.plot([b for b, _ in points], [100 * r for _, r in points], marker="o", label=label)
+        # past 20 settings the colours repeat: a new line style (and marker) keeps every line its own
+        style = dict(color=colors[number % len(colors)], linestyle="-:"[number // len(colors) % 2])
+        style["marker"] = "os"[number // len(colors) % 2]
+        ax.plot([b for b, _ in points], [100 * r for _, r in points], label=label, **style)
     ax.axhline(100, color="black", linestyle=":", label="full cache")
     ax.set_xscale("log", base=2)
     ax.set_xticks(suite.budgets(), [str(b) for b in suite.budgets()])
