@@ -107,7 +107,8 @@ class Background:
         run.timed_out = False
         started = time.monotonic()
         with open(run.log, "w") as log:
-            self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+            # a session of its own: what it started (a bench command's servers) goes with it when it is killed
+            self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 code = self.process.wait(timeout=run.timeout_s)
             except subprocess.TimeoutExpired:
@@ -120,6 +121,8 @@ class Background:
                     self.process.kill()
                     self.process.wait()
                 code = f"killed (timeout {run.timeout_s} s; its threads' stacks end the log)"
+            finally:
+                _kill_group(self.process)
         if code == 0:
             return None
         failure = f"{' '.join(argv[1:2])} exited {code} after {time.monotonic() - started:.0f} s:\n"
@@ -148,8 +151,16 @@ class Background:
 
     def stop(self) -> None:
         self.stopped = True
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
+        if self.process is not None:
+            _kill_group(self.process)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """Kill every process left in the run's session (the run itself, if it still runs, and what it started)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the session is empty: nothing was left
 
 
 def _machine() -> str:

@@ -1,42 +1,66 @@
 """The background runner's handling of a run that hangs (tests/background.py): its threads' stacks reach the
-failure, and a second attempt that passes turns the failure into a warning that still carries them."""
+failure, a second attempt that passes turns the failure into a warning that still carries them, and nothing the run
+started outlives it."""
 
 from __future__ import annotations
 
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from background import Background, Run
 
-# sleeps in a function of its own, so the stack names it; hangs on the first attempt only (a marker file says which)
-HANGS_ONCE = """
-import os, sys, time
+# sleeps in a function of its own, so the stack names it; hangs on the first attempt only (a marker file says which),
+# or on every attempt ("always"), after starting a child process that would sleep on (its pid in OUT.child)
+HANGS = """
+import os, subprocess, sys, time
 def wait_forever():
     time.sleep(600)
-marker = sys.argv[1] + ".started"
-if not os.path.exists(marker) or sys.argv[2] == "always":
+out, how = sys.argv[1], sys.argv[2]
+marker = out + ".started"
+if how == "always" or not os.path.exists(marker):
     open(marker, "w").close()
+    if how == "always":
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open(out + ".child", "w").write(str(child.pid))
     wait_forever()
-open(sys.argv[1], "w").write("{}")
+open(out, "w").write("{}")
 """
 
 
-def _run(how: str) -> Background:
+def _run(how: str) -> tuple[Background, Run]:
     background = Background()
-    background.start([Run("probe", [sys.executable, "-c", HANGS_ONCE, "{out}", how], timeout_s=3, bind_cpu=False)])
-    return background
+    run = Run("probe", [sys.executable, "-c", HANGS, "{out}", how], timeout_s=3, bind_cpu=False)
+    background.start([run])
+    return background, run
 
 
 def test_a_hang_that_does_not_return_passes_with_its_stack_as_a_warning():
-    background = _run("once")
+    background, _ = _run("once")
     with pytest.warns(UserWarning, match="second attempt") as record:
         assert background.results("probe") == [{}]
     message = str(record[0].message)
     assert "wait_forever" in message and "machine:" in message
 
 
-def test_a_hang_that_returns_fails_with_both_attempts_stacks():
-    background = _run("always")
+def test_a_hang_that_returns_fails_with_both_attempts_stacks_and_leaves_no_process():
+    background, run = _run("always")
     with pytest.raises(RuntimeError) as failure:
         background.results("probe")
     assert str(failure.value).count("wait_forever") >= 2 and "first attempt" in str(failure.value)
+    assert _ends(Path(f"/proc/{Path(f'{run.out}.child').read_text()}/stat"))
+
+
+def _ends(stat: Path, within_s: float = 5.0) -> bool:
+    """The process is gone, or a zombie its new parent has not reaped yet (state Z), within `within_s` (SIGKILL
+    lands asynchronously)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
