@@ -44,7 +44,6 @@ class Run:
     bind_cpu: bool = True  # bind vLLM's worker threads to the CPU this process leaves (False: the run binds itself)
     timeout_s: int = 900
     # filled in by Background
-    timed_out: bool = False  # the last attempt outlived timeout_s
     hung: str | None = None  # the diagnosis of a first attempt that timed out, when the second one passed
     out: Path | None = None
     log: Path | None = None
@@ -81,18 +80,18 @@ class Background:
     def _run(self, run: Run) -> None:
         if run.prepare is not None:
             run.prepare()
-        error = self._attempt(run)
-        if error is not None and run.timed_out and not self.stopped:
+        error, timed_out = self._attempt(run)
+        if timed_out and not self.stopped:
             first = error
-            error = self._attempt(run)
+            error, _ = self._attempt(run)
             if error is None:
                 run.hung = first
             else:
                 error = f"{error}\n\nfirst attempt:\n{first}"
         run.error = error
 
-    def _attempt(self, run: Run) -> str | None:
-        """Run the command once; the failure (with the log's end) or None."""
+    def _attempt(self, run: Run) -> tuple[str | None, bool]:
+        """Run the command once: (the failure with the log's end, or None; whether it outlived its timeout)."""
         env = dict(os.environ)
         cpus = sorted(os.sched_getaffinity(0))
         if run.bind_cpu and len(cpus) > 1:
@@ -104,7 +103,7 @@ class Background:
                 env[key] = value
         env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT then prints every thread's Python stack
         argv = [arg.replace("{out}", str(run.out)) for arg in run.argv]
-        run.timed_out = False
+        busy = None  # what the machine was doing when the run timed out
         started = time.monotonic()
         with open(run.log, "w") as log:
             # a session of its own: what it started (a bench command's servers) goes with it when it is killed
@@ -112,8 +111,7 @@ class Background:
             try:
                 code = self.process.wait(timeout=run.timeout_s)
             except subprocess.TimeoutExpired:
-                run.timed_out = True
-                busy = f"machine: {_machine()}; load {os.getloadavg()}; processes:\n{_processes()}"
+                busy = f"machine: {machine_line()}; load {os.getloadavg()}; processes:\n{_processes()}"
                 self.process.send_signal(signal.SIGABRT)
                 try:
                     self.process.wait(timeout=30)
@@ -124,10 +122,10 @@ class Background:
             finally:
                 _kill_group(self.process)
         if code == 0:
-            return None
+            return None, False
         failure = f"{' '.join(argv[1:2])} exited {code} after {time.monotonic() - started:.0f} s:\n"
         failure += run.log.read_text()[-6000:]
-        return f"{failure}\n{busy}" if run.timed_out else failure
+        return (failure, False) if busy is None else (f"{failure}\n{busy}", True)
 
     def results(self, fixture: str) -> list[dict]:
         """The JSON of each run `fixture` declared, waiting for them to finish (RuntimeError with the log if one
@@ -163,7 +161,8 @@ def _kill_group(process: subprocess.Popen) -> None:
         pass  # the session is empty: nothing was left
 
 
-def _machine() -> str:
+def machine_line() -> str:
+    """The machine in one line (CPU model, cores, the flags that pick vLLM's CPU path), as result files name it."""
     from kvserve.provenance import describe_machine, machine
 
     return describe_machine(machine())

@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from background import Background  # noqa: E402
+from background import Background, machine_line  # noqa: E402
 from engine_settings import engine_kwargs, find_state, in_process_env, keep_finished_states  # noqa: E402
 
 TESTS = Path(__file__).parent
@@ -109,9 +109,7 @@ _background = Background()
 
 def pytest_report_header(config) -> str:
     """The machine, first thing in the log: CI's machines differ (AMX or not, AVX-512 or AVX2 only)."""
-    from kvserve.provenance import describe_machine, machine
-
-    return f"machine: {describe_machine(machine())}"
+    return f"machine: {machine_line()}"
 
 
 def pytest_collection_modifyitems(session, config, items: list) -> None:

@@ -92,8 +92,8 @@ def share_plot(suite: Suite, cells: list[Cell], labels: dict[str, str], path: Pa
     for number, label in enumerate(sorted(labels.values())):
         points = [(b, r) for b in suite.budgets() if (r := suite.ratio((label, b), cells)) is not None]
         # past 20 settings the colours repeat: a new line style (and marker) keeps every line its own
-        style = dict(color=colors[number % len(colors)], linestyle="-:"[number // len(colors) % 2])
-        style["marker"] = "os"[number // len(colors) % 2]
+        cycle = number // len(colors) % 2
+        style = dict(color=colors[number % len(colors)], linestyle="-:"[cycle], marker="os"[cycle])
         ax.plot([b for b, _ in points], [100 * r for _, r in points], label=label, **style)
     ax.axhline(100, color="black", linestyle=":", label="full cache")
     ax.set_xscale("log", base=2)
