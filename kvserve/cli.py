@@ -76,6 +76,14 @@ def _serve_parser() -> argparse.ArgumentParser:
         help="eager (default): compact at the end of the prompt; pressure: serve as full, with prefix caching of "
         "replies, until the pool is short of blocks",
     )
+    general.add_argument(
+        "--kv-checkpoint",
+        dest="kv_checkpoint",
+        default=None,
+        help="tokens between prompt checkpoints (a multiple of the block size; default 0: none): the prompt also "
+        "compacts at each multiple and the compacted lists enter the prefix cache, so a longer prompt with the "
+        "same start (the next chat turn) resumes from them",
+    )
     knobs = parser.add_argument_group("policy settings (each applies to the policies that declare it)")
     for key, help_text in sorted(_knob_help().items()):
         knobs.add_argument("--" + key.replace("_", "-"), dest=key, default=None, help=help_text)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvserve.errors import InvalidSetting
@@ -19,7 +19,15 @@ from kvserve.policies.knobs import KEY_PREFIX, parse_bool, parse_int
 
 # Server-wide defaults travel to every vLLM process (API server, engine core, worker) in this variable.
 DEFAULTS_ENV = "KVSERVE_DEFAULTS"
-GENERAL_KEYS = ("kv_policy", "kv_budget", "kv_evict_every_chunk", "kv_allocation", "kv_span", "kv_evict_when")
+GENERAL_KEYS = (
+    "kv_policy",
+    "kv_budget",
+    "kv_evict_every_chunk",
+    "kv_allocation",
+    "kv_span",
+    "kv_evict_when",
+    "kv_checkpoint",
+)
 # When a request first compacts: `eager` at the end of its prompt (and every block of new tokens after), `pressure`
 # only once the pool is short of blocks (kvserve/engine/scheduler.py); until then it is served, cached and published
 # like a `full` request.
@@ -35,6 +43,9 @@ class KVConfig:
     allocation: str = "uniform"  # how the L*H*B entries spread over layers and heads (kvserve/policies/allocation.py)
     span: int = 1  # score whole spans of this many token positions (1: single tokens)
     evict_when: str = "eager"  # one of EVICT_WHEN
+    # also compact the prompt at every multiple of this many tokens and publish the compacted lists there (0: off);
+    # see "Checkpoints" in docs/architecture.md
+    checkpoint: int = 0
 
     @property
     def defers(self) -> bool:
@@ -156,7 +167,7 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
     allocation, span = _allocation_and_span(request, defaults, cls, budget, protected)
     evict_when = _evict_when(request, defaults, cls, every_chunk)
     knobs = tuple((name, getattr(policy_obj, name)) for name in cls.knobs())
-    return KVConfig(
+    config = KVConfig(
         policy=policy,
         budget=budget,
         evict_every_chunk=every_chunk,
@@ -165,6 +176,42 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
         span=span,
         evict_when=evict_when,
     )
+    return _with_checkpoint(config, request, defaults)
+
+
+def _with_checkpoint(config: KVConfig, request: dict[str, Any], defaults: dict[str, Any]) -> KVConfig:
+    """kv_checkpoint, refused (with the reason) where checkpoints cannot be the same whoever computes them; a server
+    default that cannot apply to this request is dropped. The checks that need the engine's block size are in
+    `check_against_model`."""
+    if "kv_checkpoint" not in request and "kv_checkpoint" not in defaults:
+        return config
+    checkpoint = parse_int("kv_checkpoint", request.get("kv_checkpoint", defaults.get("kv_checkpoint")))
+    if checkpoint < 0:
+        raise InvalidSetting("kv_checkpoint", f"must be >= 0 (0: no checkpoints), got {checkpoint}")
+    if checkpoint == 0:
+        return config
+    window = config.prefix_sharing().computed_tail if config.prefix_sharing().reads else None
+    why = None
+    if config.budget is None:
+        why = "a checkpoint compacts the prompt to kv_budget, and none is given"
+    elif config.evict_every_chunk:
+        why = "kv_evict_every_chunk compacts where the scheduler's chunks end, not at fixed positions"
+    elif config.allocation != "uniform":
+        why = f"with kv_allocation={config.allocation} the lists keep uneven counts, which fill no whole blocks"
+    elif window is None:
+        why = (
+            f"{config.policy} reads every query of the prompt (or its allocation decides counts while compacting), "
+            "so a compacted prefix it computed is not what another request with that prefix would keep"
+        )
+    elif config.defers:
+        why = "kv_evict_when=pressure compacts when the pool is short, so what a prefix holds depends on the load"
+    elif checkpoint < window:
+        why = f"must be at least the {window} last queries {config.policy} reads, got {checkpoint}"
+    if why is not None:
+        if "kv_checkpoint" in request:
+            raise InvalidSetting("kv_checkpoint", why)
+        return config
+    return replace(config, checkpoint=checkpoint)
 
 
 def _evict_when(request: dict[str, Any], defaults: dict[str, Any], cls: type[Policy], every_chunk: bool) -> str:
@@ -267,14 +314,20 @@ def _knob_list(cls: type[Policy]) -> str:
     return ", ".join(setting.key for setting in cls.knobs().values()) or "(none)"
 
 
-def check_against_model(config: KVConfig, model_config, request_args: dict[str, Any] | None) -> KVConfig:
+def check_against_model(
+    config: KVConfig,
+    model_config,
+    request_args: dict[str, Any] | None,
+    block_size: int | None = None,
+    pipeline_stages: int = 1,
+) -> KVConfig:
     """The checks that need the served model (vLLM's `ModelConfig`): a model that cannot evict, a budget no sequence
     can reach, a gate the model does not have. Returns the configuration to serve: on a model that cannot evict
     (`kvserve/model_support.py`) the server's default eviction does not apply, and a request whose own `kv_*` keys
     (`request_args`) ask for eviction is an error naming the reason.
 
     Run by the HTTP middleware (so a streamed request gets a 400, not an error event after its 200) and by vLLM's
-    input validation (offline use)."""
+    input validation (offline use); both pass the engine's `block_size` and pipeline stages."""
     from kvserve.model_support import eviction_support
 
     model, max_model_len = model_config.model, model_config.max_model_len
@@ -288,6 +341,12 @@ def check_against_model(config: KVConfig, model_config, request_args: dict[str, 
     if config.evicts and config.budget is not None and config.budget > max_model_len:
         # a budget no sequence can reach is a mistake, not a way to turn eviction off (policy full does that)
         raise InvalidSetting("kv_budget", f"{config.budget} is above max_model_len ({max_model_len})")
+    if config.checkpoint and support.hybrid:
+        raise InvalidSetting(
+            "kv_checkpoint", f"is not served on {model}: its sliding-window layers keep blocks of their own"
+        )
+    if config.checkpoint:
+        _check_checkpoint(config, block_size, pipeline_stages)
     if config.policy == "attention_gate":
         from kvserve.gates.registry import NoGateError, gate_entry
 
@@ -303,3 +362,33 @@ def check_against_model(config: KVConfig, model_config, request_args: dict[str, 
         except ValueError as exc:
             raise InvalidSetting("kv_policy", str(exc)) from exc
     return config
+
+
+def engine_shape(vllm_config) -> dict[str, Any]:
+    """`check_against_model`'s engine arguments from vLLM's VllmConfig (None: not known, those checks wait)."""
+    if vllm_config is None:
+        return {}
+    return {
+        "block_size": vllm_config.cache_config.block_size,
+        "pipeline_stages": vllm_config.parallel_config.pipeline_parallel_size,
+    }
+
+
+def _check_checkpoint(config: KVConfig, block_size: int | None, pipeline_stages: int) -> None:
+    """kv_checkpoint's engine checks: checkpoints are published as whole vLLM blocks, one worker's."""
+    if pipeline_stages > 1:
+        raise InvalidSetting(
+            "kv_checkpoint", "is not served with pipeline parallelism (each stage would publish its own layers' pages)"
+        )
+    if block_size is None:
+        return
+    if config.checkpoint % block_size:
+        raise InvalidSetting(
+            "kv_checkpoint", f"must be a multiple of the block size ({block_size}), got {config.checkpoint}"
+        )
+    if config.budget % block_size:
+        raise InvalidSetting(
+            "kv_checkpoint",
+            f"needs kv_budget to be a multiple of the block size ({block_size}) so that a checkpoint's lists fill "
+            f"whole blocks; kv_budget is {config.budget}",
+        )

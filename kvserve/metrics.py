@@ -79,6 +79,14 @@ class Metrics:
             "Evicting requests that stopped publishing to the prefix cache: the pool had no room for the copy a "
             "compaction needs, so they compacted in place",
         )
+        self.checkpoints_published = Counter(
+            "kvserve:checkpoints_published",
+            "Prompt checkpoints (kv_checkpoint) whose compacted lists entered the prefix cache",
+        )
+        self.checkpoint_hits = Counter(
+            "kvserve:checkpoint_hits",
+            "Requests that started from a published prompt checkpoint instead of computing its prefix",
+        )
         self.deferred_compactions = Counter(
             "kvserve:deferred_compactions",
             "First compactions of kv_evict_when=pressure requests, run because the pool was short of blocks",

@@ -232,7 +232,7 @@ def _patch_input_validation() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from kvserve.config import check_against_model, parse_kv_config
+    from kvserve.config import check_against_model, engine_shape, parse_kv_config
     from kvserve.errors import InvalidSetting
 
     original = InputProcessor._validate_params
@@ -242,7 +242,9 @@ def _patch_input_validation() -> None:
         if isinstance(params, SamplingParams):
             try:
                 config = parse_kv_config(params.extra_args)
-                served = check_against_model(config, self.model_config, params.extra_args)
+                served = check_against_model(
+                    config, self.model_config, params.extra_args, **engine_shape(self.vllm_config)
+                )
                 if served is not config:  # the server's default eviction, on a model that cannot evict: said here,
                     # so that the engine's processes (which read the same defaults) serve it as asked
                     params.extra_args = {**(params.extra_args or {}), "kv_policy": served.policy}

@@ -13,7 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+# One OpenMP thread in this process and (inherited) in every engine it starts, set before torch loads: vLLM binds a
+# CPU worker to one CPU, yet torch's second OpenMP thread stayed and spun beside it (top -H: two busy threads per
+# engine process), so on a 2-CPU machine the in-process engine and a background engine ran 4 busy threads on 2 CPUs
+# and each became 4-20x slower: tests/kernel_attention_run.py outlived its timeout that way here (likely on CI too).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -141,16 +141,26 @@ def test_chat_command_runs_conversations_on_every_server_and_evicting_requests_h
     conversations, turns, reply = CHAT["conversations"], CHAT["turns"], CHAT["reply"]
     assert _plot_of(background, "chat_run")[:8] == PNG
     results = chat_run["results"]
-    assert [r["server"] for r in results] == ["vanilla", "kvserve full", "kvserve snapkv", "kvserve snapkv/pressure"]
+    assert [r["server"] for r in results] == [
+        "vanilla",
+        "kvserve full",
+        "kvserve snapkv",
+        "kvserve snapkv/pressure",
+        "kvserve snapkv/checkpoint128",  # the default --checkpoints
+    ]
     for result in results:
         assert len(result["requests"]) == conversations * turns
         assert all(r["output_tokens"] == reply for r in result["requests"])
         assert [row["turn"] for row in result["turns"]] == list(range(1, turns + 1))
         # a conversation's second turn resends its first: its prompt is longer and the document is in the cache
         second = [r for r in result["requests"] if r["turn"] == 2]
-        assert all(r["cached_tokens"] >= 192 for r in second), result["server"]
+        if result["server"].endswith("checkpoint128"):  # it resumes from a checkpoint: a multiple of 128 tokens
+            assert all(r["cached_tokens"] >= 128 and r["cached_tokens"] % 128 == 0 for r in second)
+        else:
+            assert all(r["cached_tokens"] >= 192 for r in second), result["server"]
         assert result["prefix_cache_hits"] >= sum(r["cached_tokens"] for r in result["requests"])  # vLLM counts them
-    full, evicting, deferred = results[1:]
+    full, evicting, deferred, checkpointing = results[1:]
+    assert checkpointing["checkpoints_published"] > 0 and checkpointing["checkpoint_hits"] >= conversations
     assert evicting["blocks_published"] > 0 and full["blocks_published"] == 0  # counted for evicting requests
     # deferred eviction in a pool that holds both conversations: nothing compacts, so every turn hits what `full`'s
     # hit, its replies' blocks included (an eager request publishes only its prompt's)
@@ -159,6 +169,7 @@ def test_chat_command_runs_conversations_on_every_server_and_evicting_requests_h
     printed = background.printed("chat_run")
     assert "snapkv / full TTFT p50" in printed and "small pool: snapkv output tok/s" in printed
     assert "small pool: snapkv/pressure output tok/s" in printed
+    assert "small pool: snapkv/checkpoint128 output tok/s" in printed
 
 
 def test_decode_heavy_preset_holds_two_requests_without_eviction_and_compresses_4_8_16x():

@@ -147,7 +147,8 @@ def test_a_first_compaction_while_decoding_leaves_the_published_blocks_intact(en
 
 
 def fuzz_case(engine, seed: int) -> tuple[list, list]:
-    """Random interleavings of plain and evicting requests over three shared documents with different questions:
+    """Random interleavings of plain and evicting requests (some with prompt checkpoints) over three shared
+    documents with different questions:
     each request is in a random batch of 1-4 (so its prompt is prefilled alone in one chunk or in 128-token chunks
     beside others), then the same request runs again under a fresh salt. Returns (outputs, references)."""
     from vllm import SamplingParams
@@ -157,11 +158,14 @@ def fuzz_case(engine, seed: int) -> tuple[list, list]:
     documents = [haystack(engine.tokenizer, rng.randrange(150, 400), seed=430 + seed * 10 + d) for d in range(3)]
     settings = [None, {"kv_policy": "snapkv"}, {"kv_policy": "streamingllm"}, {"kv_policy": "tova"}]
     settings += [{"kv_policy": "h2o"}, {"kv_policy": "ahakv"}]
+    # prompt checkpoints (tests/test_checkpoints.py): compacted prefixes published and resumed from
+    # (one budget each, so that requests share checkpoints)
+    settings += [{"kv_policy": policy, "kv_checkpoint": 64, "kv_budget": 64} for policy in ("snapkv", "tova")]
     requests = []
     for number in range(14):
         ids = documents[rng.randrange(3)] + question(engine, f"Question {number}: what comes next?")
         kv = rng.choice(settings)
-        kv = None if kv is None else {**kv, "kv_budget": rng.choice([64, 96, 160])}
+        kv = None if kv is None else {"kv_budget": rng.choice([64, 96, 160]), **kv}
         requests.append((ids, kv, rng.randrange(2, 10)))
     outputs = []
     start = 0
@@ -177,7 +181,10 @@ def fuzz_case(engine, seed: int) -> tuple[list, list]:
 
 
 def test_fuzz_interleaved_plain_and_evicting_requests_match_their_references(engine):
+    from kvserve.metrics import metrics
+
     free = engine.free_blocks()
+    resumed = metrics().checkpoint_hits._value.get()
     for seed in range(2):
         outputs, references = fuzz_case(engine, seed)
         assert sum(output.num_cached_tokens > 0 for output in outputs) >= 6  # the documents were hit
@@ -185,6 +192,7 @@ def test_fuzz_interleaved_plain_and_evicting_requests_match_their_references(eng
             label = f"seed {seed} request {number}"
             assert list(output.outputs[0].token_ids) == list(reference.outputs[0].token_ids), label
             assert evicted(output) == evicted(reference), label
+    assert metrics().checkpoint_hits._value.get() >= resumed + 2  # requests resumed from checkpoints (salted: none)
     assert engine.free_blocks() == free
 
 

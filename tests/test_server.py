@@ -121,6 +121,8 @@ def test_streaming_chat_with_eviction(server, long_prompt):
         ({"x-kv-policy": "snapkv", "x-kv-budget": "64", "x-kv-window": "-3"}, {}, "kv_window"),
         ({"x-kv-policy": "streamingllm", "x-kv-budget": "64", "x-kv-window": "8"}, {}, "kv_window"),
         ({"x-kv-colour": "blue"}, {}, "kv_colour"),
+        ({"x-kv-policy": "snapkv", "x-kv-budget": "64", "x-kv-checkpoint": "40"}, {}, "kv_checkpoint"),  # blocks
+        ({"x-kv-policy": "h2o", "x-kv-budget": "64", "x-kv-checkpoint": "64"}, {}, "kv_checkpoint"),
         ({"x-kv-budget": "x" * 300}, {}, "x-kv-budget"),
         ({}, {"vllm_xargs": {"kv_policy": "snapkv", "kv_budget": "ten"}}, "kv_budget"),
         ({"x-kv-budget": "300"}, {"vllm_xargs": {"kv_policy": "snapkv", "kv_budget": 200}}, "kv_budget"),

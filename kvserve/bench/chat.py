@@ -1,6 +1,7 @@
 """`kvserve bench chat`: multi-turn chat over one shared system document, vanilla vLLM against kvserve `full` and an
-evicting policy (compacting eagerly, and with `kv_evict_when=pressure`: only once the pool is short), each server
-started here with the same engine flags, in the same run.
+evicting policy (compacting eagerly; with `kv_evict_when=pressure`: only once the pool is short; with
+`kv_checkpoint`: also at fixed prompt positions, publishing the compacted lists there), each server started here
+with the same engine flags, in the same run.
 
 C conversations run at once, each T turns: the system message is the same ~D-token document for all of them; each
 turn adds a ~U-token user message and asks for an R-token reply (greedy, `ignore_eos`), and the next turn resends
@@ -157,6 +158,8 @@ async def _run(url: str, document: str, users: list[list[str]], args, setting: S
         "preemptions": delta("vllm:num_preemptions_total"),
         "blocks_published": delta("kvserve:prefix_blocks_published_total"),
         "publish_fallbacks": delta("kvserve:prefix_publish_fallbacks_total"),
+        "checkpoints_published": delta("kvserve:checkpoints_published_total"),
+        "checkpoint_hits": delta("kvserve:checkpoint_hits_total"),
         "turns": turns,
         "requests": records,
     }
@@ -191,7 +194,8 @@ def run_pool(pool: str, engine_args: list[str], env: dict, document: str, users,
             "kvserve",
             "kvserve",
             [Setting("full", None)]
-            + [Setting(args.policy, args.budget, evict_when=when) for when in args.evict_when.split(",")],
+            + [Setting(args.policy, args.budget, evict_when=when) for when in args.evict_when.split(",") if when]
+            + [Setting(args.policy, args.budget, checkpoint=int(c)) for c in args.checkpoints.split(",") if c],
         ),
     ]
     results = []
@@ -224,7 +228,9 @@ def report(results: list[dict]) -> str:
                 "",
                 f"{pool} pool, {result['server']}: {result['output_tokens_per_s']:.2f} output tok/s, hit rate "
                 f"{result['hit_rate']:.2f}, preemptions {result['preemptions']:.0f}, blocks published by evicting "
-                f"requests {result['blocks_published']:.0f}, publish fallbacks {result['publish_fallbacks']:.0f}",
+                f"requests {result['blocks_published']:.0f}, publish fallbacks {result['publish_fallbacks']:.0f}, "
+                f"checkpoints published {result.get('checkpoints_published', 0):.0f}, requests resumed from one "
+                f"{result.get('checkpoint_hits', 0):.0f}",
                 "",
                 "| turn | prompt tokens | TTFT p50 s | TTFT p90 s | output tok/s | hit rate | KV usage max "
                 "| pages max |",
@@ -260,7 +266,7 @@ def _ratio(a: float, b: float) -> str:
 
 
 def _pool_runs(results: list[dict], pool: str) -> tuple[dict, dict, list[dict]]:
-    """The pool's vanilla run, kvserve `full` run and evicting runs (one per `--evict-when`)."""
+    """The pool's vanilla run, kvserve `full` run and evicting runs (one per `--evict-when` and `--checkpoints`)."""
     runs = [r for r in results if r["pool"] == pool]
     vanilla = next(r for r in runs if r["server"] == "vanilla")
     full = next(r for r in runs if r["server"] == "kvserve full")
@@ -348,6 +354,12 @@ def main(argv: list[str] | None = None) -> None:
         default="eager,pressure",
         help="kv_evict_when of the evicting runs, a comma list: eager (compact at the end of each prompt), pressure "
         "(compact only once the pool is short)",
+    )
+    parser.add_argument(
+        "--checkpoints",
+        default="128",
+        help="kv_checkpoint of more evicting runs (eager, with prompt checkpoints), a comma list of token counts "
+        "(multiples of --block-size; empty: none)",
     )
     parser.add_argument(
         "--pools",

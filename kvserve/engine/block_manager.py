@@ -45,6 +45,7 @@ class EvictingFullAttentionManager(FullAttentionManager):
         self.sharing: dict[str, PrefixSharing] = {}  # evicting requests: how each shares the prefix cache
         self.private: set[str] = set()  # evicting requests that stopped publishing (no room for a compaction's copy)
         self.spare: dict[str, int] = {}  # request id -> spare blocks its allocation this step adds
+        self.spare_taken: dict[str, int] = {}  # request id -> spare blocks its last allocation added
         self.admission_cap: dict[str, int] = {}  # per-chunk evicting requests: most entries they ever hold
         self.requests = requests  # the scheduler's requests, by id
         self.compaction_at = compaction_at  # (request id, tokens after a step) -> entries it keeps then, or None
@@ -69,8 +70,9 @@ class EvictingFullAttentionManager(FullAttentionManager):
         """Blocks a step ending at `num_tokens` needs beside its tokens' for a compaction's copies out of protected
         blocks: one page per (layer, head) and kept page that lies in a protected block."""
         sharing = self.sharing.get(request_id)
-        if sharing is None or request_id in self.reports:  # compacted before: it holds no protected block
+        if sharing is None:
             return 0
+        # (a compacted request holds protected blocks only if it resumed from a checkpoint or published one)
         keep = self.compaction_at(request_id, num_tokens)
         if keep is None:
             return 0
@@ -83,12 +85,13 @@ class EvictingFullAttentionManager(FullAttentionManager):
 
     def _stop_publishing(self, request_id: str) -> None:
         """No room for a compaction's copy: the request's blocks that only it holds leave the prefix cache (they are
-        compacted in place), and it publishes nothing more. Blocks others hold stay protected."""
+        compacted in place; a checkpoint among them is gone with them), and it publishes nothing more. Blocks others
+        hold stay protected."""
         self.private.add(request_id)
         metrics().prefix_publish_fallbacks.inc()
         blocks = self.req_to_blocks.get(request_id, [])
-        for block in blocks[: self.num_cached_block.get(request_id, 0)]:
-            if block.ref_cnt == 1:
+        for block in blocks:
+            if block.ref_cnt == 1 and block.block_hash is not None:
                 self.block_pool._maybe_evict_cached_block(block)
         # others hold a prefix of the cached blocks (they hit it), so what stays cached is a prefix too
         still_cached = 0
@@ -169,7 +172,7 @@ class EvictingFullAttentionManager(FullAttentionManager):
         spare = self._spare_blocks(request_id, num_tokens, new_computed_blocks)
         row_room = self.max_blocks_per_request - cdiv(num_tokens, self.block_size)
         room = min(self.block_pool.get_num_free_blocks() - needed, row_room)
-        if 0 <= room < spare and self.publishes(request_id):
+        if 0 <= room < spare and request_id not in self.private:
             self._stop_publishing(request_id)
             spare = self._spare_blocks(request_id, num_tokens, new_computed_blocks)
         # beyond a row's width no spare fits: a compaction short of pages fails its request with the reason
@@ -179,7 +182,8 @@ class EvictingFullAttentionManager(FullAttentionManager):
         return needed if not spare else blocks_for(num_tokens + spare * self.block_size)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
-        spare_tokens = self.spare.pop(request_id, 0) * self.block_size
+        self.spare_taken[request_id] = self.spare.pop(request_id, 0)
+        spare_tokens = self.spare_taken[request_id] * self.block_size
         return super().allocate_new_blocks(
             request_id,
             self._page_tokens(request_id, num_tokens) + spare_tokens,
@@ -199,9 +203,7 @@ class EvictingFullAttentionManager(FullAttentionManager):
         """The worker compacted the request: free the blocks it emptied, remember its pages. Returns the blocks the
         compaction saved: those it gave back less the spare blocks its step took for copies out of protected ones."""
         blocks = self.req_to_blocks.get(request_id, [])
-        spares = 0
-        if request_id not in self.reports:  # a first compaction's step may hold spares past its tokens' blocks
-            spares = max(len(blocks) - cdiv(report.logical_tokens, self.block_size), 0)
+        spares = self.spare_taken.pop(request_id, 0)  # the step's spare blocks for copies out of protected ones
         released = set(report.released_block_ids)
         freed = [block for block in blocks if block.block_id in released]
         if len(freed) != len(released):
@@ -234,5 +236,6 @@ class EvictingFullAttentionManager(FullAttentionManager):
         self.sharing.pop(request_id, None)
         self.private.discard(request_id)
         self.spare.pop(request_id, None)
+        self.spare_taken.pop(request_id, None)
         self.admission_cap.pop(request_id, None)
         self.reports.pop(request_id, None)

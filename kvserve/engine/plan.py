@@ -23,6 +23,8 @@ class Compaction:
     # blocks whose contents must not change (prefix-cache blocks, blocks another request holds): the compaction
     # copies the pages it would write out of them first, and they all go back to vLLM after the step
     protected_blocks: tuple[int, ...] = ()
+    # set when the step ends at a prompt checkpoint (`kv_checkpoint`): the key the compacted lists are published under
+    checkpoint: bytes | None = None
 
 
 def compactions_of(scheduler_output: object) -> dict[str, Compaction]:
@@ -76,6 +78,9 @@ class PageReport:
     logical_tokens: int  # tokens the request had computed when the report was made
     stages: tuple[StagePages, ...]  # one per pipeline stage, first to last
     released_block_ids: tuple[int, ...]
+    # a checkpoint the worker published (the plan's `Compaction.checkpoint`): the blocks that hold its lists, in the
+    # request's order; empty when the step was no checkpoint or its lists did not fill whole blocks
+    checkpoint_blocks: tuple[int, ...] = ()
 
     @property
     def longest(self) -> int:
@@ -107,3 +112,18 @@ RELEASES_ATTR = "kvserve_releases"
 
 def releases_of(scheduler_output: object) -> dict[str, tuple[int, ...]]:
     return getattr(scheduler_output, RELEASES_ATTR, None) or {}
+
+
+# Attributes of a SchedulerOutput (`kv_checkpoint`): {req_id: checkpoint key} for requests whose first step resumes
+# from a published checkpoint (their first blocks are its blocks), and the keys of checkpoints whose blocks vLLM
+# reused since the last schedule, which the workers forget.
+ADOPT_ATTR = "kvserve_adopt"
+DROPPED_ATTR = "kvserve_dropped_checkpoints"
+
+
+def adoptions_of(scheduler_output: object) -> dict[str, bytes]:
+    return getattr(scheduler_output, ADOPT_ATTR, None) or {}
+
+
+def dropped_checkpoints_of(scheduler_output: object) -> tuple[bytes, ...]:
+    return getattr(scheduler_output, DROPPED_ATTR, None) or ()

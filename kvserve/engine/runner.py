@@ -17,6 +17,7 @@ import torch
 from vllm.model_executor.models.utils import extract_layer_index
 
 from kvserve.config import parse_kv_config
+from kvserve.engine.checkpoints import CheckpointId, CheckpointLists, lists_of, resume_from
 from kvserve.engine.eviction import record_times
 from kvserve.engine.pages import (
     HeadPages,
@@ -32,7 +33,9 @@ from kvserve.engine.plan import (
     PageReport,
     StagePages,
     StageRelease,
+    adoptions_of,
     compactions_of,
+    dropped_checkpoints_of,
     releases_of,
 )
 from kvserve.engine.request_state import GateRuntime, RequestState
@@ -59,6 +62,7 @@ class EvictionBook:
         self.vanilla = False  # this model cannot evict: kvserve leaves every step to vLLM
         self.group = 0  # the KV-cache group whose blocks hold head pages (a hybrid model's full-attention layers)
         self.rotary: dict[int, Rotary] = {}  # each paged layer's RoPE table, by page-view index
+        self.checkpoints: dict[CheckpointId, CheckpointLists] = {}  # published checkpoints' lists (kv_checkpoint)
 
     def pipeline_link(self) -> StageLink | None:
         if not self.pipeline_checked:
@@ -192,6 +196,8 @@ def before_update_states(runner, scheduler_output) -> None:
     book = book_of(runner)
     for req_id in scheduler_output.finished_req_ids:
         book.forget(req_id)
+    for checkpoint in dropped_checkpoints_of(scheduler_output):
+        book.checkpoints.pop(checkpoint, None)
     link = book.pipeline_link()
     if link is not None and not link.is_last:
         for req_id, released in releases_of(scheduler_output).items():
@@ -229,6 +235,7 @@ def after_prepare_inputs(runner, scheduler_output, num_scheduled_tokens: np.ndar
         return
     num_reqs = runner.input_batch.num_reqs
     compactions = compactions_of(scheduler_output)
+    adoptions = adoptions_of(scheduler_output)
     query_starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens[:num_reqs])])
     rows: list[RowPlan] = []
     appended: dict[int, np.ndarray] = {}  # batch row -> slots [L, H, q] of its new entries
@@ -238,12 +245,14 @@ def after_prepare_inputs(runner, scheduler_output, num_scheduled_tokens: np.ndar
             continue
         block_ids = runner.requests[req_id].block_ids[book.group]
         computed = int(runner.input_batch.num_computed_tokens_cpu[row])
-        if computed and not state.pages.blocks:  # its first step starts from a prefix-cache hit
+        if req_id in adoptions:  # its first step resumes from a published checkpoint
+            resume_from(state, book.checkpoints[adoptions[req_id]], block_ids)
+        elif computed and not state.pages.blocks:  # its first step starts from a prefix-cache hit
             state.pages.adopt_prefix(block_ids, computed)
         _take_new_blocks(state.pages, block_ids, req_id)
         appended[row] = state.pages.append(int(num_scheduled_tokens[row]))
         compaction = compactions.get(req_id)
-        if compaction is not None and compaction.protected_blocks:  # this step fills them; the compaction must not
+        if compaction is not None:  # the blocks the compaction must not write (none: it may write all it holds)
             state.pages.protect(compaction.protected_blocks)
         logical_len = computed + int(num_scheduled_tokens[row])
         if compaction is not None and compaction.cached_tokens != int(state.pages.lens.max()):
@@ -340,6 +349,8 @@ def clear_step(runner) -> None:
             moves, released = plan.state.pages.release_blocks()
             _move_pages(book, moves)
             _release_and_report(book, plan, [plan.state.pages.stage_pages()], released)
+            if plan.compaction.checkpoint is not None:
+                _publish_checkpoint(book, plan)
         return
     message = link.receive()
     for plan in compacted:
@@ -373,6 +384,18 @@ def clear_step(runner) -> None:
         lists = plan.state.pages
         _move_pages(book, lists.release(released))
         _release_and_report(book, plan, [stage.pages for stage in stages], released)
+
+
+def _publish_checkpoint(book: EvictionBook, plan: RowPlan) -> None:
+    """The step ended at a prompt checkpoint: keep a copy of the lists if they fill whole blocks, and name their
+    blocks in the report; the scheduler gives those blocks the checkpoint's hashes. The request itself must not write
+    them any more: they are protected from now on."""
+    lists = lists_of(plan.state)
+    if lists is None:
+        return
+    book.checkpoints[(plan.compaction.checkpoint, lists.blocks)] = lists
+    plan.state.pages.protected[:] = True
+    book.reports[plan.req_id] = dataclasses.replace(book.reports[plan.req_id], checkpoint_blocks=lists.blocks)
 
 
 def _move_pages(book: EvictionBook, moves: list[tuple[int, int]]) -> None:

@@ -5,6 +5,9 @@ Rules (B = the request's budget, bs = block size), checked after each step is sc
 - any earlier prompt chunk: the same, only with `kv_evict_every_chunk`;
 - a decode step: compact back to B once the cache reaches B + bs, so eviction runs once per block of new tokens
   (with `kv_allocation`, once the longest list grew by bs since the last compaction: each list returns to its share);
+- `kv_checkpoint=C`: instead of all of the above, at every step that ends at a multiple of C tokens (prompt chunks
+  are cut to end there), prompt and decode alike, and the compacted lists are published there when they fill whole
+  blocks (`kvserve/engine/checkpoints.py`); the lists then hold B to B + C entries;
 - `kv_evict_when=pressure`: none of the above until the pool is short (`_short_of_blocks`); until its first
   compaction the request is a `full` one (every block it fills, its reply's too, enters the prefix cache), and the
   first step it runs under pressure compacts it by the rules above.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.request import Request
@@ -35,10 +39,22 @@ from vllm.v1.request import Request
 from kvserve.config import KVConfig, PrefixSharing, parse_kv_config
 from kvserve.engine import phases
 from kvserve.engine.block_manager import EvictingFullAttentionManager
+from kvserve.engine.checkpoints import (
+    CheckpointId,
+    CheckpointRegistry,
+    Published,
+    block_key,
+    checkpoint_key,
+    first_compacting_checkpoint,
+    next_checkpoint,
+)
 from kvserve.engine.plan import (
+    ADOPT_ATTR,
+    DROPPED_ATTR,
     PLAN_ATTR,
     RELEASES_ATTR,
     Compaction,
+    PageReport,
     compactions_of,
     failures_of,
     page_reports_of,
@@ -70,6 +86,7 @@ class EvictingScheduler(Scheduler):
         group_index = paged_group(self.kv_cache_config, self.support)
         self.pipeline_stages = self.vllm_config.parallel_config.pipeline_parallel_size
         self.evicting_manager: EvictingFullAttentionManager | None = None
+        self.paged_group = group_index
         model = self.vllm_config.model_config.served_model_name
         if group_index is None:
             logger.warning("kvserve: %s: %s; eviction requests get HTTP 400", model, self.support.describe())
@@ -98,6 +115,9 @@ class EvictingScheduler(Scheduler):
         self.peak_decoding = 0
         self.num_preemptions = 0
         self.under_pressure = False  # this schedule found the pool short (`_short_of_blocks`)
+        self.checkpoints = CheckpointRegistry()  # published checkpoints (kv_checkpoint)
+        self.resuming: dict[str, bytes] = {}  # waiting request -> the checkpoint its hit resumes from
+        self.dropped: list[CheckpointId] = []  # checkpoints the workers hold and must forget
 
     def add_request(self, request: Request) -> None:
         if request.request_id not in self.requests and request.sampling_params is not None:
@@ -158,8 +178,11 @@ class EvictingScheduler(Scheduler):
                     cached_tokens=cached,
                     decode=is_decode,
                     protected_blocks=self.evicting_manager.protected_blocks(req_id),
+                    checkpoint=self._checkpoint_key(request, logical),
                 )
         setattr(output, PLAN_ATTR, plan)
+        if self.evicting_manager is not None:
+            self._tell_checkpoints(output)
         self.in_flight.update(req_id for req_id in output.num_scheduled_tokens if req_id in self.kv_configs)
         if self.pipeline_stages > 1:
             running = {request.request_id for request in self.running}
@@ -170,6 +193,42 @@ class EvictingScheduler(Scheduler):
         self.peak_running = max(self.peak_running, len(self.running))
         self.peak_decoding = max(self.peak_decoding, decoding)
         return output
+
+    def _checkpoint_key(self, request: Request, logical: int) -> bytes | None:
+        """The key a compaction after a step ending at `logical` tokens publishes its lists under, or None."""
+        config = self.kv_configs[request.request_id]
+        position = logical // self.hash_block_size
+        if not config.checkpoint or logical % config.checkpoint or len(request.block_hashes) < position:
+            return None
+        if request.request_id in self.evicting_manager.private:
+            return None
+        return checkpoint_key(request.block_hashes[position - 1], config)
+
+    def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """vLLM's chunk rule, and a `kv_checkpoint` request's chunks end at its checkpoints (a prompt's, or a preempted
+        request's recompute of prompt and output)."""
+        num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        config = self.kv_configs.get(request.request_id)
+        if config is None or not config.checkpoint:
+            return num_new_tokens
+        stop = next_checkpoint(num_computed_tokens, config)
+        if stop < request.num_tokens:
+            num_new_tokens = min(num_new_tokens, stop - num_computed_tokens)
+        return num_new_tokens
+
+    def _tell_checkpoints(self, output) -> None:
+        """The workers hear which new requests resume from a checkpoint, and which checkpoints are gone."""
+        starting = {request.req_id for request in output.scheduled_new_reqs}
+        starting.update(output.scheduled_cached_reqs.resumed_req_ids)
+        adopt = {req_id: key for req_id, key in self.resuming.items() if req_id in starting}
+        for req_id in adopt:
+            del self.resuming[req_id]
+            metrics().checkpoint_hits.inc()
+        # named before pruning (its blocks are held by the adopting request, so it cannot be pruned now anyway)
+        setattr(output, ADOPT_ATTR, {req_id: (key, self.checkpoints.entries[key].id) for req_id, key in adopt.items()})
+        self.dropped.extend(self.checkpoints.prune(self.kv_cache_manager.block_pool))
+        setattr(output, DROPPED_ATTR, tuple(self.dropped))
+        self.dropped = []
 
     def _short_of_blocks(self) -> bool:
         """Whether the pool is short: fewer free blocks (cached ones count, vLLM reuses them) than the running
@@ -191,16 +250,64 @@ class EvictingScheduler(Scheduler):
         plus queries it computes itself, and it keeps what it keeps on a miss. vLLM counts the cut hit."""
         blocks, hit, boundary, diverged = super()._get_local_prefix_cache_hit(request)
         sharing = None if self.evicting_manager is None else self.evicting_manager.sharing.get(request.request_id)
-        if sharing is None or hit == 0:
+        if sharing is None:
+            return blocks, hit, boundary, diverged
+        config = self.kv_configs[request.request_id]
+        if config.checkpoint:
+            resumed = self._checkpoint_hit(request, config, sharing.computed_tail)
+            if resumed is not None:
+                # one KV-cache group: kv_checkpoint is refused on hybrid models (`check_against_model`)
+                found = self.kv_cache_manager.create_kv_cache_blocks((list(resumed.blocks),))
+                return found, resumed.position, boundary, diverged
+        if hit == 0:
             return blocks, hit, boundary, diverged
         limit = max(min(hit, request.num_tokens - sharing.computed_tail), 0) // self.block_size * self.block_size
         limit = min(limit, self._copyable_hit(request, sharing))
+        if config.checkpoint:  # plain blocks are what a miss holds only before its first compaction
+            limit = min(limit, max(first_compacting_checkpoint(config) - sharing.computed_tail, 0))
+            limit = limit // self.block_size * self.block_size
         if limit < hit:
             # looked up again rather than sliced: a sliding-window group's hit holds only the blocks of the window
             # before ITS end, which a shorter hit moves
             found, limit, _ = self.kv_cache_manager.coordinator.find_longest_cache_hit(request.block_hashes, limit)
             blocks = self.kv_cache_manager.create_kv_cache_blocks(found)
         return blocks, limit, boundary, diverged
+
+    def _checkpoint_hit(self, request: Request, config: KVConfig, computed_tail: int) -> Published | None:
+        """The latest published checkpoint of this prompt, leaving at least `computed_tail` tokens to compute; the
+        request's page report becomes the checkpoint's, so the block manager charges it by the checkpoint's pages."""
+        manager = self.evicting_manager
+        manager.reports.pop(request.request_id, None)  # a hit found at an earlier, failed admission
+        self.resuming.pop(request.request_id, None)
+        position = (request.num_tokens - computed_tail) // config.checkpoint * config.checkpoint
+        while position >= first_compacting_checkpoint(config):
+            key = checkpoint_key(request.block_hashes[position // self.hash_block_size - 1], config)
+            published = self.checkpoints.alive(key, self.kv_cache_manager.block_pool)
+            if published is not None:
+                manager.reports[request.request_id] = published.report
+                self.resuming[request.request_id] = key
+                return published
+            position -= config.checkpoint
+        return None
+
+    def _publish_checkpoint(self, req_id: str, key: bytes, report: PageReport) -> None:
+        """A compaction at a checkpoint left lists that fill whole blocks: their blocks enter the prefix cache under
+        the checkpoint's own block hashes (vLLM then keeps them as cached blocks when the request lets them go)."""
+        blocks = self.evicting_manager.req_to_blocks.get(req_id, [])
+        by_id = {block.block_id: block for block in blocks}
+        published = [by_id[block_id] for block_id in report.checkpoint_blocks]
+        pool = self.kv_cache_manager.block_pool
+        if self.checkpoints.alive(key, pool) is not None:  # another request published the same lists first
+            self.dropped.append((key, report.checkpoint_blocks))
+            return
+        hashes = []
+        for index, block in enumerate(published):
+            block_hash = make_block_hash_with_group_id(BlockHash(block_key(key, index)), self.paged_group)
+            pool._insert_block_hash(block_hash, block, self.block_size)
+            hashes.append(block_hash)
+        stored = PageReport(logical_tokens=report.logical_tokens, stages=report.stages, released_block_ids=())
+        self.checkpoints.entries[key] = Published(report.logical_tokens, stored, published, hashes)
+        metrics().checkpoints_published.inc()
 
     def _copyable_hit(self, request: Request, sharing: PrefixSharing) -> int:
         """The longest hit (tokens) whose blocks the prompt's compaction can copy its kept pages out of. The copies go
@@ -227,7 +334,7 @@ class EvictingScheduler(Scheduler):
         None). One rule for the plan and for the allocation that must hold the plan's spare blocks."""
         cached = self.evicting_manager.longest_list(req_id, logical)
         prompt_done = logical >= self.requests[req_id].num_tokens
-        return cached, self._keep_tokens(self.kv_configs[req_id], cached, is_decode, prompt_done, req_id)
+        return cached, self._keep_tokens(self.kv_configs[req_id], cached, is_decode, prompt_done, req_id, logical)
 
     def _schedule_without_in_flight(self, *args, **kwargs):
         """vLLM's schedule, with the evicting requests that are in an unfinished batch out of its sight: vLLM keeps
@@ -245,12 +352,14 @@ class EvictingScheduler(Scheduler):
             self.running = held_back + self.running
 
     def _keep_tokens(
-        self, config: KVConfig, cached: int, is_decode: bool, prompt_done: bool, req_id: str
+        self, config: KVConfig, cached: int, is_decode: bool, prompt_done: bool, req_id: str, logical: int
     ) -> int | None:
         """The entries a request compacts to after this step, or None if it does not compact now."""
         if config.defers and not self.under_pressure and req_id not in self.evicting_manager.reports:
             return None  # kv_evict_when=pressure, and the pool has room: served as `full` for now
         budget = config.budget
+        if config.checkpoint:  # at every multiple of C, prompt or not, and nowhere else: lists hold B to B + C
+            return budget if logical % config.checkpoint == 0 and cached > budget else None
         if is_decode:
             if budget is None:
                 return None
@@ -287,9 +396,13 @@ class EvictingScheduler(Scheduler):
             request = self.requests.get(req_id)
             report = reports.get(req_id)
             if request is None or request.is_finished() or req_id in failures or report is None:
+                if report is not None and report.checkpoint_blocks:  # published by the worker, never by us
+                    self.dropped.append((compactions_of(scheduler_output)[req_id].checkpoint, report.checkpoint_blocks))
                 continue
             evicted_before = manager.evicted_tokens(req_id)
             freed = manager.apply_report(req_id, report)
+            if report.checkpoint_blocks:
+                self._publish_checkpoint(req_id, compactions_of(scheduler_output)[req_id].checkpoint, report)
             if self.pipeline_stages > 1 and report.released_block_ids:
                 self.releases[req_id] = report.released_block_ids
             evicted = manager.evicted_tokens(req_id) - evicted_before
@@ -337,6 +450,7 @@ class EvictingScheduler(Scheduler):
         super()._preempt_request(request, *args, **kwargs)
 
     def _free_request(self, request: Request, *args, **kwargs):
+        self.resuming.pop(request.request_id, None)
         config = self.kv_configs.pop(request.request_id, None)
         evicted = self._evicted_tokens(request.request_id)
         if config is not None and request.num_computed_tokens > 0:

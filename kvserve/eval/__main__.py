@@ -49,6 +49,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--allocations", default="uniform", help="kv_allocation values to run each budgeted policy with (comma list)"
     )
     parser.add_argument("--spans", default="1", help="kv_span values to run each score-based policy with")
+    parser.add_argument(
+        "--checkpoint",
+        type=int,
+        default=0,
+        help="kv_checkpoint of every budgeted policy (0: none; the server refuses settings it cannot serve)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="JSON lines; an existing file resumes")
     parser.add_argument("--plot", default=None, help="PNG path for the value-vs-budget plot")
@@ -67,6 +73,7 @@ def _several_allocations(args: argparse.Namespace) -> bool:
 def _settings(parser: argparse.ArgumentParser, args: argparse.Namespace, evict_every_chunk: bool = False) -> list:
     """The settings the command line asks for; a bad policy, knob or value ends with a message naming it."""
     layout = {"allocations": tuple(args.allocations.split(",")), "spans": tuple(_ints(args.spans))}
+    layout["checkpoint"] = getattr(args, "checkpoint", 0)
     match = getattr(args, "match_budget", None)
     try:
         return settings(

@@ -28,16 +28,18 @@ class Setting:
     # case, e.g. against attention_gate, whose gates decide how much to keep); `budget` is then None
     match: str | None = None
     evict_when: str = "eager"  # kv_evict_when
+    checkpoint: int = 0  # kv_checkpoint (0: none)
 
     @property
     def label(self) -> str:
         """The row's name in results and tables: the policy with its knobs as given on the command line, then a
-        non-uniform allocation, a span above 1 and deferred eviction (`snapkv/heads/span8`, `snapkv/pressure`,
-        `duoattention:retrieval_fraction=0.25`)."""
+        non-uniform allocation, a span above 1, deferred eviction and prompt checkpoints (`snapkv/heads/span8`,
+        `snapkv/pressure`, `snapkv/checkpoint256`, `duoattention:retrieval_fraction=0.25`)."""
         policy = ":".join([self.policy] + [f"{name}={value}" for name, value in self.knobs])
         policy += f"@{self.match}" if self.match else ""
         parts = [policy] + [self.allocation] * (self.allocation != "uniform") + [f"span{self.span}"] * (self.span > 1)
-        return "/".join(parts + [self.evict_when] * (self.evict_when != "eager"))
+        parts += [self.evict_when] * (self.evict_when != "eager")
+        return "/".join(parts + [f"checkpoint{self.checkpoint}"] * (self.checkpoint > 0))
 
     def headers(self) -> dict[str, str]:
         headers = {"x-kv-policy": self.policy}
@@ -52,6 +54,7 @@ class Setting:
         if self.policy != "full":  # always sent: the row's label must hold whatever the server's defaults are
             headers["x-kv-allocation"] = self.allocation
             headers["x-kv-span"] = str(self.span)
+            headers["x-kv-checkpoint"] = str(self.checkpoint)
         return headers
 
 
@@ -102,13 +105,14 @@ def settings(
     allocations: tuple[str, ...] = ("uniform",),
     spans: tuple[int, ...] = (1,),
     match: str | None = None,
+    checkpoint: int = 0,
 ) -> list[Setting]:
     """`full` once (the reference row), a policy that sets its own counts (attention_gate) once without a budget,
     every other policy at every budget, allocation and span it can use (score-based policies take every allocation
     and span; the others `uniform` and `pyramid` at span 1; a policy that sets its own counts per head only
     `uniform`). A policy may carry knobs: `duoattention:retrieval_fraction=0.25` (see `parse_policy`). With `match`
     (a setting's label), each budgeted policy runs once per allocation and span at the budget that setting kept on
-    each case, instead of at `budgets`."""
+    each case, instead of at `budgets`. `checkpoint`: every budgeted policy's kv_checkpoint."""
     from kvserve.policies import POLICIES, ScoredPolicy
 
     parsed = [parse_policy(text) for text in policies]
@@ -130,7 +134,7 @@ def settings(
             )
     once = [Setting(p, None, evict_every_chunk and p != "full", knobs=k) for p, k in parsed if unbudgeted(p)]
     return once + [
-        Setting(p, b, evict_every_chunk, allocation, span, knobs, match)
+        Setting(p, b, evict_every_chunk, allocation, span, knobs, match, checkpoint=checkpoint)
         for p, knobs in parsed
         if not unbudgeted(p)
         for b in ([None] if match else budgets)

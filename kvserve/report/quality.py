@@ -22,6 +22,7 @@ GATE = ("gate/suite-ruler.jsonl", "gate/suite-tasks.jsonl")
 GATE_PERPLEXITY = "gate/ppl.jsonl"
 ALLOCATION = ("allocation/ppl.jsonl", "allocation/tasks.jsonl", "allocation/capacity.json")
 FLOOR = 0.5  # a task is judged where the full cache scores at least this
+CHECKPOINT = "/checkpoint"  # in a label: a kv_checkpoint setting (`kvserve.eval.client.Setting.label`)
 
 
 def base_policy(label: str) -> str:
@@ -35,6 +36,8 @@ def best_labels(suite: Suite, cells: list[Cell]) -> dict[str, str]:
     budgets = suite.budgets()
     scored: dict[str, list[tuple[float, int, str]]] = defaultdict(list)
     for label in suite.labels():
+        if CHECKPOINT in label:  # a serving mode with its own table (`checkpoint_table`), not a policy setting
+            continue
         ratios = [r for b in budgets if (r := suite.ratio((label, b), cells)) is not None]
         if ratios:
             scored[base_policy(label)].append((sum(ratios) / len(ratios), len(ratios), label))
@@ -65,6 +68,24 @@ def share_table(suite: Suite, cells: list[Cell], labels: dict[str, str]) -> str:
         lines.append(f"| `{policy}` | {setting} | " + " | ".join(row) + " |")
     text = "\n".join(lines) + f"\n\n`full` answers {full_mean:.3f} of the judged cells (n = {full_n} answers)."
     return text + too_small_budgets(labels, budgets, suite, cells)
+
+
+def checkpoint_table(suite: Suite, cells: list[Cell]) -> str:
+    """Each `kv_checkpoint` setting that ran, beside the same setting without checkpoints."""
+    budgets = suite.budgets()
+    lines = [
+        "| setting | " + " | ".join(f"B={b}" for b in budgets) + " |",
+        "| --- |" + " --- |" * len(budgets),
+    ]
+    for label in sorted(lb for lb in suite.labels() if CHECKPOINT in lb):
+        base, _, every = label.partition(CHECKPOINT)
+        for shown, name in ((base, f"`{base}`"), (label, f"`{base}`, `kv_checkpoint={every}`")):
+            row = []
+            for b in budgets:
+                ratio, mean = suite.ratio((shown, b), cells), suite.mean((shown, b), cells)
+                row.append("-" if ratio is None else f"{ratio:.0%} ({mean[0]:.3f})")
+            lines.append(f"| {name} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
 def too_small_budgets(labels: dict[str, str], budgets: list[int], suite: Suite, cells: list[Cell]) -> str:
@@ -274,6 +295,10 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             f"`kvserve eval suite {' '.join(s.name for s in (ruler, tasks))} --by-task`.",
             share_table(suite, cells, labels),
             missing,
+            "Prompt checkpoints (`kv_checkpoint`, for chat turns that resume from compacted prefixes) compact every "
+            "C tokens with the queries before each checkpoint voting, not once with the question's; what that costs "
+            "here:",
+            checkpoint_table(suite, cells),
             f"![share of full against B]({plot_link}/quality.png)",
             ruler.caption(),
             tasks.caption(),

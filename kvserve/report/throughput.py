@@ -26,9 +26,11 @@ def setting_name(row: dict) -> str:
     if row["policy"] == "full":
         return "kvserve `full` (eviction off)"
     policy, deferred, _ = row["policy"].partition("/pressure")  # the label of a kv_evict_when=pressure setting
+    policy, _, checkpoint = policy.partition("/checkpoint")  # ... and of a kv_checkpoint setting
     name = f"`{policy}`" + (f" B={row['budget']}" if row.get("budget") else "")
     allocation = row.get("allocation")
     name += f" {allocation}" if allocation and allocation != "uniform" else ""
+    name += f", `kv_checkpoint={checkpoint}`" if checkpoint else ""
     return name + (", `kv_evict_when=pressure`" if deferred else "")
 
 
@@ -130,7 +132,9 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             f"document, {args['user_tokens']}-token user turns, {args['reply_tokens']}-token replies; a default pool "
             f"and a small one of {args['small_pool_blocks']} blocks of {args['block_size']} tokens. An eager "
             "evicting request compacts at the end of each prompt, so its reply is never published and the next turn "
-            "computes it again; with `kv_evict_when=pressure` it is served as `full` until the pool is short.",
+            "computes it again; with `kv_evict_when=pressure` it is served as `full` until the pool is short; with "
+            "`kv_checkpoint` it compacts at every multiple of that many tokens, prompt and reply alike, and the next "
+            "turn resumes from the compacted lists of the last one.",
             chat_table(chat),
             f"![TTFT and throughput per turn]({plot_link}/chat.png)",
             chat.caption(),

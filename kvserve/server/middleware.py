@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvserve.config import KEY_PREFIX, check_against_model, parse_kv_config
+from kvserve.config import KEY_PREFIX, check_against_model, engine_shape, parse_kv_config
 from kvserve.engine.plan import EVICTED_KEY
 from kvserve.errors import InvalidSetting
 from kvserve.model_support import EvictionSupport, eviction_support
@@ -139,10 +139,13 @@ class KVHeadersMiddleware:
                 reject_what_vllm_cannot_serve(body, scope["path"])
                 body = merge_into_body(body, header_xargs)
                 config = parse_kv_config(body.get("vllm_xargs"))
-                model_config = _model_config(scope)
+                vllm_config = _vllm_config(scope)
+                model_config = getattr(vllm_config, "model_config", None)
                 layers = "all" if model_config is None else evicting_layers(eviction_support(model_config))
                 if model_config is not None:  # here, a streamed request still gets a 400 rather than an error event
-                    served = check_against_model(config, model_config, body.get("vllm_xargs"))
+                    served = check_against_model(
+                        config, model_config, body.get("vllm_xargs"), **engine_shape(vllm_config)
+                    )
                     if served is not config:  # the server's default eviction, on a model that cannot evict
                         body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), "kv_policy": served.policy}
                         config = served
@@ -169,11 +172,10 @@ def evicting_layers(support: EvictionSupport) -> str:
     return ",".join(str(layer) for layer in support.paged_layers) if support.hybrid else "all"
 
 
-def _model_config(scope):
-    """The served model's config: vLLM puts its VllmConfig on the app's state before serving."""
+def _vllm_config(scope):
+    """The served engine's config: vLLM puts its VllmConfig on the app's state before serving."""
     app = scope.get("app")
-    vllm_config = getattr(getattr(app, "state", None), "vllm_config", None)
-    return getattr(vllm_config, "model_config", None)
+    return getattr(getattr(app, "state", None), "vllm_config", None)
 
 
 async def _read_body(receive) -> bytes:
