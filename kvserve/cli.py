@@ -80,9 +80,9 @@ def _serve_parser() -> argparse.ArgumentParser:
         "--kv-checkpoint",
         dest="kv_checkpoint",
         default=None,
-        help="tokens between prompt checkpoints (a multiple of the block size; default 0: none): the prompt also "
-        "compacts at each multiple and the compacted lists enter the prefix cache, so a longer prompt with the "
-        "same start (the next chat turn) resumes from them",
+        help="prompt checkpoints (default 0: none): turns (compact where each chat turn's prompt ends and by the "
+        "decode rule after it) or a token count C (compact at every multiple of C, a multiple of the block size); "
+        "the compacted lists enter the prefix cache, so the next chat turn resumes from them",
     )
     knobs = parser.add_argument_group("policy settings (each applies to the policies that declare it)")
     for key, help_text in sorted(_knob_help().items()):

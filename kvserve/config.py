@@ -46,6 +46,7 @@ class KVConfig:
     # also compact the prompt at every multiple of this many tokens and publish the compacted lists there (0: off);
     # see "Checkpoints" in docs/architecture.md
     checkpoint: int = 0
+    checkpoint_turns: bool = False  # kv_checkpoint=turns: compact and publish where chat turns end instead
 
     @property
     def defers(self) -> bool:
@@ -185,10 +186,12 @@ def _with_checkpoint(config: KVConfig, request: dict[str, Any], defaults: dict[s
     `check_against_model`."""
     if "kv_checkpoint" not in request and "kv_checkpoint" not in defaults:
         return config
-    checkpoint = parse_int("kv_checkpoint", request.get("kv_checkpoint", defaults.get("kv_checkpoint")))
+    raw = request.get("kv_checkpoint", defaults.get("kv_checkpoint"))
+    turns = raw == "turns"
+    checkpoint = 0 if turns else parse_int("kv_checkpoint", raw)
     if checkpoint < 0:
-        raise InvalidSetting("kv_checkpoint", f"must be >= 0 (0: no checkpoints), got {checkpoint}")
-    if checkpoint == 0:
+        raise InvalidSetting("kv_checkpoint", f"must be turns or a token count >= 0 (0: none), got {checkpoint}")
+    if checkpoint == 0 and not turns:
         return config
     window = config.prefix_sharing().computed_tail if config.prefix_sharing().reads else None
     why = None
@@ -205,13 +208,13 @@ def _with_checkpoint(config: KVConfig, request: dict[str, Any], defaults: dict[s
         )
     elif config.defers:
         why = "kv_evict_when=pressure compacts when the pool is short, so what a prefix holds depends on the load"
-    elif checkpoint < window:
+    elif not turns and checkpoint < window:
         why = f"must be at least the {window} last queries {config.policy} reads, got {checkpoint}"
     if why is not None:
         if "kv_checkpoint" in request:
             raise InvalidSetting("kv_checkpoint", why)
         return config
-    return replace(config, checkpoint=checkpoint)
+    return replace(config, checkpoint=checkpoint, checkpoint_turns=turns)
 
 
 def _evict_when(request: dict[str, Any], defaults: dict[str, Any], cls: type[Policy], every_chunk: bool) -> str:
@@ -341,12 +344,20 @@ def check_against_model(
     if config.evicts and config.budget is not None and config.budget > max_model_len:
         # a budget no sequence can reach is a mistake, not a way to turn eviction off (policy full does that)
         raise InvalidSetting("kv_budget", f"{config.budget} is above max_model_len ({max_model_len})")
-    if config.checkpoint and support.hybrid:
+    if (config.checkpoint or config.checkpoint_turns) and support.hybrid:
         raise InvalidSetting(
             "kv_checkpoint", f"is not served on {model}: its sliding-window layers keep blocks of their own"
         )
-    if config.checkpoint:
+    if config.checkpoint or config.checkpoint_turns:
         _check_checkpoint(config, block_size, pipeline_stages)
+    if config.checkpoint_turns:
+        from kvserve.engine.checkpoints import generation_marker
+
+        if generation_marker(model_config.tokenizer, model_config.trust_remote_code) is None:
+            raise InvalidSetting(
+                "kv_checkpoint",
+                f"turns needs a chat template that ends each prompt with one token sequence; {model} has none",
+            )
     if config.policy == "attention_gate":
         from kvserve.gates.registry import NoGateError, gate_entry
 
@@ -382,7 +393,7 @@ def _check_checkpoint(config: KVConfig, block_size: int | None, pipeline_stages:
         )
     if block_size is None:
         return
-    if config.checkpoint % block_size:
+    if config.checkpoint % block_size:  # (0 with turns)
         raise InvalidSetting(
             "kv_checkpoint", f"must be a multiple of the block size ({block_size}), got {config.checkpoint}"
         )

@@ -146,7 +146,8 @@ def test_chat_command_runs_conversations_on_every_server_and_evicting_requests_h
         "kvserve full",
         "kvserve snapkv",
         "kvserve snapkv/pressure",
-        "kvserve snapkv/checkpoint128",  # the default --checkpoints
+        "kvserve snapkv/checkpoint-turns",  # the default --checkpoints
+        "kvserve snapkv/checkpoint128",
     ]
     for result in results:
         assert len(result["requests"]) == conversations * turns
@@ -159,8 +160,9 @@ def test_chat_command_runs_conversations_on_every_server_and_evicting_requests_h
         else:
             assert all(r["cached_tokens"] >= 192 for r in second), result["server"]
         assert result["prefix_cache_hits"] >= sum(r["cached_tokens"] for r in result["requests"])  # vLLM counts them
-    full, evicting, deferred, checkpointing = results[1:]
-    assert checkpointing["checkpoints_published"] > 0 and checkpointing["checkpoint_hits"] >= conversations
+    full, evicting, deferred, *checkpointing = results[1:]
+    for run in checkpointing:  # each conversation's second turn resumed from its first turn's checkpoint
+        assert run["checkpoints_published"] > 0 and run["checkpoint_hits"] >= conversations, run["server"]
     assert evicting["blocks_published"] > 0 and full["blocks_published"] == 0  # counted for evicting requests
     # deferred eviction in a pool that holds both conversations: nothing compacts, so every turn hits what `full`'s
     # hit, its replies' blocks included (an eager request publishes only its prompt's)
@@ -169,6 +171,7 @@ def test_chat_command_runs_conversations_on_every_server_and_evicting_requests_h
     printed = background.printed("chat_run")
     assert "snapkv / full TTFT p50" in printed and "small pool: snapkv output tok/s" in printed
     assert "small pool: snapkv/pressure output tok/s" in printed
+    assert "small pool: snapkv/checkpoint-turns output tok/s" in printed
     assert "small pool: snapkv/checkpoint128 output tok/s" in printed
 
 

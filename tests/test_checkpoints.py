@@ -156,3 +156,58 @@ def test_resuming_fails_when_a_compaction_writes_into_a_published_checkpoint(eng
     assert hit.num_cached_tokens > 0
     assert list(hit.outputs[0].token_ids) != list(reference.outputs[0].token_ids)
     engine.llm.reset_prefix_cache()  # the cache now holds those corrupted blocks
+
+
+TURNS = {"kv_policy": "snapkv", "kv_budget": BUDGET, "kv_checkpoint": "turns"}
+
+
+def chat_ids(engine, messages: list[dict]) -> list[int]:
+    encoded = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def test_a_chat_turn_resumes_where_the_last_turn_left_off_and_keeps_what_a_miss_keeps(engine):
+    """`kv_checkpoint=turns`: the first turn compacts where its prompt ends (the chat template's generation prompt)
+    and again while its reply grows past B + block size; the second turn resumes from the latest of those its
+    prompt shares and keeps what the salted miss keeps."""
+    salt = uuid.uuid4().hex
+    document = engine.tokenizer.decode(haystack(engine.tokenizer, 300, seed=940))
+    messages = [{"role": "user", "content": document + " What is this text about?"}]
+    first = chat_ids(engine, messages)
+    published = counter("checkpoints_published")
+    (turn_one,) = run(engine, [salted(first, salt)], TURNS, max_tokens=BLOCK_SIZE + 8)
+    assert counter("checkpoints_published") >= published + 2  # the turn's end, and once in its reply
+    reply = engine.tokenizer.decode(turn_one.outputs[0].token_ids)
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Say it again in other words."}]
+    second = chat_ids(engine, messages)
+    assert second[: len(first)] == first
+    hits = counter("checkpoint_hits")
+    (hit,) = run(engine, [salted(second, salt)], TURNS)
+    (reference,) = run(engine, [salted(second, uuid.uuid4().hex)], TURNS)
+    assert hit.num_cached_tokens >= len(first) and counter("checkpoint_hits") == hits + 1
+    assert reference.num_cached_tokens == 0
+    assert_same(engine, hit, reference, "second turn")
+
+
+def test_turn_checkpoints_keep_what_eager_eviction_keeps_on_a_single_prompt(engine):
+    """One chat turn compacts once where its prompt ends, with the question's window, as eager eviction does, then
+    by the same decode rule: same tokens, evicted count and kept positions. A prompt without the chat template
+    (no turn ends in it) is served exactly as eager too, and publishes nothing."""
+    question_text = " What is this text about?"
+    chat = chat_ids(
+        engine,
+        [
+            {
+                "role": "user",
+                "content": engine.tokenizer.decode(haystack(engine.tokenizer, 300, seed=950)) + question_text,
+            }
+        ],
+    )
+    plain = haystack(engine.tokenizer, 300, seed=951) + question(engine, "What is this text about?")
+    eager = {"kv_policy": "snapkv", "kv_budget": BUDGET}
+    for label, ids in (("chat", chat), ("completion", plain)):
+        published = counter("checkpoints_published")
+        (turns,) = run(engine, [salted(ids, uuid.uuid4().hex)], TURNS, max_tokens=BLOCK_SIZE + 8)
+        (reference,) = run(engine, [salted(ids, uuid.uuid4().hex)], eager, max_tokens=BLOCK_SIZE + 8)
+        assert_same(engine, turns, reference, label)
+        assert (counter("checkpoints_published") > published) == (label == "chat"), label

@@ -187,6 +187,10 @@ def _turn_row(records: list[dict], samples: list[tuple], turn: int) -> dict:
     }
 
 
+def _checkpoint(text: str) -> int | str:
+    return text if text == "turns" else int(text)
+
+
 def run_pool(pool: str, engine_args: list[str], env: dict, document: str, users, args, log_dir: Path) -> list[dict]:
     servers = [
         ("vanilla", "vanilla", [Setting("full", None)]),
@@ -195,7 +199,7 @@ def run_pool(pool: str, engine_args: list[str], env: dict, document: str, users,
             "kvserve",
             [Setting("full", None)]
             + [Setting(args.policy, args.budget, evict_when=when) for when in args.evict_when.split(",") if when]
-            + [Setting(args.policy, args.budget, checkpoint=int(c)) for c in args.checkpoints.split(",") if c],
+            + [Setting(args.policy, args.budget, checkpoint=_checkpoint(c)) for c in args.checkpoints.split(",") if c],
         ),
     ]
     results = []
@@ -357,9 +361,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--checkpoints",
-        default="128",
-        help="kv_checkpoint of more evicting runs (eager, with prompt checkpoints), a comma list of token counts "
-        "(multiples of --block-size; empty: none)",
+        default="turns,128",
+        help="kv_checkpoint of more evicting runs, a comma list: turns (checkpoints where chat turns end) and/or "
+        "token counts (multiples of --block-size); empty: none",
     )
     parser.add_argument(
         "--pools",

@@ -46,6 +46,7 @@ class EvictingFullAttentionManager(FullAttentionManager):
         self.private: set[str] = set()  # evicting requests that stopped publishing (no room for a compaction's copy)
         self.spare: dict[str, int] = {}  # request id -> spare blocks its allocation this step adds
         self.spare_taken: dict[str, int] = {}  # request id -> spare blocks its last allocation added
+        self.resuming_request = False  # the hit being allocated is a checkpoint's (`_has_partial_local_hit`)
         self.admission_cap: dict[str, int] = {}  # per-chunk evicting requests: most entries they ever hold
         self.requests = requests  # the scheduler's requests, by id
         self.compaction_at = compaction_at  # (request id, tokens after a step) -> entries it keeps then, or None
@@ -138,6 +139,20 @@ class EvictingFullAttentionManager(FullAttentionManager):
         blocks = self.blocks_held(request_id, num_tokens)
         return num_tokens if blocks is None else blocks * self.block_size
 
+    def _has_partial_local_hit(self, new_computed_blocks: Sequence, num_local_computed_tokens: int) -> bool:
+        # A checkpoint's blocks hold compacted lists, not the first tokens of the hit: a hit that ends inside a block
+        # (a turn checkpoint) has no partial block to copy.
+        if self.resuming_request:
+            return False
+        return super()._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens)
+
+    def add_local_computed_blocks(self, request_id: str, *args, **kwargs) -> None:
+        self.resuming_request = request_id in self.reports  # (a request reports before its first step only so)
+        try:
+            super().add_local_computed_blocks(request_id, *args, **kwargs)
+        finally:
+            self.resuming_request = False
+
     def get_num_blocks_to_allocate(
         self,
         request_id: str,
@@ -155,6 +170,7 @@ class EvictingFullAttentionManager(FullAttentionManager):
             num_tokens = min(num_tokens, self.admission_cap[request_id])
 
         def blocks_for(tokens: int) -> int:
+            self.resuming_request = bool(new_computed_blocks) and request_id in self.reports
             return super(EvictingFullAttentionManager, self).get_num_blocks_to_allocate(
                 request_id,
                 self._page_tokens(request_id, tokens),

@@ -17,7 +17,9 @@ free slot). Hits on checkpoints are counted by vLLM's prefix-cache counters like
 
 from __future__ import annotations
 
+import functools
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +30,7 @@ from kvserve.engine.plan import PageReport
 from kvserve.engine.request_state import LayerState, RequestState
 
 CheckpointId = tuple[bytes, tuple[int, ...]]  # (key, the blocks holding the lists): what scheduler and worker share
+TURNS = "turns"  # kv_checkpoint=turns: checkpoints where chat turns end (`turn_positions`)
 
 
 def checkpoint_key(prefix_block_hash: bytes, config: KVConfig) -> bytes:
@@ -48,6 +51,76 @@ def first_compacting_checkpoint(config: KVConfig) -> int:
 
 def next_checkpoint(computed: int, config: KVConfig) -> int:
     return (computed // config.checkpoint + 1) * config.checkpoint
+
+
+def position_key(
+    block_hashes: Sequence[bytes], tokens: Sequence[int], position: int, hash_block_size: int, config: KVConfig
+) -> bytes | None:
+    """The key of the lists after the first `position` tokens, for a position inside a block (a turn checkpoint):
+    vLLM's chained hash of the last whole block before it (which covers the cache salt and every extra key), then the
+    tokens after that block. None before the first whole block (nothing there carries the salt)."""
+    whole = position // hash_block_size
+    if whole == 0 or len(block_hashes) < whole:
+        return None
+    tail = np.asarray(tokens[whole * hash_block_size : position], dtype=np.int64).tobytes()
+    return checkpoint_key(block_hashes[whole - 1] + b"|" + tail, config)
+
+
+@functools.lru_cache(maxsize=8)
+def generation_marker(tokenizer: str, trust_remote_code: bool = False) -> tuple[int, ...] | None:
+    """The tokens the model's chat template appends to ask for a reply (`<|im_start|>assistant\n`): every chat
+    prompt ends with them, and a later turn's prompt holds them where the earlier turn's prompt ended. None: the
+    model has no chat template, or its template does not append one fixed sequence."""
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code)
+    if not getattr(loaded, "chat_template", None):
+        return None
+    messages = [{"role": "user", "content": "x"}]
+
+    def ids(generation_prompt: bool) -> list[int]:
+        encoded = loaded.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    asking, plain = ids(True), ids(False)
+    if len(asking) <= len(plain) or asking[: len(plain)] != plain:
+        return None
+    return tuple(asking[len(plain) :])
+
+
+def marker_ends(tokens: Sequence[int], marker: tuple[int, ...], limit: int) -> list[int]:
+    """Positions p <= limit where tokens[p - len(marker) : p] is the marker."""
+    array = np.asarray(tokens[:limit], dtype=np.int64)
+    size = len(marker)
+    starts = np.flatnonzero(array[: max(len(array) - size + 1, 0)] == marker[0])
+    return [int(s) + size for s in starts if tuple(array[s : s + size]) == marker]
+
+
+def turn_positions(ends: list[int], budget: int, block_size: int, limit: int) -> list[int]:
+    """Where a `kv_checkpoint=turns` request that starts from nothing compacts, up to `limit` tokens: at each turn's
+    end (a marker end, once its lists exceed B), and after the first one wherever its lists reach B + block size
+    (the decode rule, which a reply followed when it was generated). The scheduler's `_turn_keep` is this rule step
+    by step; a request that compacted at a prompt end that is no turn's end publishes nothing after it."""
+    positions: list[int] = []
+    position, cached, armed, index = 0, 0, False, 0
+    while True:
+        next_marker = ends[index] if index < len(ends) else None
+        next_chain = position + budget + block_size - cached if armed else None
+        candidates = [p for p in (next_marker, next_chain) if p is not None]
+        if not candidates or min(candidates) > limit:
+            return positions
+        step = min(candidates)
+        cached += step - position
+        position = step
+        if step == next_marker:
+            index += 1
+            armed = True
+            if cached > budget:
+                positions.append(step)
+                cached = budget
+        else:
+            positions.append(step)
+            cached = budget
 
 
 @dataclass

@@ -46,7 +46,11 @@ from kvserve.engine.checkpoints import (
     block_key,
     checkpoint_key,
     first_compacting_checkpoint,
+    generation_marker,
+    marker_ends,
     next_checkpoint,
+    position_key,
+    turn_positions,
 )
 from kvserve.engine.plan import (
     ADOPT_ATTR,
@@ -118,6 +122,8 @@ class EvictingScheduler(Scheduler):
         self.checkpoints = CheckpointRegistry()  # published checkpoints (kv_checkpoint)
         self.resuming: dict[str, bytes] = {}  # waiting request -> the checkpoint its hit resumes from
         self.dropped: list[CheckpointId] = []  # checkpoints the workers hold and must forget
+        self.turn_private: set[str] = set()  # kv_checkpoint=turns requests that compacted where no turn ended
+        self.first_turn_end: dict[str, tuple[int, int | None]] = {}  # req -> (tokens scanned, first turn end)
 
     def add_request(self, request: Request) -> None:
         if request.request_id not in self.requests and request.sampling_params is not None:
@@ -197,6 +203,8 @@ class EvictingScheduler(Scheduler):
     def _checkpoint_key(self, request: Request, logical: int) -> bytes | None:
         """The key a compaction after a step ending at `logical` tokens publishes its lists under, or None."""
         config = self.kv_configs[request.request_id]
+        if config.checkpoint_turns:
+            return self._turn_key(request, config, logical)
         position = logical // self.hash_block_size
         if not config.checkpoint or logical % config.checkpoint or len(request.block_hashes) < position:
             return None
@@ -204,17 +212,81 @@ class EvictingScheduler(Scheduler):
             return None
         return checkpoint_key(request.block_hashes[position - 1], config)
 
+    def _turn_key(self, request: Request, config: KVConfig, logical: int) -> bytes | None:
+        """A turn checkpoint's key; a compaction at a prompt end that is no turn's (a completion prompt) makes the
+        request's lists depend on where its prompt ended, so it publishes nothing from then on."""
+        req_id = request.request_id
+        if req_id in self.turn_private or req_id in self.evicting_manager.private:
+            return None
+        if not self._turn_ends_at(request, logical) and not self._armed(request, logical):
+            self.turn_private.add(req_id)
+            return None
+        if logical < request.num_prompt_tokens:
+            # inside a resent conversation: a later turn resumes from this prompt's end or later, never from here, and
+            # publishing every block of a recomputed conversation pushed the useful checkpoints out of a small pool
+            return None
+        return position_key(request.block_hashes, request.all_token_ids, logical, self.hash_block_size, config)
+
+    def _marker(self) -> tuple[int, ...]:
+        model = self.vllm_config.model_config
+        marker = generation_marker(model.tokenizer, model.trust_remote_code)
+        if marker is None:  # check_against_model refuses kv_checkpoint=turns on such a model
+            raise RuntimeError("kvserve: kv_checkpoint=turns on a model without a chat template")
+        return marker
+
+    def _turn_ends_at(self, request: Request, logical: int) -> bool:
+        marker = self._marker()
+        return logical >= len(marker) and tuple(request.all_token_ids[logical - len(marker) : logical]) == marker
+
+    def _armed(self, request: Request, logical: int) -> bool:
+        """Whether a turn ended before `logical` (from then on the decode rule applies to every token)."""
+        scanned, first = self.first_turn_end.get(request.request_id, (0, None))
+        if first is None and scanned < logical:
+            marker = self._marker()
+            start = max(scanned - len(marker), 0)
+            ends = marker_ends(request.all_token_ids[start:logical], marker, logical - start)
+            first = start + ends[0] if ends else None
+            self.first_turn_end[request.request_id] = (logical, first)
+        return first is not None and first < logical
+
+    def _turn_keep(
+        self, config: KVConfig, request: Request, logical: int, cached: int, is_decode: bool, prompt_done: bool
+    ) -> int | None:
+        """`kv_checkpoint=turns`: compact where a turn ends (its lists over B), then by the decode rule (at B + bs)
+        for every later token, prompt or reply; a prompt that ends where no turn does compacts there as usual."""
+        budget, block_size = config.budget, self.block_size
+        if self._turn_ends_at(request, logical):
+            return budget if cached > budget else None
+        if is_decode or self._armed(request, logical) or request.request_id in self.evicting_manager.reports:
+            return budget if cached >= budget + block_size else None
+        return budget if prompt_done and cached > budget else None
+
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
         """vLLM's chunk rule, and a `kv_checkpoint` request's chunks end at its checkpoints (a prompt's, or a preempted
         request's recompute of prompt and output)."""
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         config = self.kv_configs.get(request.request_id)
+        if config is not None and config.checkpoint_turns:
+            stop = self._next_turn_stop(request, config, num_computed_tokens)
+            if stop < request.num_tokens:
+                num_new_tokens = min(num_new_tokens, stop - num_computed_tokens)
+            return num_new_tokens
         if config is None or not config.checkpoint:
             return num_new_tokens
         stop = next_checkpoint(num_computed_tokens, config)
         if stop < request.num_tokens:
             num_new_tokens = min(num_new_tokens, stop - num_computed_tokens)
         return num_new_tokens
+
+    def _next_turn_stop(self, request: Request, config: KVConfig, computed: int) -> int:
+        """Where a `kv_checkpoint=turns` request's chunk from `computed` must end: the next turn's end, or where its
+        lists reach B + bs once a turn has ended (a miss compacts a resent reply where its decode did)."""
+        ends = marker_ends(request.all_token_ids, self._marker(), request.num_tokens)
+        stops = [end for end in ends if end > computed]
+        if self._armed(request, computed + 1) or request.request_id in self.evicting_manager.reports:
+            cached = self.evicting_manager.longest_list(request.request_id, computed)
+            stops.append(computed + max(config.budget + self.block_size - cached, 1))
+        return min(stops, default=request.num_tokens)
 
     def _tell_checkpoints(self, output) -> None:
         """The workers hear which new requests resume from a checkpoint, and which checkpoints are gone."""
@@ -253,7 +325,7 @@ class EvictingScheduler(Scheduler):
         if sharing is None:
             return blocks, hit, boundary, diverged
         config = self.kv_configs[request.request_id]
-        if config.checkpoint:
+        if config.checkpoint or config.checkpoint_turns:
             resumed = self._checkpoint_hit(request, config, sharing.computed_tail)
             if resumed is not None:
                 # one KV-cache group: kv_checkpoint is refused on hybrid models (`check_against_model`)
@@ -263,8 +335,8 @@ class EvictingScheduler(Scheduler):
             return blocks, hit, boundary, diverged
         limit = max(min(hit, request.num_tokens - sharing.computed_tail), 0) // self.block_size * self.block_size
         limit = min(limit, self._copyable_hit(request, sharing))
-        if config.checkpoint:  # plain blocks are what a miss holds only before its first compaction
-            limit = min(limit, max(first_compacting_checkpoint(config) - sharing.computed_tail, 0))
+        if config.checkpoint or config.checkpoint_turns:  # plain blocks: what a miss holds before its first compaction
+            limit = min(limit, max(self._first_compaction(request, config) - sharing.computed_tail, 0))
             limit = limit // self.block_size * self.block_size
         if limit < hit:
             # looked up again rather than sliced: a sliding-window group's hit holds only the blocks of the window
@@ -273,21 +345,37 @@ class EvictingScheduler(Scheduler):
             blocks = self.kv_cache_manager.create_kv_cache_blocks(found)
         return blocks, limit, boundary, diverged
 
+    def _first_compaction(self, request: Request, config: KVConfig) -> int:
+        if not config.checkpoint_turns:
+            return first_compacting_checkpoint(config)
+        ends = marker_ends(request.all_token_ids, self._marker(), request.num_tokens)
+        positions = turn_positions(ends, config.budget, self.block_size, request.num_tokens)
+        return positions[0] if positions else request.num_tokens
+
+    def _candidates(self, request: Request, config: KVConfig, limit: int) -> list[tuple[int, bytes]]:
+        """(position, key) of the checkpoints a miss of this prompt would publish up to `limit`, latest first."""
+        if config.checkpoint_turns:
+            tokens = request.all_token_ids
+            ends = marker_ends(tokens, self._marker(), limit)
+            positions = turn_positions(ends, config.budget, self.block_size, limit)
+            keys = [(p, position_key(request.block_hashes, tokens, p, self.hash_block_size, config)) for p in positions]
+            return [(p, key) for p, key in reversed(keys) if key is not None]
+        first = first_compacting_checkpoint(config)
+        positions = range(limit // config.checkpoint * config.checkpoint, first - 1, -config.checkpoint)
+        return [(p, checkpoint_key(request.block_hashes[p // self.hash_block_size - 1], config)) for p in positions]
+
     def _checkpoint_hit(self, request: Request, config: KVConfig, computed_tail: int) -> Published | None:
         """The latest published checkpoint of this prompt, leaving at least `computed_tail` tokens to compute; the
         request's page report becomes the checkpoint's, so the block manager charges it by the checkpoint's pages."""
         manager = self.evicting_manager
         manager.reports.pop(request.request_id, None)  # a hit found at an earlier, failed admission
         self.resuming.pop(request.request_id, None)
-        position = (request.num_tokens - computed_tail) // config.checkpoint * config.checkpoint
-        while position >= first_compacting_checkpoint(config):
-            key = checkpoint_key(request.block_hashes[position // self.hash_block_size - 1], config)
+        for _, key in self._candidates(request, config, request.num_tokens - computed_tail):
             published = self.checkpoints.alive(key, self.kv_cache_manager.block_pool)
             if published is not None:
                 manager.reports[request.request_id] = published.report
                 self.resuming[request.request_id] = key
                 return published
-            position -= config.checkpoint
         return None
 
     def _publish_checkpoint(self, req_id: str, key: bytes, report: PageReport) -> None:
@@ -358,6 +446,8 @@ class EvictingScheduler(Scheduler):
         if config.defers and not self.under_pressure and req_id not in self.evicting_manager.reports:
             return None  # kv_evict_when=pressure, and the pool has room: served as `full` for now
         budget = config.budget
+        if config.checkpoint_turns:
+            return self._turn_keep(config, self.requests[req_id], logical, cached, is_decode, prompt_done)
         if config.checkpoint:  # at every multiple of C, prompt or not, and nowhere else: lists hold B to B + C
             return budget if logical % config.checkpoint == 0 and cached > budget else None
         if is_decode:
@@ -451,6 +541,8 @@ class EvictingScheduler(Scheduler):
 
     def _free_request(self, request: Request, *args, **kwargs):
         self.resuming.pop(request.request_id, None)
+        self.turn_private.discard(request.request_id)
+        self.first_turn_end.pop(request.request_id, None)
         config = self.kv_configs.pop(request.request_id, None)
         evicted = self._evicted_tokens(request.request_id)
         if config is not None and request.num_computed_tokens > 0:

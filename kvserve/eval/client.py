@@ -28,7 +28,7 @@ class Setting:
     # case, e.g. against attention_gate, whose gates decide how much to keep); `budget` is then None
     match: str | None = None
     evict_when: str = "eager"  # kv_evict_when
-    checkpoint: int = 0  # kv_checkpoint (0: none)
+    checkpoint: int | str = 0  # kv_checkpoint: tokens between checkpoints, or "turns" (0: none)
 
     @property
     def label(self) -> str:
@@ -39,7 +39,9 @@ class Setting:
         policy += f"@{self.match}" if self.match else ""
         parts = [policy] + [self.allocation] * (self.allocation != "uniform") + [f"span{self.span}"] * (self.span > 1)
         parts += [self.evict_when] * (self.evict_when != "eager")
-        return "/".join(parts + [f"checkpoint{self.checkpoint}"] * (self.checkpoint > 0))
+        if self.checkpoint:
+            parts.append("checkpoint-turns" if self.checkpoint == "turns" else f"checkpoint{self.checkpoint}")
+        return "/".join(parts)
 
     def headers(self) -> dict[str, str]:
         headers = {"x-kv-policy": self.policy}

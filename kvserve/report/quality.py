@@ -79,6 +79,7 @@ def checkpoint_table(suite: Suite, cells: list[Cell]) -> str:
     ]
     for label in sorted(lb for lb in suite.labels() if CHECKPOINT in lb):
         base, _, every = label.partition(CHECKPOINT)
+        every = every.lstrip("-")
         for shown, name in ((base, f"`{base}`"), (label, f"`{base}`, `kv_checkpoint={every}`")):
             row = []
             for b in budgets:

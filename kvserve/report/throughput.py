@@ -30,7 +30,7 @@ def setting_name(row: dict) -> str:
     name = f"`{policy}`" + (f" B={row['budget']}" if row.get("budget") else "")
     allocation = row.get("allocation")
     name += f" {allocation}" if allocation and allocation != "uniform" else ""
-    name += f", `kv_checkpoint={checkpoint}`" if checkpoint else ""
+    name += f", `kv_checkpoint={checkpoint.lstrip('-')}`" if checkpoint else ""
     return name + (", `kv_evict_when=pressure`" if deferred else "")
 
 
@@ -133,8 +133,9 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             f"and a small one of {args['small_pool_blocks']} blocks of {args['block_size']} tokens. An eager "
             "evicting request compacts at the end of each prompt, so its reply is never published and the next turn "
             "computes it again; with `kv_evict_when=pressure` it is served as `full` until the pool is short; with "
-            "`kv_checkpoint` it compacts at every multiple of that many tokens, prompt and reply alike, and the next "
-            "turn resumes from the compacted lists of the last one.",
+            "`kv_checkpoint=turns` it compacts where each turn's prompt ends and by the decode rule after it, with "
+            "`kv_checkpoint=128` at every multiple of 128 tokens, and in both the next turn resumes from the "
+            "compacted lists the last one published.",
             chat_table(chat),
             f"![TTFT and throughput per turn]({plot_link}/chat.png)",
             chat.caption(),
