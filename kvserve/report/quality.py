@@ -296,9 +296,10 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             f"`kvserve eval suite {' '.join(s.name for s in (ruler, tasks))} --by-task`.",
             share_table(suite, cells, labels),
             missing,
-            "Prompt checkpoints (`kv_checkpoint`, for chat turns that resume from compacted prefixes) compact every "
-            "C tokens with the queries before each checkpoint voting, not once with the question's; what that costs "
-            "here:",
+            "Prompt checkpoints (`kv_checkpoint`, for chat turns that resume from compacted prefixes): "
+            "`kv_checkpoint=turns` keeps on one prompt exactly what eager eviction keeps (tested), so the rows above "
+            "are its rows; `kv_checkpoint=C` compacts every C tokens with the queries before each checkpoint voting, "
+            "not once with the question's, and that costs:",
             checkpoint_table(suite, cells),
             f"![share of full against B]({plot_link}/quality.png)",
             ruler.caption(),
