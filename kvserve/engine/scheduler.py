@@ -8,6 +8,9 @@ Rules (B = the request's budget, bs = block size), checked after each step is sc
 - `kv_checkpoint=C`: instead of all of the above, at every step that ends at a multiple of C tokens (prompt chunks
   are cut to end there), prompt and decode alike, and the compacted lists are published there when they fill whole
   blocks (`kvserve/engine/checkpoints.py`); the lists then hold B to B + C entries;
+- `kv_checkpoint=turns`: where a chat turn's prompt ends (its lists over B), and once a turn has ended by the decode
+  rule for every later token, prompt or reply (chunks are cut there too), publishing at a prompt's end and in decode;
+  a prompt that ends where no turn does compacts there as eager eviction does and publishes nothing after it;
 - `kv_evict_when=pressure`: none of the above until the pool is short (`_short_of_blocks`); until its first
   compaction the request is a `full` one (every block it fills, its reply's too, enters the prefix cache), and the
   first step it runs under pressure compacts it by the rules above.
