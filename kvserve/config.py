@@ -43,8 +43,8 @@ class KVConfig:
     allocation: str = "uniform"  # how the L*H*B entries spread over layers and heads (kvserve/policies/allocation.py)
     span: int = 1  # score whole spans of this many token positions (1: single tokens)
     evict_when: str = "eager"  # one of EVICT_WHEN
-    # also compact the prompt at every multiple of this many tokens and publish the compacted lists there (0: off);
-    # see "Checkpoints" in docs/architecture.md
+    # compact at every multiple of this many tokens (prompt and decode) instead, publishing the compacted lists there
+    # (0: off); see "Prompt checkpoints" in docs/architecture.md
     checkpoint: int = 0
     checkpoint_turns: bool = False  # kv_checkpoint=turns: compact and publish where chat turns end instead
 

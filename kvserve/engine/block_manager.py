@@ -21,6 +21,7 @@ compacted in place (`kvserve:prefix_publish_fallbacks`); only blocks others hold
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 from vllm.utils.math_utils import cdiv
@@ -146,12 +147,19 @@ class EvictingFullAttentionManager(FullAttentionManager):
             return False
         return super()._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens)
 
-    def add_local_computed_blocks(self, request_id: str, *args, **kwargs) -> None:
-        self.resuming_request = request_id in self.reports  # (a request reports before its first step only so)
+    @contextlib.contextmanager
+    def _hit_of(self, request_id: str, new_computed_blocks: Sequence):
+        """While vLLM sizes or adds a hit: whether it is a checkpoint's (a request has a page report before its first
+        step only when it resumes from one)."""
+        self.resuming_request = bool(new_computed_blocks) and request_id in self.reports
         try:
-            super().add_local_computed_blocks(request_id, *args, **kwargs)
+            yield
         finally:
             self.resuming_request = False
+
+    def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence, *args, **kwargs) -> None:
+        with self._hit_of(request_id, new_computed_blocks):
+            super().add_local_computed_blocks(request_id, new_computed_blocks, *args, **kwargs)
 
     def get_num_blocks_to_allocate(
         self,
@@ -170,17 +178,17 @@ class EvictingFullAttentionManager(FullAttentionManager):
             num_tokens = min(num_tokens, self.admission_cap[request_id])
 
         def blocks_for(tokens: int) -> int:
-            self.resuming_request = bool(new_computed_blocks) and request_id in self.reports
-            return super(EvictingFullAttentionManager, self).get_num_blocks_to_allocate(
-                request_id,
-                self._page_tokens(request_id, tokens),
-                new_computed_blocks,
-                total_computed_tokens,
-                num_local_computed_tokens,
-                self._page_tokens(request_id, num_tokens_main_model),
-                apply_admission_cap=apply_admission_cap,
-                prefill_end=prefill_end,
-            )
+            with self._hit_of(request_id, new_computed_blocks):
+                return super(EvictingFullAttentionManager, self).get_num_blocks_to_allocate(
+                    request_id,
+                    self._page_tokens(request_id, tokens),
+                    new_computed_blocks,
+                    total_computed_tokens,
+                    num_local_computed_tokens,
+                    self._page_tokens(request_id, num_tokens_main_model),
+                    apply_admission_cap=apply_admission_cap,
+                    prefill_end=prefill_end,
+                )
 
         needed = blocks_for(num_tokens)
         if apply_admission_cap:  # the whole-sequence admission check; the step's own allocation adds the spares

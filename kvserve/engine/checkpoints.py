@@ -26,10 +26,9 @@ import numpy as np
 import torch
 
 from kvserve.config import KVConfig
-from kvserve.engine.plan import PageReport
+from kvserve.engine.plan import CheckpointId, PageReport
 from kvserve.engine.request_state import LayerState, RequestState
 
-CheckpointId = tuple[bytes, tuple[int, ...]]  # (key, the blocks holding the lists): what scheduler and worker share
 TURNS = "turns"  # kv_checkpoint=turns: checkpoints where chat turns end (`turn_positions`)
 
 
@@ -127,10 +126,14 @@ def turn_positions(ends: list[int], budget: int, block_size: int, limit: int) ->
 class Published:
     """The scheduler's record of one published checkpoint."""
 
-    position: int  # jC: logical tokens the lists cover
     report: PageReport  # the lists as the publishing request's worker reported them (charges an adopting request)
     blocks: list  # vLLM KVCacheBlocks, in order
     hashes: list  # their BlockHashWithGroupId
+
+    @property
+    def position(self) -> int:
+        """Logical tokens the lists cover."""
+        return self.report.logical_tokens
 
     @property
     def id(self) -> tuple[int, ...]:

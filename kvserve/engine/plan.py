@@ -23,7 +23,7 @@ class Compaction:
     # blocks whose contents must not change (prefix-cache blocks, blocks another request holds): the compaction
     # copies the pages it would write out of them first, and they all go back to vLLM after the step
     protected_blocks: tuple[int, ...] = ()
-    # set when the step ends at a prompt checkpoint (`kv_checkpoint`): the key the compacted lists are published under
+    # set when the compaction is at a checkpoint (`kv_checkpoint`): the key its lists are published under
     checkpoint: bytes | None = None
 
 
@@ -114,16 +114,17 @@ def releases_of(scheduler_output: object) -> dict[str, tuple[int, ...]]:
     return getattr(scheduler_output, RELEASES_ATTR, None) or {}
 
 
-# Attributes of a SchedulerOutput (`kv_checkpoint`): {req_id: checkpoint key} for requests whose first step resumes
-# from a published checkpoint (their first blocks are its blocks), and the keys of checkpoints whose blocks vLLM
-# reused since the last schedule, which the workers forget.
+# Attributes of a SchedulerOutput (`kv_checkpoint`): {req_id: (key, block ids)} for requests whose first step resumes
+# from a published checkpoint (their first blocks are its blocks), and the (key, block ids) of checkpoints the workers
+# must forget (vLLM reused a block, or the scheduler never registered them).
 ADOPT_ATTR = "kvserve_adopt"
 DROPPED_ATTR = "kvserve_dropped_checkpoints"
+CheckpointId = tuple[bytes, tuple[int, ...]]  # (key, the blocks holding the lists): what scheduler and worker share
 
 
-def adoptions_of(scheduler_output: object) -> dict[str, bytes]:
+def adoptions_of(scheduler_output: object) -> dict[str, CheckpointId]:
     return getattr(scheduler_output, ADOPT_ATTR, None) or {}
 
 
-def dropped_checkpoints_of(scheduler_output: object) -> tuple[bytes, ...]:
+def dropped_checkpoints_of(scheduler_output: object) -> tuple[CheckpointId, ...]:
     return getattr(scheduler_output, DROPPED_ATTR, None) or ()

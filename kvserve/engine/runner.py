@@ -17,7 +17,7 @@ import torch
 from vllm.model_executor.models.utils import extract_layer_index
 
 from kvserve.config import parse_kv_config
-from kvserve.engine.checkpoints import CheckpointId, CheckpointLists, lists_of, resume_from
+from kvserve.engine.checkpoints import CheckpointLists, lists_of, resume_from
 from kvserve.engine.eviction import record_times
 from kvserve.engine.pages import (
     HeadPages,
@@ -30,6 +30,7 @@ from kvserve.engine.pages import (
 from kvserve.engine.plan import (
     FAILURES_ATTR,
     PAGES_ATTR,
+    CheckpointId,
     PageReport,
     StagePages,
     StageRelease,

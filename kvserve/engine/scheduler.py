@@ -43,7 +43,6 @@ from kvserve.config import KVConfig, PrefixSharing, parse_kv_config
 from kvserve.engine import phases
 from kvserve.engine.block_manager import EvictingFullAttentionManager
 from kvserve.engine.checkpoints import (
-    CheckpointId,
     CheckpointRegistry,
     Published,
     block_key,
@@ -60,6 +59,7 @@ from kvserve.engine.plan import (
     DROPPED_ATTR,
     PLAN_ATTR,
     RELEASES_ATTR,
+    CheckpointId,
     Compaction,
     PageReport,
     compactions_of,
@@ -206,20 +206,20 @@ class EvictingScheduler(Scheduler):
     def _checkpoint_key(self, request: Request, logical: int) -> bytes | None:
         """The key a compaction after a step ending at `logical` tokens publishes its lists under, or None."""
         config = self.kv_configs[request.request_id]
+        if request.request_id in self.evicting_manager.private:  # it stopped publishing (no room for a copy)
+            return None
         if config.checkpoint_turns:
             return self._turn_key(request, config, logical)
-        position = logical // self.hash_block_size
-        if not config.checkpoint or logical % config.checkpoint or len(request.block_hashes) < position:
+        whole_blocks = logical // self.hash_block_size
+        if not config.checkpoint or logical % config.checkpoint or len(request.block_hashes) < whole_blocks:
             return None
-        if request.request_id in self.evicting_manager.private:
-            return None
-        return checkpoint_key(request.block_hashes[position - 1], config)
+        return checkpoint_key(request.block_hashes[whole_blocks - 1], config)
 
     def _turn_key(self, request: Request, config: KVConfig, logical: int) -> bytes | None:
         """A turn checkpoint's key; a compaction at a prompt end that is no turn's (a completion prompt) makes the
         request's lists depend on where its prompt ended, so it publishes nothing from then on."""
         req_id = request.request_id
-        if req_id in self.turn_private or req_id in self.evicting_manager.private:
+        if req_id in self.turn_private:
             return None
         if not self._turn_ends_at(request, logical) and not self._armed(request, logical):
             self.turn_private.add(req_id)
@@ -269,14 +269,13 @@ class EvictingScheduler(Scheduler):
         request's recompute of prompt and output)."""
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         config = self.kv_configs.get(request.request_id)
-        if config is not None and config.checkpoint_turns:
+        # a one-token step (decoding) ends wherever it must anyway: no scan of the sequence on the decode path
+        if num_new_tokens <= 1 or config is None or not (config.checkpoint or config.checkpoint_turns):
+            return num_new_tokens
+        if config.checkpoint_turns:
             stop = self._next_turn_stop(request, config, num_computed_tokens)
-            if stop < request.num_tokens:
-                num_new_tokens = min(num_new_tokens, stop - num_computed_tokens)
-            return num_new_tokens
-        if config is None or not config.checkpoint:
-            return num_new_tokens
-        stop = next_checkpoint(num_computed_tokens, config)
+        else:
+            stop = next_checkpoint(num_computed_tokens, config)
         if stop < request.num_tokens:
             num_new_tokens = min(num_new_tokens, stop - num_computed_tokens)
         return num_new_tokens
@@ -348,21 +347,24 @@ class EvictingScheduler(Scheduler):
             blocks = self.kv_cache_manager.create_kv_cache_blocks(found)
         return blocks, limit, boundary, diverged
 
+    def _turn_positions(self, request: Request, config: KVConfig, limit: int) -> list[int]:
+        """Where a miss of this sequence compacts with `kv_checkpoint=turns`, up to `limit` tokens."""
+        ends = marker_ends(request.all_token_ids, self._marker(), limit)
+        return turn_positions(ends, config.budget, self.block_size, limit)
+
     def _first_compaction(self, request: Request, config: KVConfig) -> int:
         if not config.checkpoint_turns:
             return first_compacting_checkpoint(config)
-        ends = marker_ends(request.all_token_ids, self._marker(), request.num_tokens)
-        positions = turn_positions(ends, config.budget, self.block_size, request.num_tokens)
+        positions = self._turn_positions(request, config, request.num_tokens)
         return positions[0] if positions else request.num_tokens
 
     def _candidates(self, request: Request, config: KVConfig, limit: int) -> list[tuple[int, bytes]]:
         """(position, key) of the checkpoints a miss of this prompt would publish up to `limit`, latest first."""
         if config.checkpoint_turns:
-            tokens = request.all_token_ids
-            ends = marker_ends(tokens, self._marker(), limit)
-            positions = turn_positions(ends, config.budget, self.block_size, limit)
-            keys = [(p, position_key(request.block_hashes, tokens, p, self.hash_block_size, config)) for p in positions]
-            return [(p, key) for p, key in reversed(keys) if key is not None]
+            tokens, hashes = request.all_token_ids, request.block_hashes
+            positions = self._turn_positions(request, config, limit)
+            keys = [(p, position_key(hashes, tokens, p, self.hash_block_size, config)) for p in reversed(positions)]
+            return [(p, key) for p, key in keys if key is not None]
         first = first_compacting_checkpoint(config)
         positions = range(limit // config.checkpoint * config.checkpoint, first - 1, -config.checkpoint)
         return [(p, checkpoint_key(request.block_hashes[p // self.hash_block_size - 1], config)) for p in positions]
@@ -397,7 +399,7 @@ class EvictingScheduler(Scheduler):
             pool._insert_block_hash(block_hash, block, self.block_size)
             hashes.append(block_hash)
         stored = PageReport(logical_tokens=report.logical_tokens, stages=report.stages, released_block_ids=())
-        self.checkpoints.entries[key] = Published(report.logical_tokens, stored, published, hashes)
+        self.checkpoints.entries[key] = Published(stored, published, hashes)
         metrics().checkpoints_published.inc()
 
     def _copyable_hit(self, request: Request, sharing: PrefixSharing) -> int:
