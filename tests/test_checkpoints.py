@@ -211,3 +211,118 @@ def test_turn_checkpoints_keep_what_eager_eviction_keeps_on_a_single_prompt(engi
         (reference,) = run(engine, [salted(ids, uuid.uuid4().hex)], eager, max_tokens=BLOCK_SIZE + 8)
         assert_same(engine, turns, reference, label)
         assert (counter("checkpoints_published") > published) == (label == "chat"), label
+
+
+def _hold_all_free_blocks_but(engine, keep: list, others: int) -> list:
+    """Takes every free block out of the pool except `keep` (cached free blocks, moved to the back of vLLM's free
+    queue) and the `others` free blocks just before them."""
+    pool = engine.pool
+    pool.touch(keep)
+    pool.free_blocks(keep)  # cached blocks go to the back of the free queue
+    return pool.get_new_blocks(pool.get_num_free_blocks() - len(keep) - others)
+
+
+def _turn_and_next_turn(engine, document: list[int], salt: str):
+    """A chat turn publishes its checkpoint where its prompt ends. Returns (the next turn's prompt, the checkpoint)."""
+    messages = [{"role": "user", "content": engine.tokenizer.decode(document) + " What is this text about?"}]
+    first = chat_ids(engine, messages)
+    known = set(engine.scheduler.checkpoints.entries)
+    (turn_one,) = run(engine, [salted(first, salt)], TURNS)
+    (checkpoint,) = [entry for key, entry in engine.scheduler.checkpoints.entries.items() if key not in known]
+    assert checkpoint.position == len(first)  # where the turn's prompt ended (its reply is shorter than a block)
+    follow_up = engine.tokenizer.decode(haystack(engine.tokenizer, 60, seed=962))  # past the policy's window
+    messages += [
+        {"role": "assistant", "content": engine.tokenizer.decode(turn_one.outputs[0].token_ids)},
+        {"role": "user", "content": follow_up + " Say it again in other words."},
+    ]
+    second = chat_ids(engine, messages)
+    return second, checkpoint
+
+
+def _a_recompute_then_the_next_turn(engine, document: list[int], others: int):
+    """A chat turn publishes its checkpoint. The pool is cut to that checkpoint and `others` free blocks; a `full`
+    request that needs one block more than `others` arrives, and right behind it the conversation's next turn. The
+    cut lasts until the `full` request finishes (or nothing runs). Returns (whether the next turn resumed from the
+    checkpoint and kept running from it, its output, its salted reference's)."""
+    from vllm import SamplingParams
+
+    salt = uuid.uuid4().hex
+    second, checkpoint = _turn_and_next_turn(engine, document, salt)
+    llm_engine = engine.llm.llm_engine
+    other_id, turn_id = uuid.uuid4().hex, uuid.uuid4().hex
+    recompute = haystack(engine.tokenizer, (others + 1) * BLOCK_SIZE - 4, seed=961)
+    full = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, extra_args={"kv_policy": "full"})
+    llm_engine.add_request(other_id, salted(recompute, uuid.uuid4().hex), full)
+    llm_engine.add_request(turn_id, salted(second, salt), SamplingParams(temperature=0, max_tokens=8, extra_args=TURNS))
+    outputs = {}
+    hits, preemptions = counter("checkpoint_hits"), engine.scheduler.num_preemptions
+    held = _hold_all_free_blocks_but(engine, list(checkpoint.blocks), others)
+    try:
+        while not (other_id in outputs and outputs[other_id].finished):
+            outputs.update((output.request_id, output) for output in llm_engine.step())
+            if not engine.scheduler.running:
+                break  # neither fits the cut pool
+    finally:
+        engine.pool.free_blocks(held)
+    while llm_engine.has_unfinished_requests():
+        outputs.update((output.request_id, output) for output in llm_engine.step())
+    # (a preempted request recomputes from scratch: it resumed, then lost what it resumed from)
+    resumed = counter("checkpoint_hits") == hits + 1 and engine.scheduler.num_preemptions == preemptions
+    (reference,) = run(engine, [salted(second, uuid.uuid4().hex)], TURNS)
+    return resumed, outputs[turn_id], reference
+
+
+def test_a_turn_that_can_resume_goes_before_a_recompute_that_would_evict_its_checkpoint(engine, monkeypatch):
+    """The pool holds a conversation's checkpoint and a few free blocks; a request that needs one block more arrives
+    first. Admitted first (the mutation: first come, first served; and so once the other request has waited past
+    the overtaking limit), it evicts the checkpoint and the turn recomputes its conversation; `kv_checkpoint`
+    requests that can resume go first, so the turn resumes and keeps what its salted miss keeps, and the other
+    request runs after it. The pool is full again afterwards."""
+    from kvserve.engine import scheduler as scheduler_module
+    from kvserve.engine.scheduler import EvictingScheduler
+
+    document = haystack(engine.tokenizer, 300, seed=960)
+    free = engine.free_blocks()
+    others = 8  # more than the turn needs beside its checkpoint (its new tokens, its compaction's copies)
+    with monkeypatch.context() as first_come_first_served:
+        first_come_first_served.setattr(EvictingScheduler, "_resumable_first", lambda self: None)
+        resumed, hit, reference = _a_recompute_then_the_next_turn(engine, document, others)
+    assert not resumed
+    assert list(hit.outputs[0].token_ids) == list(reference.outputs[0].token_ids)  # recomputed, still right
+    with monkeypatch.context() as waited_too_long:  # the other request has waited longer than a turn may overtake
+        waited_too_long.setattr(scheduler_module, "OVERTAKE_LIMIT_S", 0.0)
+        resumed, _, _ = _a_recompute_then_the_next_turn(engine, document, others)
+    assert not resumed
+    resumed, hit, reference = _a_recompute_then_the_next_turn(engine, document, others)
+    assert resumed and hit.num_cached_tokens > 0
+    assert reference.num_cached_tokens == 0
+    assert_same(engine, hit, reference, "next turn")
+    assert engine.free_blocks() == free
+
+
+def test_the_checkpoint_a_waiting_turn_resumes_from_is_evicted_last(engine):
+    """vLLM reuses free blocks from the front of its free queue; a request that finished after the first turn puts
+    its cached blocks behind the checkpoint. Once the next turn waits, its checkpoint's blocks are moved to the back,
+    in order, so running requests evict everything else first."""
+    from vllm import SamplingParams
+
+    salt = uuid.uuid4().hex
+    second, checkpoint = _turn_and_next_turn(engine, haystack(engine.tokenizer, 300, seed=970), salt)
+    run(engine, [salted(haystack(engine.tokenizer, 200, seed=971), uuid.uuid4().hex)], {"kv_policy": "full"})
+    queue = engine.pool.free_block_queue
+
+    def last_free(count: int) -> list:
+        blocks, block = [], queue.fake_free_list_tail.prev_free_block
+        while len(blocks) < count:
+            blocks.insert(0, block.block_id)
+            block = block.prev_free_block
+        return blocks
+
+    assert last_free(len(checkpoint.blocks)) != list(checkpoint.id)
+    turn_id = uuid.uuid4().hex
+    engine.llm.llm_engine.add_request(turn_id, salted(second, salt), SamplingParams(max_tokens=1, extra_args=TURNS))
+    try:
+        engine.scheduler._resumable_first()
+        assert last_free(len(checkpoint.blocks)) == list(checkpoint.id)
+    finally:
+        engine.llm.llm_engine.abort_request([turn_id])

@@ -242,6 +242,15 @@ class EvictingFullAttentionManager(FullAttentionManager):
         self.reports[request_id] = report
         return len(freed) - spares
 
+    def evict_last(self, blocks: Sequence) -> None:
+        """Moves these cached free blocks to the back of vLLM's free queue, in order: vLLM reuses (and so evicts) free
+        blocks from the front, so they go after every other free block, the last one last of all."""
+        queue = self.block_pool.free_block_queue
+        for block in blocks:
+            if block.ref_cnt == 0 and block.prev_free_block is not None:  # free (a held block is in no queue)
+                queue.remove(block)
+                queue.append(block)
+
     def free_pages_held(self, running: dict[str, int]) -> int:
         """Free pages inside the blocks of compacted requests (`running`: request id -> logical tokens now)."""
         free = 0

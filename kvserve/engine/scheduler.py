@@ -32,9 +32,12 @@ last report described.
 
 from __future__ import annotations
 
+import time
+
 from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.request import Request
@@ -73,6 +76,8 @@ from kvserve.model_support import eviction_support, paged_group
 from kvserve.parallelism import parallelism_refusal
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format, INFO shown
+
+OVERTAKE_LIMIT_S = 30.0  # a waiting request is overtaken by ones that resume from a checkpoint for this long at most
 
 
 def _is_decode(request: Request, logical: int, num_new: int) -> bool:
@@ -127,6 +132,8 @@ class EvictingScheduler(Scheduler):
         self.dropped: list[CheckpointId] = []  # checkpoints the workers hold and must forget
         self.turn_private: set[str] = set()  # kv_checkpoint=turns requests that compacted where no turn ended
         self.first_turn_end: dict[str, tuple[int, int | None]] = {}  # req -> (tokens scanned, first turn end)
+        # waiting kv_checkpoint request -> (tokens it may hit, (position, key) of the checkpoints a miss publishes)
+        self.candidates: dict[str, tuple[int, list[tuple[int, bytes]]]] = {}
 
     def add_request(self, request: Request) -> None:
         if request.request_id not in self.requests and request.sampling_params is not None:
@@ -167,6 +174,8 @@ class EvictingScheduler(Scheduler):
     def _schedule(self, *args, **kwargs):
         # decided once per schedule: the allocation (`_keep_after`) and the plan below must agree
         self.under_pressure = self.evicting_manager is not None and self._short_of_blocks()
+        if self.evicting_manager is not None:
+            self._resumable_first()
         output = self._schedule_without_in_flight(*args, **kwargs)
         plan: dict[str, Compaction] = {}
         decoding = 0
@@ -375,13 +384,61 @@ class EvictingScheduler(Scheduler):
         manager = self.evicting_manager
         manager.reports.pop(request.request_id, None)  # a hit found at an earlier, failed admission
         self.resuming.pop(request.request_id, None)
-        for _, key in self._candidates(request, config, request.num_tokens - computed_tail):
+        found = self._live_checkpoint(request)
+        if found is None:
+            return None
+        key, published = found
+        manager.reports[request.request_id] = published.report
+        self.resuming[request.request_id] = key
+        return published
+
+    def _live_checkpoint(self, request: Request) -> tuple[bytes, Published] | None:
+        """(key, checkpoint) of the latest live checkpoint a waiting `kv_checkpoint` request can resume from."""
+        config = self.kv_configs.get(request.request_id)
+        if config is None or not (config.checkpoint or config.checkpoint_turns) or not self.checkpoints.entries:
+            return None
+        limit = request.num_tokens - self.evicting_manager.sharing[request.request_id].computed_tail
+        known = self.candidates.get(request.request_id)
+        if known is None or known[0] != limit:  # a waiting request's tokens change only when it is preempted
+            known = self.candidates[request.request_id] = (limit, self._candidates(request, config, limit))
+        for _, key in known[1]:
             published = self.checkpoints.alive(key, self.kv_cache_manager.block_pool)
             if published is not None:
-                manager.reports[request.request_id] = published.report
-                self.resuming[request.request_id] = key
-                return published
+                return key, published
         return None
+
+    def _resumable_first(self) -> None:
+        """Waiting requests that can resume from a live checkpoint go ahead of the others, and vLLM evicts their
+        checkpoints' blocks after every other cached block, the next one to be admitted last.
+
+        A checkpoint is cheap to keep (the budget's pages) and dear to lose: its next turn recomputes the whole
+        conversation, and a recompute holds the full prompt until its first compaction, which evicts more
+        checkpoints in a small pool (measured in `kvserve bench chat`: from 39 of 40 later turns resumed to 8 when
+        the first turns' recomputes were admitted ahead). Admitting requests that hit first is the longest-prefix
+        -match ordering of SGLang ("SGLang: Efficient Execution of Structured Language Model Programs",
+        arXiv 2312.07104); a request that has waited `OVERTAKE_LIMIT_S` is no longer overtaken, so none starves.
+        Only with the first-come-first-served policy: under `--scheduling-policy priority` the priorities decide."""
+        if self.policy != SchedulingPolicy.FCFS or not self.checkpoints.entries or not self.waiting:
+            return
+        live = {}
+        for request in self.waiting:
+            found = self._live_checkpoint(request)
+            if found is not None:
+                live[request.request_id] = found[1]
+        if not live:
+            return
+        now = time.time()
+        order = list(self.waiting)
+        resuming = [request for request in order if request.request_id in live]
+        others = [request for request in order if request.request_id not in live]
+        waited = [request for request in others if now - request.arrival_time >= OVERTAKE_LIMIT_S]
+        overtaken = [request for request in others if now - request.arrival_time < OVERTAKE_LIMIT_S]
+        self.waiting.remove_requests(order)
+        for request in waited + resuming + overtaken:
+            self.waiting.add_request(request)
+        self.evicting_manager.evict_last(
+            [block for request in reversed(resuming) for block in live[request.request_id].blocks]
+        )
 
     def _publish_checkpoint(self, req_id: str, key: bytes, report: PageReport) -> None:
         """A compaction at a checkpoint left lists that fill whole blocks: their blocks enter the prefix cache under
@@ -548,6 +605,7 @@ class EvictingScheduler(Scheduler):
         self.resuming.pop(request.request_id, None)
         self.turn_private.discard(request.request_id)
         self.first_turn_end.pop(request.request_id, None)
+        self.candidates.pop(request.request_id, None)
         config = self.kv_configs.pop(request.request_id, None)
         evicted = self._evicted_tokens(request.request_id)
         if config is not None and request.num_computed_tokens > 0:

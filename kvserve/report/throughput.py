@@ -93,11 +93,13 @@ def chat_table(source: Source) -> str:
                     ratio(run["output_tokens_per_s"], vanilla["output_tokens_per_s"]),
                     f"{hits:.2f}",
                     ttft,
+                    f"{run['checkpoint_hits']:.0f} / {len(later)}" if run.get("checkpoints_published") else "-",
                     f"{run['preemptions']:.0f}",
                 ]
             )
     headers = ["pool", "server", "output tok/s", "vs vanilla", "prefix hit rate, turns 2+"]
-    return table([*headers, "TTFT p50 vs kvserve `full`, turns 2+ (median)", "preemptions"], rows)
+    ttft = "TTFT p50 vs kvserve `full`, turns 2+ (median)"
+    return table([*headers, ttft, "turns 2+ resumed from a checkpoint", "preemptions"], rows)
 
 
 def section(data: DataDir, plots: Path, plot_link: str) -> str:
@@ -135,7 +137,8 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             "computes it again; with `kv_evict_when=pressure` it is served as `full` until the pool is short; with "
             "`kv_checkpoint=turns` it compacts where each turn's prompt ends and by the decode rule after it, with "
             "`kv_checkpoint=128` at every multiple of 128 tokens, and in both the next turn resumes from the "
-            "compacted lists the last one published.",
+            "compacted lists the last one published. Waiting requests that can resume from a checkpoint are "
+            "admitted first, and their checkpoints are the last cached blocks vLLM evicts.",
             chat_table(chat),
             f"![TTFT and throughput per turn]({plot_link}/chat.png)",
             chat.caption(),
