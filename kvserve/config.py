@@ -58,6 +58,11 @@ class KVConfig:
         return self.policy != "full"
 
     @property
+    def checkpoints(self) -> bool:
+        """The request compacts at checkpoints and publishes them (`kv_checkpoint`: every C tokens, or chat turns)."""
+        return bool(self.checkpoint) or self.checkpoint_turns
+
+    @property
     def ragged(self) -> bool:
         """The policy decides per head how many entries to keep (Attention-Gate); the budget, if any, caps them."""
         return self.evicts and POLICIES[self.policy].ragged
@@ -344,11 +349,11 @@ def check_against_model(
     if config.evicts and config.budget is not None and config.budget > max_model_len:
         # a budget no sequence can reach is a mistake, not a way to turn eviction off (policy full does that)
         raise InvalidSetting("kv_budget", f"{config.budget} is above max_model_len ({max_model_len})")
-    if (config.checkpoint or config.checkpoint_turns) and support.hybrid:
+    if config.checkpoints and support.hybrid:
         raise InvalidSetting(
             "kv_checkpoint", f"is not served on {model}: its sliding-window layers keep blocks of their own"
         )
-    if config.checkpoint or config.checkpoint_turns:
+    if config.checkpoints:
         _check_checkpoint(config, block_size, pipeline_stages)
     if config.checkpoint_turns:
         from kvserve.engine.checkpoints import generation_marker

@@ -279,7 +279,7 @@ class EvictingScheduler(Scheduler):
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         config = self.kv_configs.get(request.request_id)
         # a one-token step (decoding) ends wherever it must anyway: no scan of the sequence on the decode path
-        if num_new_tokens <= 1 or config is None or not (config.checkpoint or config.checkpoint_turns):
+        if num_new_tokens <= 1 or config is None or not config.checkpoints:
             return num_new_tokens
         if config.checkpoint_turns:
             stop = self._next_turn_stop(request, config, num_computed_tokens)
@@ -336,8 +336,8 @@ class EvictingScheduler(Scheduler):
         if sharing is None:
             return blocks, hit, boundary, diverged
         config = self.kv_configs[request.request_id]
-        if config.checkpoint or config.checkpoint_turns:
-            resumed = self._checkpoint_hit(request, config, sharing.computed_tail)
+        if config.checkpoints:
+            resumed = self._checkpoint_hit(request)
             if resumed is not None:
                 # one KV-cache group: kv_checkpoint is refused on hybrid models (`check_against_model`)
                 found = self.kv_cache_manager.create_kv_cache_blocks((list(resumed.blocks),))
@@ -346,7 +346,7 @@ class EvictingScheduler(Scheduler):
             return blocks, hit, boundary, diverged
         limit = max(min(hit, request.num_tokens - sharing.computed_tail), 0) // self.block_size * self.block_size
         limit = min(limit, self._copyable_hit(request, sharing))
-        if config.checkpoint or config.checkpoint_turns:  # plain blocks: what a miss holds before its first compaction
+        if config.checkpoints:  # plain blocks: what a miss holds before its first compaction
             limit = min(limit, max(self._first_compaction(request, config) - sharing.computed_tail, 0))
             limit = limit // self.block_size * self.block_size
         if limit < hit:
@@ -378,9 +378,9 @@ class EvictingScheduler(Scheduler):
         positions = range(limit // config.checkpoint * config.checkpoint, first - 1, -config.checkpoint)
         return [(p, checkpoint_key(request.block_hashes[p // self.hash_block_size - 1], config)) for p in positions]
 
-    def _checkpoint_hit(self, request: Request, config: KVConfig, computed_tail: int) -> Published | None:
-        """The latest published checkpoint of this prompt, leaving at least `computed_tail` tokens to compute; the
-        request's page report becomes the checkpoint's, so the block manager charges it by the checkpoint's pages."""
+    def _checkpoint_hit(self, request: Request) -> Published | None:
+        """The latest live checkpoint of this prompt (`_live_checkpoint`); the request's page report becomes the
+        checkpoint's, so the block manager charges it by the checkpoint's pages."""
         manager = self.evicting_manager
         manager.reports.pop(request.request_id, None)  # a hit found at an earlier, failed admission
         self.resuming.pop(request.request_id, None)
@@ -393,9 +393,10 @@ class EvictingScheduler(Scheduler):
         return published
 
     def _live_checkpoint(self, request: Request) -> tuple[bytes, Published] | None:
-        """(key, checkpoint) of the latest live checkpoint a waiting `kv_checkpoint` request can resume from."""
+        """(key, checkpoint) of the latest live checkpoint a waiting `kv_checkpoint` request can resume from, leaving
+        at least the policy's computed tail (its window, in whole blocks) to compute."""
         config = self.kv_configs.get(request.request_id)
-        if config is None or not (config.checkpoint or config.checkpoint_turns) or not self.checkpoints.entries:
+        if config is None or not config.checkpoints or not self.checkpoints.entries:
             return None
         limit = request.num_tokens - self.evicting_manager.sharing[request.request_id].computed_tail
         known = self.candidates.get(request.request_id)
@@ -544,17 +545,17 @@ class EvictingScheduler(Scheduler):
             self._report_evicted_counts(result, failures)
             return result
         reports = page_reports_of(model_runner_output)
-        for req_id in compactions_of(scheduler_output):
+        for req_id, compaction in compactions_of(scheduler_output).items():
             request = self.requests.get(req_id)
             report = reports.get(req_id)
             if request is None or request.is_finished() or req_id in failures or report is None:
                 if report is not None and report.checkpoint_blocks:  # published by the worker, never by us
-                    self.dropped.append((compactions_of(scheduler_output)[req_id].checkpoint, report.checkpoint_blocks))
+                    self.dropped.append((compaction.checkpoint, report.checkpoint_blocks))
                 continue
             evicted_before = manager.evicted_tokens(req_id)
             freed = manager.apply_report(req_id, report)
             if report.checkpoint_blocks:
-                self._publish_checkpoint(req_id, compactions_of(scheduler_output)[req_id].checkpoint, report)
+                self._publish_checkpoint(req_id, compaction.checkpoint, report)
             if self.pipeline_stages > 1 and report.released_block_ids:
                 self.releases[req_id] = report.released_block_ids
             evicted = manager.evicted_tokens(req_id) - evicted_before
