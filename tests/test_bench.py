@@ -104,8 +104,8 @@ def test_capacity_command_compares_vanilla_and_kvserve(capacity_run, background)
     results = capacity_run["results"]
     vanilla, ceiling, kvserve = results
     assert (vanilla["server"], kvserve["server"], kvserve["budget"]) == ("vanilla", "kvserve", BUDGET)
-    # the ceiling: vanilla with a pool for every request never preempts (the running peak is sampled every 0.1 s,
-    # too coarse for this tiny workload to compare)
+    # the ceiling: vanilla with a pool for every request never preempts (the running peak is a sample, scraped every
+    # 0.1 s and at each first token: it sees a request running, but is too coarse to compare servers on this workload)
     assert ceiling["server"] == "vanilla-unlimited" and ceiling["preemptions"] == 0
     assert ceiling["pool_limit"] == PROMPTS
     for result in results:
@@ -272,3 +272,36 @@ def test_each_setting_runs_on_its_own_prefix_cache_salt(monkeypatch):
         asyncio.run(workload._one(None, "http://x", "m", [1, 2, 3], 1, setting))
     salts = [body["cache_salt"] for body in bodies]
     assert len(set(salts)) == len(salts)
+
+
+def test_the_running_peak_is_read_when_a_request_streams_its_first_token(monkeypatch):
+    """A request that runs for 20 ms between two 0.1 s scrapes: the scrape its first token triggers reads it running
+    (the capacity bench once reported a peak of 0 requests running for a sub-second workload)."""
+    import asyncio
+
+    import httpx
+
+    from kvserve.bench import workload
+    from kvserve.eval.client import Setting
+
+    running, real_client = [0], httpx.AsyncClient
+
+    def metrics(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=f'vllm:num_requests_running{{engine="0"}} {running[0]}\n')
+
+    def mock_client(**kwargs) -> httpx.AsyncClient:
+        return real_client(transport=httpx.MockTransport(metrics), **kwargs)
+
+    async def one_short_request(client, url, path, body, setting):
+        await asyncio.sleep(0.15)  # between the scrapes at 0 and 0.1 s, and the one at 0.2 s
+        running[0] += 1
+        yield {"choices": [{"text": "x"}]}
+        await asyncio.sleep(0.02)
+        running[0] -= 1
+        yield {"choices": [{"text": "y"}], "usage": {"completion_tokens": 2}}
+
+    monkeypatch.setattr(workload.httpx, "AsyncClient", mock_client)
+    monkeypatch.setattr(workload, "stream_chunks", one_short_request)
+    result = workload.run_workload("http://x", "m", [[1, 2, 3]], 2, Setting("full", None))
+    assert running[0] == 0 and result["requests"] == 1
+    assert result["peak_running"] == 1

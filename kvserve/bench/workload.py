@@ -22,7 +22,13 @@ class RequestTiming:
 
 
 async def _one(
-    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int, setting: Setting
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    setting: Setting,
+    first_token: asyncio.Event | None = None,
 ) -> RequestTiming:
     body = {
         "model": model,
@@ -42,6 +48,8 @@ async def _one(
     async for chunk in stream_chunks(client, url, "/v1/completions", body, setting):
         if chunk.get("choices") and chunk["choices"][0].get("text") and first is None:
             first = time.perf_counter()
+            if first_token is not None:
+                first_token.set()
         if chunk.get("usage"):
             output_tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
@@ -51,20 +59,32 @@ async def _one(
     )
 
 
-async def _sample_running(client: httpx.AsyncClient, url: str, stop: asyncio.Event, peak: list[float]) -> None:
+async def _sample_running(
+    client: httpx.AsyncClient, url: str, stop: asyncio.Event, first_token: asyncio.Event, peak: list[float]
+) -> None:
+    """Scrape the running gauge every 0.1 s, and at once whenever a request streams its first token: vLLM sets the
+    gauge from a step's scheduler stats before it yields the step's tokens, so a scrape right after a first token
+    reads a step with that request running. Periodic scrapes alone missed every running step of a sub-second
+    workload on a busy machine (peak 0)."""
     while not stop.is_set():
+        first_token.clear()
         text = (await client.get(url + "/metrics")).text
         peak[0] = max(peak[0], metric_sum(text, "vllm:num_requests_running"))
-        await asyncio.sleep(0.1)
+        try:
+            await asyncio.wait_for(first_token.wait(), timeout=0.1)
+        except TimeoutError:
+            pass
 
 
 async def _run(url: str, model: str, prompts: list[list[int]], max_tokens: int, setting: Setting) -> dict:
     async with httpx.AsyncClient(timeout=3600) as client:
         before = (await client.get(url + "/metrics")).text
-        stop, peak = asyncio.Event(), [0.0]
-        sampler = asyncio.create_task(_sample_running(client, url, stop, peak))
+        stop, first_token, peak = asyncio.Event(), asyncio.Event(), [0.0]
+        sampler = asyncio.create_task(_sample_running(client, url, stop, first_token, peak))
         start = time.perf_counter()
-        timings = await asyncio.gather(*(_one(client, url, model, p, max_tokens, setting) for p in prompts))
+        timings = await asyncio.gather(
+            *(_one(client, url, model, p, max_tokens, setting, first_token) for p in prompts)
+        )
         wall = time.perf_counter() - start
         stop.set()
         await sampler
