@@ -131,7 +131,9 @@ class EvictingScheduler(Scheduler):
         self.resuming: dict[str, bytes] = {}  # waiting request -> the checkpoint its hit resumes from
         self.dropped: list[CheckpointId] = []  # checkpoints the workers hold and must forget
         self.turn_private: set[str] = set()  # kv_checkpoint=turns requests that compacted where no turn ended
-        self.first_turn_end: dict[str, tuple[int, int | None]] = {}  # req -> (tokens scanned, first turn end)
+        # kv_checkpoint=turns request -> (its token count when scanned, where its chat turns end): a sequence grows
+        # only while it decodes, when nothing reads this, so a waiting or prefilling request is scanned once
+        self.turn_ends: dict[str, tuple[int, list[int]]] = {}
         # waiting kv_checkpoint request -> (tokens it may hit, (position, key) of the checkpoints a miss publishes)
         self.candidates: dict[str, tuple[int, list[tuple[int, bytes]]]] = {}
 
@@ -250,16 +252,21 @@ class EvictingScheduler(Scheduler):
         marker = self._marker()
         return logical >= len(marker) and tuple(request.all_token_ids[logical - len(marker) : logical]) == marker
 
+    def _turn_ends(self, request: Request) -> list[int]:
+        """Where the request's chat turns end (after each generation marker), in order."""
+        known = self.turn_ends.get(request.request_id)
+        if known is None or known[0] != request.num_tokens:
+            ends = marker_ends(request.all_token_ids, self._marker(), request.num_tokens)
+            known = self.turn_ends[request.request_id] = (request.num_tokens, ends)
+        return known[1]
+
     def _armed(self, request: Request, logical: int) -> bool:
         """Whether a turn ended before `logical` (from then on the decode rule applies to every token)."""
-        scanned, first = self.first_turn_end.get(request.request_id, (0, None))
-        if first is None and scanned < logical:
-            marker = self._marker()
-            start = max(scanned - len(marker), 0)
-            ends = marker_ends(request.all_token_ids[start:logical], marker, logical - start)
-            first = start + ends[0] if ends else None
-            self.first_turn_end[request.request_id] = (logical, first)
-        return first is not None and first < logical
+        known = self.turn_ends.get(request.request_id)
+        if known is not None and known[1] and known[1][0] < logical:
+            return True  # tokens are only appended: a decoding request is not scanned again at each compaction
+        ends = self._turn_ends(request)
+        return bool(ends) and ends[0] < logical
 
     def _turn_keep(
         self, config: KVConfig, request: Request, logical: int, cached: int, is_decode: bool, prompt_done: bool
@@ -292,8 +299,7 @@ class EvictingScheduler(Scheduler):
     def _next_turn_stop(self, request: Request, config: KVConfig, computed: int) -> int:
         """Where a `kv_checkpoint=turns` request's chunk from `computed` must end: the next turn's end, or where its
         lists reach B + bs once a turn has ended (a miss compacts a resent reply where its decode did)."""
-        ends = marker_ends(request.all_token_ids, self._marker(), request.num_tokens)
-        stops = [end for end in ends if end > computed]
+        stops = [end for end in self._turn_ends(request) if end > computed]
         if self._armed(request, computed + 1) or request.request_id in self.evicting_manager.reports:
             cached = self.evicting_manager.longest_list(request.request_id, computed)
             stops.append(computed + max(config.budget + self.block_size - cached, 1))
@@ -358,7 +364,7 @@ class EvictingScheduler(Scheduler):
 
     def _turn_positions(self, request: Request, config: KVConfig, limit: int) -> list[int]:
         """Where a miss of this sequence compacts with `kv_checkpoint=turns`, up to `limit` tokens."""
-        ends = marker_ends(request.all_token_ids, self._marker(), limit)
+        ends = [end for end in self._turn_ends(request) if end <= limit]
         return turn_positions(ends, config.budget, self.block_size, limit)
 
     def _first_compaction(self, request: Request, config: KVConfig) -> int:
@@ -605,7 +611,7 @@ class EvictingScheduler(Scheduler):
     def _free_request(self, request: Request, *args, **kwargs):
         self.resuming.pop(request.request_id, None)
         self.turn_private.discard(request.request_id)
-        self.first_turn_end.pop(request.request_id, None)
+        self.turn_ends.pop(request.request_id, None)
         self.candidates.pop(request.request_id, None)
         config = self.kv_configs.pop(request.request_id, None)
         evicted = self._evicted_tokens(request.request_id)
