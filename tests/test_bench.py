@@ -4,6 +4,7 @@ tests/background.py), and their parsing."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -275,8 +276,8 @@ def test_each_setting_runs_on_its_own_prefix_cache_salt(monkeypatch):
 
 
 def test_the_running_peak_is_read_when_a_request_streams_its_first_token(monkeypatch):
-    """A request that runs for 20 ms between two 0.1 s scrapes: the scrape its first token triggers reads it running
-    (the capacity bench once reported a peak of 0 requests running for a sub-second workload)."""
+    """A request that runs only between two periodic scrapes (here 60 s apart) is read running by the scrape its first
+    token triggers (the capacity bench once reported a peak of 0 requests running for a sub-second workload)."""
     import asyncio
 
     import httpx
@@ -293,15 +294,18 @@ def test_the_running_peak_is_read_when_a_request_streams_its_first_token(monkeyp
         return real_client(transport=httpx.MockTransport(metrics), **kwargs)
 
     async def one_short_request(client, url, path, body, setting):
-        await asyncio.sleep(0.15)  # between the scrapes at 0 and 0.1 s, and the one at 0.2 s
+        await asyncio.sleep(0.05)  # after the first periodic scrape
         running[0] += 1
         yield {"choices": [{"text": "x"}]}
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
         running[0] -= 1
         yield {"choices": [{"text": "y"}], "usage": {"completion_tokens": 2}}
 
+    monkeypatch.setattr(workload, "SCRAPE_EVERY_S", 60.0)
     monkeypatch.setattr(workload.httpx, "AsyncClient", mock_client)
     monkeypatch.setattr(workload, "stream_chunks", one_short_request)
+    started = time.perf_counter()
     result = workload.run_workload("http://x", "m", [[1, 2, 3]], 2, Setting("full", None))
+    assert time.perf_counter() - started < 30  # the end of the workload wakes the sampler
     assert running[0] == 0 and result["requests"] == 1
     assert result["peak_running"] == 1

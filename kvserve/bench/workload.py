@@ -59,19 +59,22 @@ async def _one(
     )
 
 
+SCRAPE_EVERY_S = 0.1
+
+
 async def _sample_running(
     client: httpx.AsyncClient, url: str, stop: asyncio.Event, first_token: asyncio.Event, peak: list[float]
 ) -> None:
-    """Scrape the running gauge every 0.1 s, and at once whenever a request streams its first token: vLLM sets the
-    gauge from a step's scheduler stats before it yields the step's tokens, so a scrape right after a first token
-    reads a step with that request running. Periodic scrapes alone missed every running step of a sub-second
-    workload on a busy machine (peak 0)."""
+    """Scrape the running gauge every `SCRAPE_EVERY_S`, and at once whenever a request streams its first token:
+    vLLM sets the gauge from a step's scheduler stats before it yields the step's tokens, so a scrape right after a
+    first token reads a step with that request running. Periodic scrapes alone missed every running step of a
+    sub-second workload on a busy machine (peak 0)."""
     while not stop.is_set():
         first_token.clear()
         text = (await client.get(url + "/metrics")).text
         peak[0] = max(peak[0], metric_sum(text, "vllm:num_requests_running"))
         try:
-            await asyncio.wait_for(first_token.wait(), timeout=0.1)
+            await asyncio.wait_for(first_token.wait(), timeout=SCRAPE_EVERY_S)
         except TimeoutError:
             pass
 
@@ -87,6 +90,7 @@ async def _run(url: str, model: str, prompts: list[list[int]], max_tokens: int, 
         )
         wall = time.perf_counter() - start
         stop.set()
+        first_token.set()  # wakes the sampler to see the stop
         await sampler
         after = (await client.get(url + "/metrics")).text
     return summarize(timings, wall, peak[0], before, after)
