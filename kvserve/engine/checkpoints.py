@@ -29,8 +29,6 @@ from kvserve.config import KVConfig
 from kvserve.engine.plan import CheckpointId, PageReport
 from kvserve.engine.request_state import LayerState, RequestState
 
-TURNS = "turns"  # kv_checkpoint=turns: checkpoints where chat turns end (`turn_positions`)
-
 
 def checkpoint_key(prefix_block_hash: bytes, config: KVConfig) -> bytes:
     """The key of the lists after the prompt's first jC tokens (`prefix_block_hash`: vLLM's chained hash of the block

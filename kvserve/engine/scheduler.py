@@ -263,9 +263,9 @@ class EvictingScheduler(Scheduler):
     def _armed(self, request: Request, logical: int) -> bool:
         """Whether a turn ended before `logical` (from then on the decode rule applies to every token)."""
         known = self.turn_ends.get(request.request_id)
-        if known is not None and known[1] and known[1][0] < logical:
-            return True  # tokens are only appended: a decoding request is not scanned again at each compaction
-        ends = self._turn_ends(request)
+        # tokens are only appended, so the first turn end once found stays the first: a decoding request is not
+        # scanned again at each compaction
+        ends = known[1] if known is not None and known[1] else self._turn_ends(request)
         return bool(ends) and ends[0] < logical
 
     def _turn_keep(
@@ -440,9 +440,11 @@ class EvictingScheduler(Scheduler):
         others = [request for request in order if request.request_id not in live]
         waited = [request for request in others if now - request.arrival_time >= OVERTAKE_LIMIT_S]
         overtaken = [request for request in others if now - request.arrival_time < OVERTAKE_LIMIT_S]
-        self.waiting.remove_requests(order)
-        for request in waited + resuming + overtaken:
-            self.waiting.add_request(request)
+        reordered = waited + resuming + overtaken
+        if reordered != order:  # (identity: vLLM's Request has no __eq__) most schedules find it in order already
+            self.waiting.remove_requests(order)
+            for request in reordered:
+                self.waiting.add_request(request)
         self.evicting_manager.evict_last(
             [block for request in reversed(resuming) for block in live[request.request_id].blocks]
         )
