@@ -231,15 +231,15 @@ def main(argv: list[str] | None = None) -> None:
     if command == "serve":
         serve(rest)
     elif command == "eval":
-        from kvserve.eval.__main__ import main as eval_main
+        from kvserve.tools.eval.__main__ import main as eval_main
 
         eval_main(rest)
     elif command == "bench":
-        from kvserve.bench.__main__ import main as bench_main
+        from kvserve.tools.bench.__main__ import main as bench_main
 
         bench_main(rest)
     elif command == "report":
-        from kvserve.report.__main__ import main as report_main
+        from kvserve.tools.report.__main__ import main as report_main
 
         report_main(rest)
     elif command == "setup-model":

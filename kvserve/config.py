@@ -1,15 +1,17 @@
 """Per-request eviction settings: parsing, validation, and server-wide defaults.
 
 A request names its settings as `vllm_xargs` keys (`kv_policy`, `kv_budget`, `kv_<knob>`) or as `x-kv-*` headers
-that the server maps onto those keys. Every entry point (HTTP middleware, vLLM's input processor, the engine) parses
-through `parse_kv_config`, so a value is either valid everywhere or rejected before it reaches the engine.
+that the server maps onto those keys. They are parsed and validated once (`parse_kv_config`, then against the served
+model: `kvserve.model_support.served_settings`) where they enter vLLM, and travel from there as one `KVConfig`: to
+the engine core in the request's sampling parameters (`SETTINGS_KEY`, written by vLLM's input validation, the one
+gate every request passes), and to the workers in the engine core's step plan.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kvserve.errors import InvalidSetting
@@ -17,8 +19,11 @@ from kvserve.policies import POLICIES, POLICY_NAMES, Policy, ScoredPolicy
 from kvserve.policies.allocation import ALLOCATIONS
 from kvserve.policies.knobs import KEY_PREFIX, parse_bool, parse_int
 
-# Server-wide defaults travel to every vLLM process (API server, engine core, worker) in this variable.
+# Server-wide defaults travel to the processes that parse settings (the API server; offline, the one process) here.
 DEFAULTS_ENV = "KVSERVE_DEFAULTS"
+# SamplingParams.extra_args key: the validated settings (`KVConfig.to_wire`), written by vLLM's input validation over
+# whatever a request brings under that name; the engine core reads them (`settings_from`) and parses nothing.
+SETTINGS_KEY = "kvserve_settings"
 GENERAL_KEYS = (
     "kv_policy",
     "kv_budget",
@@ -29,7 +34,7 @@ GENERAL_KEYS = (
     "kv_checkpoint",
 )
 # When a request first compacts: `eager` at the end of its prompt (and every block of new tokens after), `pressure`
-# only once the pool is short of blocks (kvserve/engine/scheduler.py); until then it is served, cached and published
+# only once the pool is short of blocks (kvserve/vllm/scheduler.py); until then it is served, cached and published
 # like a `full` request.
 EVICT_WHEN = ("eager", "pressure")
 
@@ -75,8 +80,17 @@ class KVConfig:
     def make_policy(self) -> Policy:
         return POLICIES[self.policy](**dict(self.knobs))
 
+    def to_wire(self) -> dict[str, Any]:
+        """The settings as plain values (they travel to the engine core with vLLM's serialised request)."""
+        return {**asdict(self), "knobs": [list(knob) for knob in self.knobs]}
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> KVConfig:
+        """What `to_wire` wrote (validated when it was written)."""
+        return cls(**{**wire, "knobs": tuple((name, value) for name, value in wire["knobs"])})
+
     def prefix_sharing(self) -> PrefixSharing:
-        """How this request shares vLLM's prefix cache (`kvserve/engine/block_manager.py`)."""
+        """How this request shares vLLM's prefix cache (`kvserve/vllm/kv_cache_manager.py`)."""
         if not self.evicts:
             return PrefixSharing(reads=True, publishes=True)
         # heads / global decide their counts while they compact, so the pages to keep out of shared blocks are not
@@ -322,89 +336,13 @@ def _knob_list(cls: type[Policy]) -> str:
     return ", ".join(setting.key for setting in cls.knobs().values()) or "(none)"
 
 
-def check_against_model(
-    config: KVConfig,
-    model_config,
-    request_args: dict[str, Any] | None,
-    block_size: int | None = None,
-    pipeline_stages: int = 1,
-) -> KVConfig:
-    """The checks that need the served model (vLLM's `ModelConfig`): a model that cannot evict, a budget no sequence
-    can reach, a gate the model does not have. Returns the configuration to serve: on a model that cannot evict
-    (`kvserve/model_support.py`) the server's default eviction does not apply, and a request whose own `kv_*` keys
-    (`request_args`) ask for eviction is an error naming the reason.
-
-    Run by the HTTP middleware (so a streamed request gets a 400, not an error event after its 200) and by vLLM's
-    input validation (offline use); both pass the engine's `block_size` and pipeline stages."""
-    from kvserve.model_support import eviction_support
-
-    model, max_model_len = model_config.model, model_config.max_model_len
-    support = eviction_support(model_config)
-    if config.evicts and not support.evicts:
-        asked = sorted(key for key in (request_args or {}) if key.startswith(KEY_PREFIX))
-        if asked:
-            field = "kv_policy" if "kv_policy" in asked else asked[0]
-            raise InvalidSetting(field, f"asks for eviction, which this model lacks: {support.reason}")
+def settings_from(sampling_params: Any) -> KVConfig:
+    """The settings a request was validated with (`SETTINGS_KEY` of its sampling parameters). A request that reached
+    the engine without vLLM's input validation carries none, and is served without eviction."""
+    wire = (getattr(sampling_params, "extra_args", None) or {}).get(SETTINGS_KEY)
+    if wire is None:
         return KVConfig()
-    if config.evicts and config.budget is not None and config.budget > max_model_len:
-        # a budget no sequence can reach is a mistake, not a way to turn eviction off (policy full does that)
-        raise InvalidSetting("kv_budget", f"{config.budget} is above max_model_len ({max_model_len})")
-    if config.checkpoints and support.hybrid:
-        raise InvalidSetting(
-            "kv_checkpoint", f"is not served on {model}: its sliding-window layers keep blocks of their own"
-        )
-    if config.checkpoints:
-        _check_checkpoint(config, block_size, pipeline_stages)
-    if config.checkpoint_turns:
-        from kvserve.engine.checkpoints import generation_marker
-
-        if generation_marker(model_config.tokenizer, model_config.trust_remote_code) is None:
-            raise InvalidSetting(
-                "kv_checkpoint",
-                f"turns needs a chat template that ends each prompt with one token sequence; {model} has none",
-            )
-    if config.policy == "attention_gate":
-        from kvserve.gates.registry import NoGateError, gate_entry
-
-        try:
-            gate_entry(model)
-        except NoGateError as exc:
-            raise InvalidSetting("kv_policy", str(exc)) from exc
-    if config.own_counts:  # DuoAttention: the model's trained head roles
-        from kvserve.duo.roles import roles_for
-
-        try:
-            roles_for(model, model_config.get_total_num_kv_heads())
-        except ValueError as exc:
-            raise InvalidSetting("kv_policy", str(exc)) from exc
-    return config
-
-
-def engine_shape(vllm_config) -> dict[str, Any]:
-    """`check_against_model`'s engine arguments from vLLM's VllmConfig (None: not known, those checks wait)."""
-    if vllm_config is None:
-        return {}
-    return {
-        "block_size": vllm_config.cache_config.block_size,
-        "pipeline_stages": vllm_config.parallel_config.pipeline_parallel_size,
-    }
-
-
-def _check_checkpoint(config: KVConfig, block_size: int | None, pipeline_stages: int) -> None:
-    """kv_checkpoint's engine checks: checkpoints are published as whole vLLM blocks, one worker's."""
-    if pipeline_stages > 1:
-        raise InvalidSetting(
-            "kv_checkpoint", "is not served with pipeline parallelism (each stage would publish its own layers' pages)"
-        )
-    if block_size is None:
-        return
-    if config.checkpoint % block_size:  # (0 with turns)
-        raise InvalidSetting(
-            "kv_checkpoint", f"must be a multiple of the block size ({block_size}), got {config.checkpoint}"
-        )
-    if config.budget % block_size:
-        raise InvalidSetting(
-            "kv_checkpoint",
-            f"needs kv_budget to be a multiple of the block size ({block_size}) so that a checkpoint's lists fill "
-            f"whole blocks; kv_budget is {config.budget}",
-        )
+    try:
+        return KVConfig.from_wire(wire)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidSetting(SETTINGS_KEY, f"is not what kvserve's validation writes: {exc}") from exc

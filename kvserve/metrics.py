@@ -101,7 +101,7 @@ class Metrics:
         self.engine_seconds = Counter(
             "kvserve:engine_seconds",
             "Engine time by phase: schedule, worker (whole step), and inside it attention, statistics, compaction, "
-            "pages (kvserve/engine/phases.py); the model's layers are worker minus the last four",
+            "pages (kvserve/phases.py); the model's layers are worker minus the last four",
             ["phase"],
         )
 

@@ -14,7 +14,14 @@ answer against the cache groups vLLM really built (`paged_group`).
 
 from __future__ import annotations
 
+import functools
+from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
+
+from kvserve.config import KVConfig, parse_kv_config
+from kvserve.errors import InvalidSetting
+from kvserve.policies.knobs import KEY_PREFIX
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -97,23 +104,135 @@ def _support(model_config) -> EvictionSupport:
     return EvictionSupport(num_layers, paged, None, window if len(paged) < num_layers else None)
 
 
-def paged_group(kv_cache_config, support: EvictionSupport) -> int | None:
-    """The KV-cache group kvserve pages: the one full-attention group, holding (this stage's share of) exactly the
-    layers `support` evicts on. None when the model cannot evict; a RuntimeError when vLLM built other groups than
-    the config predicts (a model kind this module reads wrongly must fail loudly, not evict the wrong layers)."""
-    from vllm.model_executor.models.utils import extract_layer_index
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+@dataclass(frozen=True)
+class ServedEngine:
+    """What the settings checks need of the engine being served: vLLM's model config (read as `eviction_support`
+    reads it), its block size and its pipeline stages."""
 
-    if not support.evicts:
+    model_config: Any
+    block_size: int | None = None
+    pipeline_stages: int = 1
+
+
+# The answer `served_settings(..., remember=True)` gave in this context: the HTTP middleware runs in the context every
+# later step of the request's handling inherits, vLLM's input validation among them (a new request, a new context).
+_remembered: ContextVar[tuple[tuple, KVConfig] | None] = ContextVar("kvserve_served_settings", default=None)
+
+
+def served_settings(
+    request_args: dict[str, Any] | None, engine: ServedEngine | None, remember: bool = False
+) -> KVConfig:
+    """The settings a request is served with: its `kv_*` keys over the server's defaults (`parse_kv_config`),
+    checked against the served model (`check_against_model`; without an engine known, only the settings themselves);
+    an `InvalidSetting` names the field. The HTTP middleware asks first, with `remember`, so that a stream gets its 400
+    before it starts; vLLM's input validation asks again for the same request and gets that answer: a request's
+    settings are parsed once."""
+    asked = {key: value for key, value in (request_args or {}).items() if key.startswith(KEY_PREFIX)}
+    key = tuple(sorted((name, repr(value)) for name, value in asked.items()))
+    remembered = _remembered.get()
+    if remembered is not None and remembered[0] == key:
+        return remembered[1]
+    config = parse_kv_config(asked)
+    if engine is not None:
+        config = check_against_model(
+            config, engine.model_config, asked, block_size=engine.block_size, pipeline_stages=engine.pipeline_stages
+        )
+    if remember and engine is not None:  # (without an engine, not the whole answer)
+        _remembered.set((key, config))
+    return config
+
+
+@functools.lru_cache(maxsize=8)
+def generation_marker(tokenizer: str, trust_remote_code: bool = False) -> tuple[int, ...] | None:
+    """The tokens the model's chat template appends to ask for a reply (`<|im_start|>assistant\n`): every chat
+    prompt ends with them, and a later turn's prompt holds them where the earlier turn's prompt ended. None: the
+    model has no chat template, or its template does not append one fixed sequence."""
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code)
+    if not getattr(loaded, "chat_template", None):
         return None
-    groups = kv_cache_config.kv_cache_groups
-    full = [index for index, group in enumerate(groups) if type(group.kv_cache_spec) is FullAttentionSpec]
-    kinds = [type(group.kv_cache_spec).__name__ for group in groups]
-    if len(full) == 1:
-        layers = {extract_layer_index(name) for name in groups[full[0]].layer_names}
-        if layers <= set(support.paged_layers):
-            return full[0]
-    raise RuntimeError(
-        f"kvserve read this model as one that {support.describe()}, but vLLM built KV-cache groups {kinds}; "
-        "run vanilla vLLM (VLLM_PLUGINS without 'kvserve') and report the model"
-    )
+    messages = [{"role": "user", "content": "x"}]
+
+    def ids(generation_prompt: bool) -> list[int]:
+        encoded = loaded.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    asking, plain = ids(True), ids(False)
+    if len(asking) <= len(plain) or asking[: len(plain)] != plain:
+        return None
+    return tuple(asking[len(plain) :])
+
+
+def check_against_model(
+    config: KVConfig,
+    model_config,
+    request_args: dict[str, Any] | None,
+    block_size: int | None = None,
+    pipeline_stages: int = 1,
+) -> KVConfig:
+    """The checks that need the served model (vLLM's `ModelConfig`): a model that cannot evict, a budget no sequence
+    can reach, a gate the model does not have. Returns the configuration to serve: on a model that cannot evict
+    (`kvserve/model_support.py`) the server's default eviction does not apply, and a request whose own `kv_*` keys
+    (`request_args`) ask for eviction is an error naming the reason.
+
+    Run by the HTTP middleware (so a streamed request gets a 400, not an error event after its 200) and by vLLM's
+    input validation (offline use); both pass the engine's `block_size` and pipeline stages."""
+    model, max_model_len = model_config.model, model_config.max_model_len
+    support = eviction_support(model_config)
+    if config.evicts and not support.evicts:
+        asked = sorted(key for key in (request_args or {}) if key.startswith(KEY_PREFIX))
+        if asked:
+            field = "kv_policy" if "kv_policy" in asked else asked[0]
+            raise InvalidSetting(field, f"asks for eviction, which this model lacks: {support.reason}")
+        return KVConfig()
+    if config.evicts and config.budget is not None and config.budget > max_model_len:
+        # a budget no sequence can reach is a mistake, not a way to turn eviction off (policy full does that)
+        raise InvalidSetting("kv_budget", f"{config.budget} is above max_model_len ({max_model_len})")
+    if config.checkpoints and support.hybrid:
+        raise InvalidSetting(
+            "kv_checkpoint", f"is not served on {model}: its sliding-window layers keep blocks of their own"
+        )
+    if config.checkpoints:
+        _check_checkpoint(config, block_size, pipeline_stages)
+    if config.checkpoint_turns:
+        if generation_marker(model_config.tokenizer, model_config.trust_remote_code) is None:
+            raise InvalidSetting(
+                "kv_checkpoint",
+                f"turns needs a chat template that ends each prompt with one token sequence; {model} has none",
+            )
+    if config.policy == "attention_gate":
+        from kvserve.gates.registry import NoGateError, gate_entry
+
+        try:
+            gate_entry(model)
+        except NoGateError as exc:
+            raise InvalidSetting("kv_policy", str(exc)) from exc
+    if config.own_counts:  # DuoAttention: the model's trained head roles
+        from kvserve.duo.roles import roles_for
+
+        try:
+            roles_for(model, model_config.get_total_num_kv_heads())
+        except ValueError as exc:
+            raise InvalidSetting("kv_policy", str(exc)) from exc
+    return config
+
+
+def _check_checkpoint(config: KVConfig, block_size: int | None, pipeline_stages: int) -> None:
+    """kv_checkpoint's engine checks: checkpoints are published as whole vLLM blocks, one worker's."""
+    if pipeline_stages > 1:
+        raise InvalidSetting(
+            "kv_checkpoint", "is not served with pipeline parallelism (each stage would publish its own layers' pages)"
+        )
+    if block_size is None:
+        return
+    if config.checkpoint % block_size:  # (0 with turns)
+        raise InvalidSetting(
+            "kv_checkpoint", f"must be a multiple of the block size ({block_size}), got {config.checkpoint}"
+        )
+    if config.budget % block_size:
+        raise InvalidSetting(
+            "kv_checkpoint",
+            f"needs kv_budget to be a multiple of the block size ({block_size}) so that a checkpoint's lists fill "
+            f"whole blocks; kv_budget is {config.budget}",
+        )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 def parallelism_refusal(tensor_parallel_size: int, decode_context_parallel_size: int = 1) -> str | None:
     """Why kvserve cannot serve this parallel layout correctly, or None. Pipeline and data parallelism work: each
-    stage evicts its own layers and passes its page counts down the pipeline (`kvserve/engine/stages.py`); each
+    stage evicts its own layers and passes its page counts down the pipeline (`kvserve/worker/stages.py`); each
     data-parallel engine is a whole kvserve engine. Under tensor parallelism every rank would evict its own KV
     heads in the same blocks, but only rank 0's page report reaches the scheduler and the ranks would not agree on
     the blocks to give back, so it is refused rather than served with leaked or overwritten pages."""

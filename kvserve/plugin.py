@@ -4,6 +4,6 @@ from __future__ import annotations
 
 
 def register() -> None:
-    from kvserve import vllm_patches
+    from kvserve.vllm import patches
 
-    vllm_patches.apply()
+    patches.apply()

@@ -1,6 +1,7 @@
 """Where and how a result was measured: the machine, the date, the exact command and kvserve's version.
 
-Every benchmark and evaluation command records this beside its data (`kvserve.bench`: a "provenance" key in its JSON;
+Every benchmark and evaluation command records this beside its data (`kvserve.tools.bench`: a "provenance" key in its
+JSON;
 `kvserve eval`: one line per run in `<out>.runs.jsonl`), and the benchmarks page (`kvserve report`) prints it under
 each table, so a number is never read without the machine it ran on. Timings from different machines are not
 comparable: the CPUs this project runs on differ in their bf16 support (AMX tiles, AVX512-BF16, AVX2 only).

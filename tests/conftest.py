@@ -185,7 +185,7 @@ SERVER_CHUNK = 128  # prefill chunk of the HTTP server: perplexity tests need ev
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """ONE real `kvserve serve` for the HTTP tests (started the way the benchmark starts its servers)."""
-    from kvserve.bench.servers import running_server
+    from kvserve.tools.bench.servers import running_server
 
     args = [
         "--max-model-len",
@@ -208,8 +208,8 @@ def server(tmp_path_factory):
 def long_prompt():
     from transformers import AutoTokenizer
 
-    from kvserve.eval.haystack import haystack
     from kvserve.model import ensure_default_model
+    from kvserve.tools.eval.haystack import haystack
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
     return tokenizer.decode(haystack(tokenizer, 300, seed=50))

@@ -31,21 +31,21 @@ def engine_kwargs() -> dict:
 def keep_finished_states(runner, limit: int = 32) -> OrderedDict:
     """The eviction state of the last `limit` finished requests, by internal request id, as the worker forgets them
     (the engine itself keeps none): tests compare what a finished request kept against references."""
-    from kvserve.engine.runner import book_of
+    from kvserve.vllm.worker import requests_of
 
-    book = book_of(runner)
+    book = requests_of(runner)
     finished: OrderedDict = OrderedDict()
-    forget = book.forget
+    finish = book.finish
 
-    def forget_and_keep(req_id: str) -> None:
+    def finish_and_keep(req_id: str) -> None:
         state = book.requests.get(req_id)
-        forget(req_id)
+        finish(req_id)
         if state is not None:
             finished[req_id] = state
             while len(finished) > limit:
                 finished.popitem(last=False)
 
-    book.forget = forget_and_keep
+    book.finish = finish_and_keep
     return finished
 
 
@@ -65,7 +65,7 @@ def in_process_env() -> None:
 
 
 def equivalence_prompts(tokenizer) -> list[list[int]]:
-    from kvserve.eval.haystack import haystack
+    from kvserve.tools.eval.haystack import haystack
 
     question = tokenizer.encode(" In one sentence, what is this text about? It is about", add_special_tokens=False)
     return [
@@ -84,6 +84,6 @@ SEEDED_SAMPLING = dict(seed=1, temperature=0.8, top_p=0.95, max_tokens=24, ignor
 
 
 def seeded_prompt(tokenizer) -> list[int]:
-    from kvserve.eval.haystack import haystack
+    from kvserve.tools.eval.haystack import haystack
 
     return haystack(tokenizer, 600, seed=11)

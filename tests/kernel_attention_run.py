@@ -30,7 +30,7 @@ TRITON_PROMPT, TRITON_BUDGET, TRITON_MAX_TOKENS = 80, 48, 6
 
 def policy_batch(tokenizer, triton: bool = False):
     """(prompts, per-request kv settings, max_tokens) of the batch both engines run."""
-    from kvserve.eval.haystack import haystack
+    from kvserve.tools.eval.haystack import haystack
 
     names, length, budget = (
         (TRITON_POLICIES, TRITON_PROMPT, TRITON_BUDGET) if triton else (KERNEL_POLICIES, 300, KERNEL_BUDGET)

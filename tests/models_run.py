@@ -1,5 +1,5 @@
-"""Serve each tiny random-weight model (kvserve/bench/tiny_models.py) in turn, in this process, and write what each
-request got as JSON: greedy token ids with `full`, with each evicting policy at a small budget and with a budget
+"""Serve each tiny random-weight model (kvserve/tools/bench/tiny_models.py) in turn, in this process, and write what
+each request got as JSON: greedy token ids with `full`, with each evicting policy at a small budget and with a budget
 above the prompt, the evicted counts, the error of a request the model refuses, and the free blocks before and after.
 Run once with kvserve (plugins on, server-wide defaults `SERVER_DEFAULTS` as `kvserve serve --kv-*` sets them) and
 once as vanilla vLLM (`VLLM_PLUGINS=none`, eviction settings ignored).
@@ -43,8 +43,8 @@ def run_model(architecture: str) -> dict:
     from vllm.distributed import cleanup_dist_env_and_memory
     from vllm.inputs import TokensPrompt
 
-    from kvserve.bench.tiny_models import tiny_model
-    from kvserve.eval.haystack import haystack
+    from kvserve.tools.bench.tiny_models import tiny_model
+    from kvserve.tools.eval.haystack import haystack
 
     llm = LLM(
         model=str(tiny_model(architecture)),

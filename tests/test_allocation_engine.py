@@ -1,7 +1,7 @@
 """`kv_allocation` and `kv_span` in the real engine: the request keeps L*H*B entries in all, spread as its allocation
-says; its page lists hold exactly those entries; greedy tokens equal the plain-PyTorch model (kvserve/gates/model.py,
-no serving code) evaluated with the same per-(layer, head) keep sets; decode compactions return every list to its
-share; the pool is full again afterwards."""
+says; its page lists hold exactly those entries; greedy tokens equal the plain-PyTorch model
+(kvserve/tools/training/llama.py, no serving code) evaluated with the same per-(layer, head) keep sets; decode
+compactions return every list to its share; the pool is full again afterwards."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from engine_settings import BLOCK_SIZE
 
-from kvserve.eval.haystack import haystack
 from kvserve.policies.allocation import head_floor, pyramid_budgets
+from kvserve.tools.eval.haystack import haystack
 
 BUDGET, WINDOW, PROMPT = 64, 8, 300
 SNAPKV = {"kv_policy": "snapkv", "kv_budget": BUDGET, "kv_window": WINDOW}
@@ -24,8 +24,8 @@ def cdiv(a: int, b: int) -> int:
 
 @pytest.fixture(scope="module")
 def plain_model():
-    from kvserve.gates.model import PlainLlama
     from kvserve.model import ensure_default_model
+    from kvserve.tools.training.llama import PlainLlama
 
     return PlainLlama(ensure_default_model())
 

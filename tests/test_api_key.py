@@ -14,8 +14,8 @@ BAD = {"x-kv-policy": "streamingllm", "x-kv-budget": "lots"}
 
 @pytest.fixture(scope="module")
 def guarded_server(tmp_path_factory):
-    from kvserve.bench.servers import running_server
     from kvserve.model import ensure_default_model
+    from kvserve.tools.bench.servers import running_server
 
     args = [
         "--max-model-len",

@@ -1,5 +1,5 @@
 """The served `attention_gate` policy on the real engine against the offline reference: the same model and gates in
-plain PyTorch (kvserve/gates/model.py), which shares no serving code."""
+plain PyTorch (kvserve/tools/training/llama.py), which shares no serving code."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 from engine_settings import BLOCK_SIZE
 
-from kvserve.eval.haystack import haystack
 from kvserve.metrics import metrics
+from kvserve.tools.eval.haystack import haystack
 
 GATE = {"kv_policy": "attention_gate"}
 
@@ -19,9 +19,9 @@ def cdiv(a: int, b: int) -> int:
 
 @pytest.fixture(scope="module")
 def reference():
-    from kvserve.gates.model import PlainLlama
     from kvserve.gates.registry import load_gates
     from kvserve.model import ensure_default_model
+    from kvserve.tools.training.llama import PlainLlama
 
     model = PlainLlama(ensure_default_model())
     s = model.shape

@@ -11,7 +11,7 @@ import pytest
 from background import Run
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from kvserve.bench.workload import compaction_histogram
+from kvserve.tools.bench.workload import compaction_histogram
 
 PROMPTS, PROMPT_TOKENS, MAX_TOKENS, BUDGET = 3, 300, 4, 64
 TINY = [
@@ -48,8 +48,8 @@ CHAT = dict(conversations=2, turns=2, reply=4)
 
 
 def _bench(fixture: str, *args: str) -> Run:
-    """`python -m kvserve.bench ARGS --out JSON`, its JSON read by `fixture`."""
-    return Run(fixture, [sys.executable, "-m", "kvserve.bench", *args, "--out", "{out}"])
+    """`python -m kvserve.tools.bench ARGS --out JSON`, its JSON read by `fixture`."""
+    return Run(fixture, [sys.executable, "-m", "kvserve.tools.bench", *args, "--out", "{out}"])
 
 
 def background_runs() -> list[Run]:
@@ -179,7 +179,7 @@ def test_chat_command_runs_conversations_on_every_server_and_evicting_requests_h
 def test_decode_heavy_preset_holds_two_requests_without_eviction_and_compresses_4_8_16x():
     import argparse
 
-    from kvserve.bench.__main__ import apply_decode_heavy
+    from kvserve.tools.bench.__main__ import apply_decode_heavy
 
     args = argparse.Namespace(
         prompts=8, prompt_tokens=3000, max_tokens=64, block_size=128, num_blocks=64, budgets="256,512"
@@ -202,7 +202,7 @@ def test_soak_records_engine_memory_after_each_request(soak_run, background):
 
 
 def test_flame_summary_shares_samples_under_the_root_frame():
-    from kvserve.bench.flame import summarize
+    from kvserve.tools.bench.flame import summarize
 
     stacks = [
         "main (a.py:1);step (b.py:2);attention (c.py:3) 6",
@@ -220,7 +220,7 @@ def test_flame_summary_shares_samples_under_the_root_frame():
 def test_capacity_limits_count_whole_blocks_held_while_decoding():
     import argparse
 
-    from kvserve.bench.__main__ import add_capacity_limits
+    from kvserve.tools.bench.__main__ import add_capacity_limits
 
     args = argparse.Namespace(
         command="capacity", num_blocks=28, block_size=128, prompts=16, prompt_tokens=1500, max_tokens=256
@@ -240,8 +240,8 @@ def test_layouts_bench_times_the_same_work_in_every_layout(tmp_path, monkeypatch
     stops it instead of timing different work."""
     import json
 
-    from kvserve.bench import layouts
-    from kvserve.engine.layouts import AmxPages
+    from kvserve.tools.bench import layouts
+    from kvserve.worker.layouts import AmxPages
 
     tiny = ["--requests", "1", "--tokens", "80", "--budget", "40", "--block-size", "32", "--window", "8"]
     layouts.main([*tiny, "--repeats", "1", "--out", str(tmp_path / "layouts.json")])
@@ -259,8 +259,8 @@ def test_each_setting_runs_on_its_own_prefix_cache_salt(monkeypatch):
     reads prefix-cache hits would be served from the previous setting's blocks and time a warm cache."""
     import asyncio
 
-    from kvserve.bench import workload
-    from kvserve.eval.client import Setting
+    from kvserve.tools.bench import workload
+    from kvserve.tools.eval.client import Setting
 
     bodies = []
 
@@ -282,8 +282,8 @@ def test_the_running_peak_is_read_when_a_request_streams_its_first_token(monkeyp
 
     import httpx
 
-    from kvserve.bench import workload
-    from kvserve.eval.client import Setting
+    from kvserve.tools.bench import workload
+    from kvserve.tools.eval.client import Setting
 
     running, real_client = [0], httpx.AsyncClient
 

@@ -14,11 +14,12 @@ import pytest
 from engine_settings import BLOCK_SIZE
 from test_prefix_cache import assert_same, question, run, salted
 
-from kvserve.config import KVConfig, check_against_model, parse_kv_config
-from kvserve.engine.checkpoints import first_compacting_checkpoint
+from kvserve.config import KVConfig, parse_kv_config
+from kvserve.core.checkpoints import first_compacting_checkpoint
 from kvserve.errors import InvalidSetting
-from kvserve.eval.haystack import haystack
 from kvserve.metrics import metrics
+from kvserve.model_support import check_against_model
+from kvserve.tools.eval.haystack import haystack
 
 BUDGET = 64
 CHECKPOINT = 64
@@ -92,7 +93,7 @@ def test_checkpoint_chunks_end_at_checkpoints(engine):
 
     def spy(self, request, computed, new):
         result = original(self, request, computed, new)
-        if request.request_id in self.kv_configs:
+        if self.core.evicting_record(request.request_id) is not None:
             seen.append(computed + result)
         return result
 
@@ -143,7 +144,7 @@ def test_resuming_fails_when_a_compaction_writes_into_a_published_checkpoint(eng
     """The mutation the test above must catch: the request that published a checkpoint compacts again in place (no
     copy out of the checkpoint's blocks), so the next request resumes from lists that are no longer the
     checkpoint's."""
-    from kvserve.engine.pages import HeadPages
+    from kvserve.worker.pages import HeadPages
 
     kv = {"kv_policy": "snapkv", "kv_budget": BUDGET, "kv_checkpoint": CHECKPOINT}
     salt = uuid.uuid4().hex
@@ -226,9 +227,9 @@ def _turn_and_next_turn(engine, document: list[int], salt: str):
     """A chat turn publishes its checkpoint where its prompt ends. Returns (the next turn's prompt, the checkpoint)."""
     messages = [{"role": "user", "content": engine.tokenizer.decode(document) + " What is this text about?"}]
     first = chat_ids(engine, messages)
-    known = set(engine.scheduler.checkpoints.entries)
+    known = set(engine.scheduler.core.checkpoints.entries)
     (turn_one,) = run(engine, [salted(first, salt)], TURNS)
-    (checkpoint,) = [entry for key, entry in engine.scheduler.checkpoints.entries.items() if key not in known]
+    (checkpoint,) = [entry for key, entry in engine.scheduler.core.checkpoints.entries.items() if key not in known]
     assert checkpoint.position == len(first)  # where the turn's prompt ended (its reply is shorter than a block)
     follow_up = engine.tokenizer.decode(haystack(engine.tokenizer, 60, seed=962))  # past the policy's window
     messages += [
@@ -256,7 +257,7 @@ def _a_recompute_then_the_next_turn(engine, document: list[int], others: int):
     llm_engine.add_request(turn_id, salted(second, salt), SamplingParams(temperature=0, max_tokens=8, extra_args=TURNS))
     outputs = {}
     hits, preemptions = counter("checkpoint_hits"), engine.scheduler.num_preemptions
-    held = _hold_all_free_blocks_but(engine, list(checkpoint.blocks), others)
+    held = _hold_all_free_blocks_but(engine, engine.scheduler.evicting_manager.blocks_of(checkpoint.block_ids), others)
     try:
         while not (other_id in outputs and outputs[other_id].finished):
             outputs.update((output.request_id, output) for output in llm_engine.step())
@@ -278,8 +279,8 @@ def test_a_turn_that_can_resume_goes_before_a_recompute_that_would_evict_its_che
     the overtaking limit), it evicts the checkpoint and the turn recomputes its conversation; `kv_checkpoint`
     requests that can resume go first, so the turn resumes and keeps what its salted miss keeps, and the other
     request runs after it. The pool is full again afterwards."""
-    from kvserve.engine import scheduler as scheduler_module
-    from kvserve.engine.scheduler import EvictingScheduler
+    from kvserve.core import admission
+    from kvserve.vllm.scheduler import EvictingScheduler
 
     document = haystack(engine.tokenizer, 300, seed=960)
     free = engine.free_blocks()
@@ -290,7 +291,7 @@ def test_a_turn_that_can_resume_goes_before_a_recompute_that_would_evict_its_che
     assert not resumed
     assert list(hit.outputs[0].token_ids) == list(reference.outputs[0].token_ids)  # recomputed, still right
     with monkeypatch.context() as waited_too_long:  # the other request has waited longer than a turn may overtake
-        waited_too_long.setattr(scheduler_module, "OVERTAKE_LIMIT_S", 0.0)
+        waited_too_long.setattr(admission, "OVERTAKE_LIMIT_S", 0.0)
         resumed, _, _ = _a_recompute_then_the_next_turn(engine, document, others)
     assert not resumed
     resumed, hit, reference = _a_recompute_then_the_next_turn(engine, document, others)
@@ -318,11 +319,11 @@ def test_the_checkpoint_a_waiting_turn_resumes_from_is_evicted_last(engine):
             block = block.prev_free_block
         return blocks
 
-    assert last_free(len(checkpoint.blocks)) != list(checkpoint.id)
+    assert last_free(len(checkpoint.block_ids)) != list(checkpoint.block_ids)
     turn_id = uuid.uuid4().hex
     engine.llm.llm_engine.add_request(turn_id, salted(second, salt), SamplingParams(max_tokens=1, extra_args=TURNS))
     try:
         engine.scheduler._resumable_first()
-        assert last_free(len(checkpoint.blocks)) == list(checkpoint.id)
+        assert last_free(len(checkpoint.block_ids)) == list(checkpoint.block_ids)
     finally:
         engine.llm.llm_engine.abort_request([turn_id])

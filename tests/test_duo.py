@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from kvserve.duo.data import retrieval_sample, vocabulary
 from kvserve.duo.roles import ROLES_DIR, HeadRoles
-from kvserve.gates.data import load_tokenizer
-from kvserve.gates.model import PlainLlama, streaming_keep_matrix
 from kvserve.model import DEFAULT_MODEL_NAME, ensure_default_model
+from kvserve.tools.training.corpus import load_tokenizer
+from kvserve.tools.training.llama import PlainLlama, streaming_keep_matrix
+from kvserve.tools.training.retrieval import retrieval_sample, vocabulary
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,10 @@ from hf_reference import (
     top_keep,
 )
 
-from kvserve.eval.haystack import haystack
 from kvserve.metrics import metrics
 from kvserve.policies import POLICIES, POLICY_NAMES
+from kvserve.tools.eval.haystack import haystack
+from kvserve.vllm.carriers import plan_of
 
 # Policies that keep exactly the budget; Attention-Gate decides its own ragged counts (test_attention_gate_engine.py),
 # DuoAttention gives each head its count from its roles, so even a budget above the sequence cuts its streaming heads
@@ -323,6 +324,22 @@ def test_invalid_settings_rejected_before_the_engine(engine):
     assert engine.generate([[1, 2, 3]], 4)[0].outputs[0].token_ids  # the engine still serves
 
 
+def test_the_engine_serves_the_settings_validation_wrote_not_what_a_request_brings(engine):
+    """The engine core reads a request's settings only where vLLM's input validation wrote them (`SETTINGS_KEY`):
+    settings a request brings under that key itself are overwritten by what its own `kv_*` keys validate to."""
+    from kvserve.config import SETTINGS_KEY, parse_kv_config
+
+    ids = prompt(engine, 300, seed=12)
+    kv = {"kv_policy": "snapkv", "kv_budget": 64}
+    forged = parse_kv_config(kv, defaults={}).to_wire()
+    evicting = engine.generate([ids], 2, kv)[0]
+    assert evicting.kv_transfer_params["kv_tokens_evicted"] > 0
+    plain = engine.generate([ids], 2, {SETTINGS_KEY: forged})[0]
+    assert plain.kv_transfer_params["kv_tokens_evicted"] == 0
+    broken = engine.generate([ids], 2, {SETTINGS_KEY: {"policy": "snapkv", "budget": -1}})[0]  # nor a broken one
+    assert broken.kv_transfer_params["kv_tokens_evicted"] == 0 and broken.outputs[0].token_ids
+
+
 def test_prefix_cache_serves_plain_and_evicting_requests(engine):
     ids = prompt(engine, 256, seed=60)
     engine.generate([ids], 2)
@@ -349,7 +366,7 @@ def test_every_policy_evicts_within_budget_and_returns_its_blocks(engine, monkey
 
     def update_from_output(scheduler_output, model_runner_output):
         result = original(scheduler_output, model_runner_output)
-        for req_id in getattr(scheduler_output, "kvserve_compactions", {}):
+        for req_id in plan_of(scheduler_output).compactions:
             if len(manager.req_to_blocks.get(req_id, [])) > cdiv(budget, BLOCK_SIZE):
                 over_budget.append(req_id)
         return result

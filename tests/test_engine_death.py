@@ -8,9 +8,9 @@ import json
 import signal
 from pathlib import Path
 
-from kvserve.bench.crash import image_healthcheck, kill_engine_and_measure
-from kvserve.bench.servers import running_server_process
 from kvserve.model import ensure_default_model
+from kvserve.tools.bench.crash import image_healthcheck, kill_engine_and_measure
+from kvserve.tools.bench.servers import running_server_process
 
 DOCKERFILE = Path(__file__).parents[1] / "docker" / "Dockerfile"
 LIMIT_S = 120

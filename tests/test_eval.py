@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from kvserve.eval import perplexity, quality
-from kvserve.eval.__main__ import main as eval_main
-from kvserve.eval.client import Server, Setting, load_rows
-from kvserve.eval.tasks import TASKS, make_case, score
+from kvserve.tools.eval import perplexity, quality
+from kvserve.tools.eval.__main__ import main as eval_main
+from kvserve.tools.eval.client import Server, Setting, load_rows
+from kvserve.tools.eval.tasks import TASKS, make_case, score
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_eval_tasks_command_runs_resumes_and_plots(server, tmp_path, capsys):
 
 
 def _requests_done(url: str) -> float:
-    from kvserve.eval.client import metric_sum
+    from kvserve.tools.eval.client import metric_sum
 
     return metric_sum(Server(url).metrics_text(), "vllm:request_success_total")
 
@@ -138,7 +138,7 @@ def test_summary_tables_agree_with_rows():
 
 def test_eval_ruler_runs_the_harness_through_kvserve_and_resumes(server, tmp_path, capsys):
     """lm-evaluation-harness's own RULER task, client and metric against the real server, one sample per setting."""
-    from kvserve.eval.ruler import harness_missing
+    from kvserve.tools.eval.ruler import harness_missing
 
     missing = harness_missing()
     if missing:
@@ -181,7 +181,7 @@ def test_eval_ruler_runs_the_harness_through_kvserve_and_resumes(server, tmp_pat
 
 def test_eval_settings_cross_allocations_and_spans_where_the_server_accepts_them():
     from kvserve.config import parse_kv_config
-    from kvserve.eval.client import settings
+    from kvserve.tools.eval.client import settings
 
     grid = settings(["full", "snapkv", "mat"], [64, 128], allocations=("uniform", "heads", "pyramid"), spans=(1, 8))
     labels = [(s.label, s.budget) for s in grid]
@@ -201,7 +201,7 @@ def test_eval_settings_cross_allocations_and_spans_where_the_server_accepts_them
 
 def test_eval_settings_carry_a_policys_knobs_to_its_headers_and_refuse_what_the_server_would():
     from kvserve.config import parse_kv_config
-    from kvserve.eval.client import settings
+    from kvserve.tools.eval.client import settings
 
     grid = settings(
         ["full", "duoattention:retrieval_fraction=0.25", "duoattention:retrieval_fraction=0.5:recent=32"],
@@ -235,7 +235,7 @@ def test_eval_settings_carry_a_policys_knobs_to_its_headers_and_refuse_what_the_
 
 
 def test_allocation_table_compares_each_allocation_with_uniform_at_the_same_policy_span_and_budget():
-    from kvserve.eval.report import allocation_table, parse_label
+    from kvserve.tools.eval.report import allocation_table, parse_label
 
     assert parse_label("snapkv") == ("snapkv", "uniform", 1)
     assert parse_label("h2o+caote/global/span8") == ("h2o+caote", "global", 8)
@@ -259,7 +259,7 @@ def test_allocation_table_compares_each_allocation_with_uniform_at_the_same_poli
 def test_suite_verdict_judges_only_tasks_full_passes_and_weighs_each_task_and_length_alike():
     import random
 
-    from kvserve.eval.suite import Suite, length_group, verdict
+    from kvserve.tools.eval.suite import Suite, length_group, verdict
 
     rng = random.Random(3)
     rows = []
@@ -305,9 +305,9 @@ def test_matched_budgets_give_each_case_the_entries_the_matched_setting_kept_the
     that same case (its prompt less what it evicted), read from the gate's rows."""
     import json as json_module
 
-    from kvserve.eval import quality
-    from kvserve.eval.client import settings
-    from kvserve.eval.tasks import Case
+    from kvserve.tools.eval import quality
+    from kvserve.tools.eval.client import settings
+    from kvserve.tools.eval.tasks import Case
 
     cases = [Case("passkey", 1000, i, 0, f"prompt {i}", ("1",), 4, 0.5) for i in range(3)]
     out = tmp_path / "rows.jsonl"

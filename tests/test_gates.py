@@ -15,12 +15,12 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from kvserve.gates.data import Corpus
 from kvserve.gates.gateset import GateSet, file_sha256
-from kvserve.gates.model import PlainLlama, gate_keep_matrix, masked_softmax
 from kvserve.gates.module import GateHyper, LayerGate, straight_through
 from kvserve.gates.registry import REGISTRY_ENV, gate_entry, load_gates
 from kvserve.policies.rotary import Rotary
+from kvserve.tools.training.corpus import Corpus
+from kvserve.tools.training.llama import PlainLlama, gate_keep_matrix, masked_softmax
 
 REAL_MODEL = Path("~/.cache/kvserve/models/SmolLM2-135M-Instruct").expanduser()
 
@@ -132,9 +132,9 @@ def test_the_recent_window_shows_each_query_its_recent_keys_whatever_their_flags
 
 
 def test_served_masked_attention_with_a_window_equals_the_training_mask():
-    """kvserve/engine/gated.py's prefill attention (entries by position, a validity per head, the gates' window)
+    """kvserve/worker/gated.py's prefill attention (entries by position, a validity per head, the gates' window)
     against the training model's masked softmax over gate_keep_matrix: the same weights, so the same outputs."""
-    from kvserve.engine.gated import masked_attention
+    from kvserve.worker.gated import masked_attention
 
     torch.manual_seed(2)
     kv_heads, group, n, dim, recent = 2, 3, 12, 8, 4
@@ -189,7 +189,7 @@ def test_all_keep_gates_equal_the_plain_model(tiny):
 
 # (b) the straight-through estimator: exact 0/1 forward, gradients reach every gate parameter from the LM loss
 def test_straight_through_gradients_reach_every_gate(tiny):
-    from kvserve.gates.train import lm_loss
+    from kvserve.tools.training.gates import lm_loss
 
     gates = tiny_gates(tiny, gamma=0.0)
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -213,7 +213,7 @@ def test_straight_through_gradients_reach_every_gate(tiny):
 def test_the_answer_term_is_the_kl_at_the_recited_positions_only(tiny):
     """`answer_weight` adds KL(full || gated) averaged over the positions predicting the answer of a retrieval row;
     a prose row (no answer) adds nothing, and the total is the sum of its terms."""
-    from kvserve.gates.train import step_losses, token_kl
+    from kvserve.tools.training.gates import step_losses, token_kl
 
     gates = tiny_gates(tiny, gamma=0.0)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
@@ -229,7 +229,7 @@ def test_the_answer_term_is_the_kl_at_the_recited_positions_only(tiny):
 
 # (c) a few training steps (the real training entry point) lower the loss and move the keep ratio towards beta
 def test_training_lowers_loss_and_moves_keep_towards_beta(tiny_dir, tmp_path):
-    from kvserve.gates.train import parse_args, train
+    from kvserve.tools.training.gates import parse_args, train
 
     rng = random.Random(0)
     stream = [rng.randrange(64) for _ in range(3000)]
@@ -371,8 +371,8 @@ def test_chunked_gate_equals_whole_sequence():
 # the one test on the real model: the shipped gates evict a real share of a held-out text at a small loss cost
 @pytest.mark.skipif(not (REAL_MODEL / "config.json").exists(), reason="default model not set up")
 def test_shipped_gates_on_real_model(monkeypatch):
-    from kvserve.gates.data import fixed_windows, load_corpus
-    from kvserve.gates.train import evaluate
+    from kvserve.tools.training.corpus import fixed_windows, load_corpus
+    from kvserve.tools.training.gates import evaluate
 
     monkeypatch.delenv(REGISTRY_ENV, raising=False)
     torch.set_num_threads(2)

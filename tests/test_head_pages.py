@@ -1,7 +1,7 @@
 """Head-granular pages: the contract with vLLM 0.32's own CPU ops that the page path stands on, and the page
 bookkeeping (allocation, compaction, block release, the scheduler's page demand) under a seeded fuzz.
 
-The contract (kvserve/engine/pages.py, kvserve/engine/step.py): vLLM's allocator puts every layer in one buffer, which
+The contract (kvserve/worker/pages.py, kvserve/worker/step.py): vLLM's allocator puts every layer in one buffer, which
 views as [L * NB * H, 1, bs, 2D] pages; `cpu_attention_with_kv_cache` called on pseudo-sequences (one row per
 (KV head, request), one KV head, G query heads) over that view equals the normal call bit for bit, and with ragged
 lengths and pages anywhere it equals a PyTorch reference; `cpu_attn_reshape_and_cache` writes through the view.
@@ -26,15 +26,15 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvserve.engine.eviction import pseudo_queries
-from kvserve.engine.pages import (
+from kvserve.messages import pages_needed
+from kvserve.worker.eviction import pseudo_queries
+from kvserve.worker.pages import (
     HeadPages,
     PageLayout,
     blocks_to_release,
     cdiv,
     check_cache_contract,
     page_view,
-    pages_needed,
 )
 
 AMX = torch.cpu._is_amx_tile_supported()

@@ -65,9 +65,9 @@ compaction, decode_attention, prefill_window = _import_kernels()
 from kvserve_kernels import reference  # noqa: E402
 from kvserve_kernels.layout import new_kv_cache, split_kv_cache  # noqa: E402
 
-from kvserve import kernel_dispatch  # noqa: E402
 from kvserve.policies import POLICIES, representative_policies  # noqa: E402
 from kvserve.policies.rotary import Rotary  # noqa: E402
+from kvserve.worker import kernel_dispatch  # noqa: E402
 
 _INTERPRET_AFTER_IMPORT = os.environ.get("TRITON_INTERPRET")
 
@@ -433,7 +433,7 @@ def test_interpreter_env_not_leaked():
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# The attention backend's scoring path (kvserve/engine/eviction.py) through the dispatch: the same request served
+# The attention backend's scoring path (kvserve/worker/eviction.py) through the dispatch: the same request served
 # over vLLM's CPU cache with the PyTorch operations and over the GPU (FlashAttention) cache with the Triton kernels
 # keeps the same entries, with the same statistics and the same compacted cache; and both equal the policy computing
 # its statistics from the keys itself (no measurement from the attention pass).
@@ -442,7 +442,7 @@ def test_interpreter_env_not_leaked():
 # a budget above every registered policy's default protected window (32), below the 80-token prompt chunk
 PATH_HEADS, PATH_GROUP, PATH_BLOCK, PATH_BUDGET, PATH_PROMPT, PATH_LAYER = 2, 2, 32, 48, 80, 3
 PATH_POLICIES = representative_policies(ragged=False)  # every registered policy that ranks entries against a budget
-# the allocations and spans (kvserve/engine/allocated.py) on the same path; the served layer is the worker's last, so
+# the allocations and spans (kvserve/worker/allocated.py) on the same path; the served layer is the worker's last, so
 # `global` ranks it at once
 PATH_ALLOCATIONS = {"snapkv/heads/span8": ("snapkv", "heads", 8), "h2o/global": ("h2o", "global", 1)}
 PATH_ALLOCATIONS["tova/pyramid/span4"] = ("tova", "pyramid", 4)
@@ -459,16 +459,16 @@ def _serve_one_layer(
 ) -> dict:
     """An 80-token prompt chunk compacted to the budget, then three decode steps, the last one compacting again.
     `layout`: "cpu" (vLLM's CPU "vec" pages), "flash" (the GPU layout) or "amx" (vLLM's AMX pages), each written
-    by vLLM's own op where vLLM has one and read through the layout the backend picks (`kvserve/engine/layouts/`).
+    by vLLM's own op where vLLM has one and read through the layout the backend picks (`kvserve/worker/layouts/`).
     The request's lists live in head pages of 3 blocks."""
     from kvserve.config import parse_kv_config
-    from kvserve.engine import eviction
-    from kvserve.engine.layouts import AmxPages, FlashPages, VecPages
-    from kvserve.engine.pages import HeadPages, PageLayout
-    from kvserve.engine.plan import Compaction
-    from kvserve.engine.request_state import RequestState
-    from kvserve.engine.step import RowPlan, StepContext
+    from kvserve.messages import Compaction
     from kvserve.policies.base import PassStatistics
+    from kvserve.worker import eviction
+    from kvserve.worker.layouts import AmxPages, FlashPages, VecPages
+    from kvserve.worker.pages import HeadPages, PageLayout
+    from kvserve.worker.request import WorkerRequest
+    from kvserve.worker.step import RowPlan, StepContext
 
     if not measure:
         monkeypatch.setattr(eviction, "measure_pass", lambda *args, **kwargs: PassStatistics())
@@ -487,7 +487,7 @@ def _serve_one_layer(
         request["kv_window"] = 16
     config = parse_kv_config(request, defaults={})
     rotary = {PATH_LAYER: Rotary.default(HEAD_DIM, 10000.0, 4096)}  # as the runner reads it from a RoPE model
-    state = RequestState(config=config, policy=config.make_policy(), pages=HeadPages(page_layout), rotary=rotary)
+    state = WorkerRequest(config=config, policy=config.make_policy(), pages=HeadPages(page_layout), rotary=rotary)
     state.pages.add_blocks([5, 2, 7])
     logical = 0
 

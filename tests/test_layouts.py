@@ -1,4 +1,4 @@
-"""The cache operations of every CPU layout (`kvserve/engine/layouts/`) on ragged page lists whose pages lie anywhere
+"""The cache operations of every CPU layout (`kvserve/worker/layouts/`) on ragged page lists whose pages lie anywhere
 in a one-head page view, written by vLLM's own cache-write op for that layout: against the PyTorch references of the
 kernels (`kvserve_kernels.reference`) and, for "amx", against "vec" holding the same entries (bit for bit wherever
 entries are only moved).
@@ -18,7 +18,7 @@ from kvserve_kernels.reference import (
 )
 from vllm import _custom_ops as ops
 
-from kvserve.engine.layouts import AmxPages, CachePages, VecPages, cpu_views, for_isa
+from kvserve.worker.layouts import AmxPages, CachePages, VecPages, cpu_views, for_isa
 
 BLOCK, DIM, GROUP = 32, 64, 3
 LENGTHS = torch.tensor([75, 40, 96, 1, 33])  # ragged rows: one (request, head) list each
@@ -271,9 +271,9 @@ def test_an_unknown_isa_is_refused_by_name():
 def decoding_plans(layout: str, heads: int = 3):
     """Three evicting requests decoding one token each in one layer (h2o, mat, ems), over a page view."""
     from kvserve.config import parse_kv_config
-    from kvserve.engine.pages import HeadPages, PageLayout
-    from kvserve.engine.request_state import RequestState
-    from kvserve.engine.step import RowPlan
+    from kvserve.worker.pages import HeadPages, PageLayout
+    from kvserve.worker.request import WorkerRequest
+    from kvserve.worker.step import RowPlan
 
     page_layout = PageLayout(num_layers=1, num_blocks=8, num_heads=heads, block_size=BLOCK)
     dtype = torch.bfloat16 if layout == "amx" else torch.float32
@@ -281,7 +281,7 @@ def decoding_plans(layout: str, heads: int = 3):
     plans = []
     for row, (policy, blocks, tokens) in enumerate([("h2o", [1, 4], 50), ("mat", [6], 20), ("ems", [2, 3, 7], 70)]):
         config = parse_kv_config({"kv_policy": policy, "kv_budget": 64}, defaults={})
-        state = RequestState(config=config, policy=config.make_policy(), pages=HeadPages(page_layout))
+        state = WorkerRequest(config=config, policy=config.make_policy(), pages=HeadPages(page_layout))
         state.pages.add_blocks(blocks)
         state.pages.append(tokens)
         plans.append(
@@ -301,8 +301,8 @@ def decoding_plans(layout: str, heads: int = 3):
 
 @pytest.mark.parametrize("layout", ["vec", "amx"])
 def test_a_failing_batched_pass_falls_back_to_each_request_alone(layout, monkeypatch):
-    from kvserve.engine import eviction
-    from kvserve.engine.step import StepContext
+    from kvserve.worker import eviction
+    from kvserve.worker.step import StepContext
 
     def run_step() -> list:
         torch.manual_seed(5)  # the same requests, cache and queries each time
@@ -332,8 +332,8 @@ def test_a_failing_batched_pass_falls_back_to_each_request_alone(layout, monkeyp
 def test_one_product_for_all_decoding_requests_equals_each_request_alone(layout):
     """`measure_decode_rows` measures every decoding request of a layer at once (lists of different lengths, policies
     wanting different statistics); each request gets what `measure_pass` measures for it alone."""
-    from kvserve.engine import eviction
-    from kvserve.engine.step import StepContext
+    from kvserve.worker import eviction
+    from kvserve.worker.step import StepContext
 
     plans, cache, query = decoding_plans(layout)
     tables = {plan.req_id: plan.table(0) for plan in plans}

@@ -7,12 +7,12 @@ from collections import Counter
 import httpx
 import pytest
 
-from kvserve.bench import sampling_fuzz
-from kvserve.bench.load import POLICY_MIX, Mix, plan, render, request_body, run_load
 from kvserve.config import parse_kv_config
 from kvserve.errors import InvalidSetting
-from kvserve.eval.client import metric_sum
 from kvserve.model import ensure_default_model
+from kvserve.tools.bench import sampling_fuzz
+from kvserve.tools.bench.load import POLICY_MIX, Mix, plan, render, request_body, run_load
+from kvserve.tools.eval.client import metric_sum
 
 MAX_MODEL_LEN = 2048  # the `server` fixture's
 # reduced: short prompts (many still above the smaller budgets, so eviction runs; 160 tokens is more than one of the

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.eval.haystack import haystack
 from kvserve.policies import MAT, LayerObservation
+from kvserve.tools.eval.haystack import haystack
 
 
 def logits_per_layer(hf_model, ids: list[int]) -> list[torch.Tensor]:

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvserve.config import check_against_model, parse_kv_config
+from kvserve.config import parse_kv_config
 from kvserve.errors import InvalidSetting
-from kvserve.model_support import EvictionSupport, eviction_support
+from kvserve.model_support import EvictionSupport, check_against_model, eviction_support
 from kvserve.server.middleware import evicting_layers
 
 

@@ -1,5 +1,5 @@
 """Every model vanilla vLLM serves, kvserve serves: a matrix of tiny random-weight models, one per attention variant
-vLLM 0.32's CPU backend serves (kvserve/bench/tiny_models.py), each run through kvserve and through vanilla vLLM
+vLLM 0.32's CPU backend serves (kvserve/tools/bench/tiny_models.py), each run through kvserve and through vanilla vLLM
 (tests/models_run.py, two subprocesses side by side; kvserve's with server-wide defaults that evict).
 
 Per model: kvserve's `full` gives vanilla vLLM's greedy tokens; where the model evicts (on every layer, or on a hybrid
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from background import Run
 
-from kvserve.bench.tiny_models import ARCHITECTURES, tiny_model
+from kvserve.tools.bench.tiny_models import ARCHITECTURES, tiny_model
 
 TESTS = Path(__file__).parent
 

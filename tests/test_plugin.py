@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvserve import REQUIRED_VLLM_VERSION, vllm_patches
+from kvserve import REQUIRED_VLLM_VERSION
 from kvserve.cli import BUILTIN_DEFAULTS, defaults_from_args
 from kvserve.config import parse_kv_config
+from kvserve.vllm import patches as vllm_patches
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -83,9 +84,9 @@ def test_readme_documents_every_policy_setting():
 
 @pytest.mark.parametrize("mode", ["vllm", "kernels"])
 def test_attention_mode_picks_the_backend_implementation(mode, monkeypatch):
-    from kvserve.engine.attention import KVServeAttentionImpl
-    from kvserve.engine.backend import KVServeAttentionBackend
-    from kvserve.engine.kernel_attention import KVServeKernelAttentionImpl
+    from kvserve.vllm.attention import KVServeAttentionImpl
+    from kvserve.vllm.backend import KVServeAttentionBackend
+    from kvserve.vllm.kernel_attention import KVServeKernelAttentionImpl
 
     monkeypatch.setenv("KVSERVE_ATTENTION", mode)
     expected = KVServeKernelAttentionImpl if mode == "kernels" else KVServeAttentionImpl

@@ -15,8 +15,8 @@ import pytest
 from engine_settings import BLOCK_SIZE
 
 from kvserve.config import KVConfig
-from kvserve.eval.haystack import haystack
 from kvserve.policies import representative_policies
+from kvserve.tools.eval.haystack import haystack
 
 BUDGET = 96
 # every registered way of running whose requests read hits, a meta-score over a reading base, and both allocations
@@ -199,7 +199,7 @@ def test_fuzz_interleaved_plain_and_evicting_requests_match_their_references(eng
 def test_fuzz_fails_when_a_compaction_writes_into_published_blocks(engine, monkeypatch):
     """The mutation the fuzz must catch: compacting in place while publishing (no copy out of protected blocks).
     Later hits then read compacted pages instead of the document's keys."""
-    from kvserve.engine.pages import HeadPages
+    from kvserve.worker.pages import HeadPages
 
     monkeypatch.setattr(HeadPages, "relocate", lambda self, layer, keep_pages: [])
     outputs, references = fuzz_case(engine, seed=7)
@@ -217,7 +217,6 @@ def test_no_room_for_the_copy_compacts_in_place_and_stops_publishing(engine):
 
     from kvserve.metrics import metrics
 
-    manager = engine.scheduler.evicting_manager
     fallbacks = metrics().prefix_publish_fallbacks._value.get()
     published = metrics().prefix_blocks_published._value.get()
     salt = uuid.uuid4().hex
@@ -232,7 +231,8 @@ def test_no_room_for_the_copy_compacts_in_place_and_stops_publishing(engine):
     plain, evicting = engine.llm.generate([salted(beside, salt), salted(long_prompt, salt)], params, use_tqdm=False)
     assert metrics().prefix_publish_fallbacks._value.get() == fallbacks + 1
     assert metrics().prefix_blocks_published._value.get() > published  # its early chunks were published first
-    assert not manager.private  # forgotten with the request
+    records = engine.scheduler.core.records.values()
+    assert not any(record.private for record in records)  # forgotten with the request
     (reference,) = run(engine, [salted(long_prompt, uuid.uuid4().hex)], kv, max_tokens=4)
     assert list(evicting.outputs[0].token_ids) == list(reference.outputs[0].token_ids)
     assert evicted(evicting) == evicted(reference)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from engine_settings import SERVED_MODEL
 
-from kvserve.bench.servers import free_port
+from kvserve.tools.bench.servers import free_port
 
 DEPLOY = Path(__file__).parent.parent / "deploy"
 SCRAPE_SECONDS = 1

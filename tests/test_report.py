@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from kvserve import __version__
-from kvserve.eval.__main__ import record_run, runs_file
 from kvserve.provenance import describe_machine, provenance
-from kvserve.report.page import build
+from kvserve.tools.eval.__main__ import record_run, runs_file
+from kvserve.tools.report.page import build
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "benchmarks.md"

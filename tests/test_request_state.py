@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine.request_state import POSITION_HEADROOM, LayerState, QueryWindow
+from kvserve.worker.request import POSITION_HEADROOM, LayerState, QueryWindow
 
 
 def test_query_window_keeps_the_last_queries_oldest_first():

@@ -1,4 +1,5 @@
-"""Seeded sampling survives chunked prefill (vllm_patches point 9) and is reproducible however the prompt is chunked.
+"""Seeded sampling survives chunked prefill (the `seeded_sample` and `seeded_bookkeeping` points of
+kvserve/vllm/points.py) and is reproducible however the prompt is chunked.
 
 vLLM 0.32 on CPU kills the engine on a request with `seed` whose prompt is prefilled in more than one chunk: it
 rewinds the request's generator with a CUDA-only call. kvserve restores the generator's state instead, so the
@@ -14,8 +15,8 @@ import httpx
 import pytest
 from engine_settings import CHUNK_WHEN_SHARED, SEEDED_SAMPLING, SERVED_MODEL, seeded_prompt
 
-from kvserve.eval.haystack import haystack
-from kvserve.vllm_patches import _discarded_cpu_generators
+from kvserve.tools.eval.haystack import haystack
+from kvserve.vllm.patches import _discarded_cpu_generators
 
 
 @pytest.fixture

@@ -288,7 +288,7 @@ def test_evicting_requests_read_and_publish_the_prefix_cache_and_vllm_counts_the
     requests' queries and the second's hit, and kvserve counts the blocks the first published."""
     from transformers import AutoTokenizer
 
-    from kvserve.eval.haystack import haystack
+    from kvserve.tools.eval.haystack import haystack
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
     document = tokenizer.decode(haystack(tokenizer, 400, seed=460))

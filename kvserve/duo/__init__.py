@@ -1,3 +1,3 @@
 """DuoAttention's head roles ("DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming
-Heads", Xiao et al. 2024, arXiv:2410.10819): training the per-KV-head gates (`train.py`) on synthetic retrieval data
-(`data.py`), and the roles file the serving policy reads (`roles.py`)."""
+Heads", Xiao et al. 2024, arXiv:2410.10819): the roles file the serving policy reads (`roles.py`); they are trained by
+`kvserve/tools/training/roles.py`."""

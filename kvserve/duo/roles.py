@@ -1,5 +1,5 @@
-"""The head roles file: one gate value per (layer, KV head) of a model, trained by `kvserve.duo.train`, and the
-streaming window (sinks, recent) it was trained for. A request's retrieval fraction f makes the f x L x H heads with
+"""The head roles file: one gate value per (layer, KV head) of a model, trained by `kvserve.tools.training.roles`, and
+the streaming window (sinks, recent) it was trained for. A request's retrieval fraction f makes the f x L x H heads with
 the largest gates retrieval heads; the rest are streaming heads.
 
 Files live in `kvserve/duo/roles/<model name>.json` (the served model's directory name, as the gates registry names
@@ -58,7 +58,7 @@ class HeadRoles:
             known = ", ".join(sorted(p.stem for p in ROLES_DIR.glob("*.json"))) or "none"
             raise ValueError(
                 f"no DuoAttention head roles for model {Path(model_name).name!r} (trained: {known}); "
-                "train them with `python -m kvserve.duo.train --model MODEL_DIR`"
+                "train them with `python -m kvserve.tools.training.roles --model MODEL_DIR`"
             )
         roles = cls.load(path)
         if roles.gates.shape[1] != num_kv_heads:

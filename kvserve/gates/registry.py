@@ -57,7 +57,7 @@ def gate_entry(model: str) -> GateEntry:
         raise NoGateError(
             f"no trained Attention-Gate for model {name!r} (gates exist for: "
             f"{', '.join(sorted(entries)) or 'none'}; registry {registry_path()}); train one with "
-            "`python -m kvserve.gates.train` and add it there"
+            "`python -m kvserve.tools.training.gates` and add it there"
         )
     return entries[name]
 

@@ -3,7 +3,7 @@ trained gate per layer flags, per prompt token and KV head, whether its K/V is k
 
 Unlike the other policies it does not rank entries against a budget: each head keeps what its gate flags, so heads
 keep different counts (ragged). The engine stores each head's kept entries at the front of its own page list (one
-per layer and KV head), so what a gate evicts is freed (`kvserve/engine/gated.py`). Within the prompt, a flagged-out
+per layer and KV head), so what a gate evicts is freed (`kvserve/worker/gated.py`). Within the prompt, a flagged-out
 token is hidden from every later query at once (Eq. 4/7), while it still sees itself. Decode-time tokens are not
 gated (the paper runs the gate in prefill only) and are appended; with a budget B, once a head's cache reaches
 B + block_size the head keeps its B most recent entries (a window rule that caps growth).

@@ -22,8 +22,8 @@ from kvserve.policies.rotary import Rotary
 @dataclass
 class PassStatistics:
     """What the layer's attention pass measured for this step's queries (the newest cache entries), from the
-    operations in `kvserve.kernel_dispatch` (Triton kernels on CUDA, their PyTorch references on CPU). A field left
-    None is computed by the observation itself from the keys: the same numbers, so tests need no engine."""
+    operations in `kvserve.worker.kernel_dispatch` (Triton kernels on CUDA, their PyTorch references on CPU). A field
+    left None is computed by the observation itself from the keys: the same numbers, so tests need no engine."""
 
     column_sums: torch.Tensor | None = None  # [H, n] the step's queries' probabilities, summed over queries and group
     first_logits: torch.Tensor | None = None  # [q, H*G] the step's queries' logits to entry 0 (q.k_0 * scale)

@@ -2,9 +2,9 @@
 2024, arXiv:2410.10819): a few KV heads retrieve from the whole context, the others only attend to the attention
 sinks and the newest tokens, so their entries in between can go.
 
-Which heads retrieve is trained once per model (`kvserve/duo/train.py`: a gate per KV head mixing full and streaming
-attention, the model frozen, distilled on synthetic retrieval data with an L1 penalty on the gates); the shipped
-roles file (`kvserve/duo/roles/<model>.json`) holds the gates, and a request's `retrieval_fraction` f makes the
+Which heads retrieve is trained once per model (`kvserve/tools/training/roles.py`: a gate per KV head mixing full and
+streaming attention, the model frozen, distilled on synthetic retrieval data with an L1 penalty on the gates); the
+shipped roles file (`kvserve/duo/roles/<model>.json`) holds the gates, and a request's `retrieval_fraction` f makes the
 f x L x H heads with the largest gates retrieval heads. Here a head's pages are really freed, per (layer, KV head).
 
 Counts, at equal memory: `kv_budget` B is the average per (layer, KV head), as for every allocation. A streaming head

@@ -25,7 +25,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.engine.plan import EVICTED_KEY, POLICY_FAILURE_KEY, REQUEST_KEY
+from kvserve.messages import EVICTED_KEY, POLICY_FAILURE_KEY, REQUEST_KEY
 
 
 @dataclass

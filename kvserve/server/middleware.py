@@ -8,19 +8,20 @@ applied in `x-kv-policy-applied`, `x-kv-budget-applied`, `x-kv-allocation-applie
 `x-kv-layers-applied` (`all`, or the model layers that evict: a hybrid local/global model's full-attention layers,
 which B applies to), and how many tokens eviction removed in `usage.kv_tokens_evicted`.
 
-The plugin installs this middleware inside vLLM's own (`kvserve/vllm_patches.py`), so with `--api-key` an
+The plugin installs this middleware inside vLLM's own (`kvserve/vllm/patches.py`), so with `--api-key` an
 unauthenticated request gets vLLM's 401 before anything here reads it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
-from kvserve.config import KEY_PREFIX, check_against_model, engine_shape, parse_kv_config
-from kvserve.engine.plan import EVICTED_KEY
+from kvserve.config import KEY_PREFIX
 from kvserve.errors import InvalidSetting
-from kvserve.model_support import EvictionSupport, eviction_support
+from kvserve.messages import EVICTED_KEY
+from kvserve.model_support import EvictionSupport, ServedEngine, eviction_support, served_settings
 from kvserve.server.evicted import EvictedTally, open_tally
 
 HEADER_PREFIX = b"x-kv-"
@@ -116,8 +117,12 @@ def error_body(field: str, message: str) -> bytes:
 
 
 class KVHeadersMiddleware:
-    def __init__(self, app) -> None:
+    """`served(scope)` says which engine serves a request (`kvserve/vllm/model.py` reads it off vLLM's app; None: not
+    known, the checks that need the model wait for vLLM's input validation)."""
+
+    def __init__(self, app, served: Callable[[dict], ServedEngine | None] = lambda scope: None) -> None:
         self.app = app
+        self.served = served
 
     async def __call__(self, scope, receive, send) -> None:
         if (
@@ -138,17 +143,11 @@ class KVHeadersMiddleware:
             if isinstance(body, dict):
                 reject_what_vllm_cannot_serve(body, scope["path"])
                 body = merge_into_body(body, header_xargs)
-                config = parse_kv_config(body.get("vllm_xargs"))
-                vllm_config = _vllm_config(scope)
-                model_config = getattr(vllm_config, "model_config", None)
-                layers = "all" if model_config is None else evicting_layers(eviction_support(model_config))
-                if model_config is not None:  # here, a streamed request still gets a 400 rather than an error event
-                    served = check_against_model(
-                        config, model_config, body.get("vllm_xargs"), **engine_shape(vllm_config)
-                    )
-                    if served is not config:  # the server's default eviction, on a model that cannot evict
-                        body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), "kv_policy": served.policy}
-                        config = served
+                engine = self.served(scope)
+                # here, a streamed request still gets a 400 rather than an error event (without an engine known, the
+                # checks that need the model wait for vLLM's validation)
+                config = served_settings(body.get("vllm_xargs"), engine, remember=True)
+                layers = "all" if engine is None else evicting_layers(eviction_support(engine.model_config))
                 raw = json.dumps(body).encode()
             elif header_xargs:
                 raise InvalidSetting("body", "x-kv-* headers need a JSON object body")
@@ -170,12 +169,6 @@ class KVHeadersMiddleware:
 def evicting_layers(support: EvictionSupport) -> str:
     """`x-kv-layers-applied`: `all`, or the model layers that evict (a hybrid model's full-attention layers)."""
     return ",".join(str(layer) for layer in support.paged_layers) if support.hybrid else "all"
-
-
-def _vllm_config(scope):
-    """The served engine's config: vLLM puts its VllmConfig on the app's state before serving."""
-    app = scope.get("app")
-    return getattr(getattr(app, "state", None), "vllm_config", None)
 
 
 async def _read_body(receive) -> bytes:

@@ -1,0 +1,353 @@
+"""`python -m kvserve.tools.bench {capacity,overhead}` (also `kvserve bench ...`; `chat`, `load`, `soak`, `crash` and
+`layouts` have modules and options of their own): kvserve against vanilla vLLM, one run.
+
+The benchmark starts each server itself with the same engine flags (vanilla with vLLM's plugins off), sends the same
+workload (N prompts of haystack text at once, streamed, `ignore_eos` so every request makes exactly --max-tokens),
+and prints each setting's numbers and its ratio to vanilla's.
+
+    # capacity: a fixed pool of 64 blocks of 128 tokens, 8 prompts of 3k tokens, SnapKV at budgets 256 and 512
+    python -m kvserve.tools.bench capacity --num-blocks 64 --prompts 8 --prompt-tokens 3000 --budgets 256,512
+
+    # decode-heavy capacity: 16 prompts of 1,500 tokens x 256 output tokens in a pool that holds 2 of them
+    # without eviction, budgets compressing 4x, 8x and 16x; writes a plot
+    python -m kvserve.tools.bench capacity --decode-heavy --plot docs/eval/capacity-decode-heavy.png
+
+    # a hybrid local/global model (tiny random weights, Gemma 3's 5:1 pattern): eviction on its global layers only
+    python -m kvserve.tools.bench capacity --model tiny:gemma3 --decode-heavy --prompt-tokens 3000 --num-blocks 90 \
+        --server-args "--max-num-batched-tokens 256"
+
+    # overhead: kvserve with policy full, and with scoring on but a budget above every sequence, vs vanilla
+    python -m kvserve.tools.bench overhead --prompts 8 --prompt-tokens 3000
+
+Both servers get the same `--dtype` (bf16 where the CPU has native bf16, else float32, unless --server-args names
+one) and the same allocator (tcmalloc where installed). Each kvserve row also shows where the engine's time went
+(`kvserve:engine_seconds_total` by phase, kvserve/phases.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from kvserve.cpu_dtype import default_dtype, has_dtype_flag
+from kvserve.provenance import command_line, provenance
+from kvserve.tools.bench.servers import running_server
+from kvserve.tools.bench.workload import prompts, run_workload
+from kvserve.tools.eval.client import Setting
+
+SERVED_NAME = "bench"
+COLUMNS = ("peak_running", "requests_per_s", "output_tokens_per_s", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
+
+
+def run(
+    servers: list[tuple[str, str, list[str], list[Setting]]], env: dict, workload: dict, log_dir: Path
+) -> list[dict]:
+    """Each server (label, kind, engine flags, settings) in turn, vanilla first, every setting of it on the same
+    workload; one result each, its `server` the label."""
+    results = []
+    for label, kind, engine_args, settings in servers:
+        with running_server(kind, workload["model"], engine_args, log_dir / f"{label}.log", env) as url:
+            # warm-up on a prompt outside the workload: a workload prompt would sit in vanilla's prefix cache
+            run_workload(url, SERVED_NAME, [workload["warmup"]], 2, Setting("full", None))
+            for setting in settings:
+                result = run_workload(url, SERVED_NAME, workload["prompts"], workload["max_tokens"], setting)
+                result.update(
+                    server=label,
+                    policy=setting.label,
+                    budget=setting.budget,
+                    evict_every_chunk=setting.evict_every_chunk,
+                )
+                results.append(result)
+                print(
+                    f"{label} {setting.label} {setting.budget or '-'}: "
+                    + ", ".join(f"{c}={result[c]:.3g}" for c in COLUMNS),
+                    flush=True,
+                )
+    return results
+
+
+def report(results: list[dict], prompt_tokens: int) -> str:
+    vanilla = next(r for r in results if r["server"] == "vanilla")
+    header = (
+        "| server | policy | budget | " + " | ".join(COLUMNS) + " | preemptions | blocks freed | compactions "
+        "| mean compaction ms |"
+    )
+    lines = [header, "|---" * (header.count("|") - 1) + "|"]
+    for r in results:
+        mean_ms = 1000 * r["compaction_seconds"] / r["compactions"] if r["compactions"] else 0.0
+        lines.append(
+            f"| {r['server']} | {r['policy']} | {r['budget'] or '-'} | "
+            + " | ".join(f"{r[c]:.3g}" for c in COLUMNS)
+            + f" | {r['preemptions']:.0f} | {r['blocks_freed']:.0f} | {r['compactions']:.0f}"
+            + f" | {mean_ms:.1f} |"
+        )
+    lines += ["", "Ratios kvserve / vanilla (time columns: lower is better; theoretical = prompt tokens / budget):", ""]
+    header = (
+        "| policy | budget | " + " | ".join(COLUMNS) + " | theoretical | peak running / theoretical / pool's limit |"
+    )
+    lines += [header, "|---" * (header.count("|") - 1) + "|"]
+    for r in results:
+        if r["server"] == "vanilla":
+            continue
+        theoretical = f"{prompt_tokens / r['budget']:.1f}" if r["budget"] and r["budget"] < prompt_tokens else "-"
+        name = r["policy"] if r["server"] == "kvserve" else f"{r['server']} ({r['policy']})"
+        lines.append(
+            f"| {name} | {r['budget'] or '-'} | "
+            + " | ".join(f"{r[c] / vanilla[c]:.2f}" if vanilla[c] else "-" for c in COLUMNS)
+            + f" | {theoretical} | {r['peak_running']:.0f} / {r['theoretical']:.0f} / {r['pool_limit']} |"
+        )
+    lines += ["", "Engine time by phase, seconds (share of the run's wall time; model = worker minus the rest):", ""]
+    header = "| policy | budget | wall | worker | model | attention | statistics | compaction | pages | schedule |"
+    lines += [header, "|---" * (header.count("|") - 1) + "|"]
+    for r in results:
+        if r["server"] != "kvserve":
+            continue
+        phase = r["phase_seconds"]
+        model = phase["worker"] - sum(phase[p] for p in ("attention", "statistics", "compaction", "pages"))
+        cells = [
+            phase["worker"],
+            model,
+            phase["attention"],
+            phase["statistics"],
+            phase["compaction"],
+            phase["pages"],
+            phase["schedule"],
+        ]
+        lines.append(
+            f"| {r['policy']} | {r['budget'] or '-'} | {r['wall_s']:.1f} | "
+            + " | ".join(f"{c:.1f} ({100 * c / r['wall_s']:.0f}%)" for c in cells)
+            + " |"
+        )
+    if any(r["compactions"] for r in results):
+        lines += ["", "Compaction time histogram (steps per bucket, upper bound in seconds):", ""]
+    for r in results:
+        if r["compactions"]:
+            buckets = ", ".join(f"<={b}: {n:.0f}" for b, n in r["compaction_histogram"].items() if n)
+            lines.append(f"- {r['policy']} {r['budget']}: {buckets}")
+    return "\n".join(lines)
+
+
+def add_capacity_limits(results: list[dict], args: argparse.Namespace) -> None:
+    """Per result, `pool_limit`: how many requests the pool holds while they decode, each at the most it holds then
+    (vanilla: prompt + output; evicting: B + one block, as the scheduler compacts back to B once a block of new
+    tokens has grown, whole blocks counted); and `theoretical`: vanilla's peak times the compression, both capped at
+    the number of requests."""
+    vanilla = next(r for r in results if r["server"] == "vanilla")
+    pool_tokens = args.num_blocks * args.block_size if args.command == "capacity" else None
+    for result in results:
+        if result["server"] == CEILING:
+            result["pool_limit"] = result["theoretical"] = args.prompts
+            continue
+        budget = result["budget"] if result["server"] == "kvserve" else None
+        if budget and budget < args.prompt_tokens + args.max_tokens:
+            held, compression = budget + min(args.block_size, args.max_tokens), args.prompt_tokens / budget
+        else:
+            held, compression = args.prompt_tokens + args.max_tokens, 1.0
+        blocks = -(-held // args.block_size)
+        result["pool_limit"] = (
+            min(args.prompts, pool_tokens // (blocks * args.block_size)) if pool_tokens else args.prompts
+        )
+        result["theoretical"] = min(args.prompts, vanilla["peak_running"] * compression)
+
+
+CEILING = "vanilla-unlimited"  # vanilla with a pool that holds every request at once: the machine's compute bound
+DECODE_HEAVY = {"prompts": 16, "prompt_tokens": 1500, "max_tokens": 256, "block_size": 128, "compressions": (4, 8, 16)}
+
+
+def apply_decode_heavy(args: argparse.Namespace, argv: list[str]) -> None:
+    """The decode-heavy preset, except for the flags the user gave: the pool holds two requests' full length."""
+    given = {arg.split("=")[0] for arg in argv}
+    for key in ("prompts", "prompt_tokens", "max_tokens", "block_size"):
+        if "--" + key.replace("_", "-") not in given:
+            setattr(args, key, DECODE_HEAVY[key])
+    if "--num-blocks" not in given:
+        args.num_blocks = 2 * -(-(args.prompt_tokens + args.max_tokens) // args.block_size)
+    if "--budgets" not in given:
+        args.budgets = ",".join(str(round(args.prompt_tokens / c)) for c in DECODE_HEAVY["compressions"])
+
+
+def plot(results: list[dict], prompt_tokens: int, path: str) -> None:
+    """Output tokens/s and peak requests running against the compression (prompt tokens / budget), vanilla at 1x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    vanilla = next(r for r in results if r["server"] == "vanilla")
+    figure, (throughput, concurrency) = plt.subplots(1, 2, figsize=(10, 4))
+    for policy in sorted({r["policy"] for r in results if r["server"] == "kvserve" and r["budget"]}):
+        rows = sorted((r for r in results if r["policy"] == policy and r["budget"]), key=lambda r: -r["budget"])
+        ratio = [prompt_tokens / r["budget"] for r in rows]
+        throughput.plot(
+            ratio, [r["output_tokens_per_s"] / vanilla["output_tokens_per_s"] for r in rows], "o-", label=policy
+        )
+        concurrency.plot(ratio, [r["peak_running"] for r in rows], "o-", label=f"{policy} measured")
+        concurrency.plot(ratio, [r["theoretical"] for r in rows], "x--", label=f"{policy} theoretical")
+        concurrency.plot(ratio, [r["pool_limit"] for r in rows], "+:", label=f"{policy} pool's limit")
+    throughput.axhline(1.0, color="grey", linestyle=":", label="vanilla")
+    for ceiling in (r for r in results if r["server"] == CEILING):
+        throughput.axhline(
+            ceiling["output_tokens_per_s"] / vanilla["output_tokens_per_s"],
+            color="black",
+            linestyle="--",
+            label="vanilla, unlimited pool",
+        )
+    concurrency.axhline(vanilla["peak_running"], color="grey", linestyle=":", label="vanilla")
+    for axes, title in ((throughput, "output tokens/s vs vanilla"), (concurrency, "peak requests running")):
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("compression (prompt tokens / budget)")
+        axes.set_title(title)
+        axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    print(f"plot: {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from kvserve.model import default_model_dir
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["load"]:  # a command with its own options: kvserve/tools/bench/load.py
+        from kvserve.tools.bench.load import main as load_main
+
+        return load_main(argv[1:])
+    if argv[:1] == ["soak"]:  # kvserve/tools/bench/soak.py
+        from kvserve.tools.bench.soak import main as soak_main
+
+        return soak_main(argv[1:])
+    if argv[:1] == ["chat"]:  # kvserve/tools/bench/chat.py
+        from kvserve.tools.bench.chat import main as chat_main
+
+        return chat_main(argv[1:])
+    if argv[:1] == ["layouts"]:  # kvserve/tools/bench/layouts.py: one process, no server
+        from kvserve.tools.bench.layouts import main as layouts_main
+
+        return layouts_main(argv[1:])
+    if argv[:1] == ["crash"]:  # kvserve/tools/bench/crash.py
+        from kvserve.tools.bench.crash import main as crash_main
+
+        return crash_main(argv[1:])
+
+    parser = argparse.ArgumentParser(
+        prog="kvserve bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("command", choices=("capacity", "overhead"))
+    parser.add_argument(
+        "--model",
+        default=str(default_model_dir()),
+        help="a model folder, or tiny:ARCH for a tiny random-weight model (kvserve/tools/bench/tiny_models.py), e.g. "
+        "tiny:gemma3 (hybrid: 10 sliding-window layers, 2 global)",
+    )
+    parser.add_argument("--prompts", type=int, default=8, help="requests, all sent at once")
+    parser.add_argument("--prompt-tokens", type=int, default=3000)
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
+    parser.add_argument("--policy", default="snapkv", help="policy, or a comma list of policies")
+    parser.add_argument("--budgets", default="256,512", help="capacity: the budgets to compare")
+    parser.add_argument("--evict-every-chunk", action="store_true", help="capacity: evict between prefill chunks")
+    parser.add_argument(
+        "--allocations", default="uniform", help="capacity: kv_allocation values to run each budget with (comma list)"
+    )
+    parser.add_argument("--num-blocks", type=int, default=64, help="capacity: KV pool size in blocks (both servers)")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--kv-space-gib", default="4", help="VLLM_CPU_KVCACHE_SPACE for both servers")
+    parser.add_argument("--server-args", default="", help="more engine flags for both servers, one string")
+    parser.add_argument(
+        "--attention",
+        choices=("vllm", "kernels"),
+        default="vllm",
+        help="kvserve's attention mode (KVSERVE_ATTENTION): vLLM's CPU kernel then kvserve's "
+        "statistics, or kvserve's own kernel operations for both",
+    )
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    parser.add_argument(
+        "--decode-heavy",
+        action="store_true",
+        help="capacity preset: 16 prompts of 1,500 tokens, 256 output tokens each, a pool that holds "
+        "2 of them without eviction, budgets compressing 4x, 8x and 16x (other flags still apply "
+        "when given explicitly)",
+    )
+    parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="capacity: also run vanilla with a pool that holds every request (what this machine "
+        "computes when memory is no limit: the bound on any eviction's gain)",
+    )
+    parser.add_argument("--plot", default=None, help="capacity: PNG of throughput and peak concurrency vs budget")
+    args = parser.parse_args(argv)
+    if args.model.startswith("tiny:"):
+        from kvserve.tools.bench.tiny_models import tiny_model
+
+        args.model = str(tiny_model(args.model.removeprefix("tiny:")))
+    if args.decode_heavy:
+        apply_decode_heavy(args, argv)
+        args.ceiling = True
+
+    policies = args.policy.split(",")
+    max_model_len = args.prompt_tokens + args.max_tokens + args.block_size
+    engine_args = [
+        "--served-model-name",
+        SERVED_NAME,
+        "--max-model-len",
+        str(max_model_len),
+        "--block-size",
+        str(args.block_size),
+        *shlex.split(args.server_args),
+    ]
+    if not has_dtype_flag(engine_args):  # what `kvserve serve` would pick, given to vanilla as well
+        dtype, why = default_dtype()
+        engine_args += ["--dtype", dtype]
+        print(f"bench: --dtype {dtype} for both servers: {why}", flush=True)
+    if args.command == "capacity":
+        engine_args += ["--num-gpu-blocks-override", str(args.num_blocks)]
+        kvserve_settings = [
+            Setting(policy, int(b), args.evict_every_chunk, allocation)
+            for policy in policies
+            for b in args.budgets.split(",")
+            for allocation in args.allocations.split(",")
+        ]
+    else:  # scoring on, nothing evicted: the budget is above every sequence in the workload
+        kvserve_settings = [Setting("full", None)] + [Setting(policy, max_model_len) for policy in policies]
+    workload_prompts = prompts(args.prompts + 1, args.prompt_tokens, args.model)
+    workload = {
+        "model": args.model,
+        "prompts": workload_prompts[1:],
+        "warmup": workload_prompts[0][:64],
+        "max_tokens": args.max_tokens,
+    }
+    with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as log_dir:
+        env = {"VLLM_CPU_KVCACHE_SPACE": args.kv_space_gib, "KVSERVE_ATTENTION": args.attention}  # vanilla: no plugin
+        servers = [("vanilla", "vanilla", engine_args, [Setting("full", None)])]
+        if args.command == "capacity" and args.ceiling:
+            unlimited = args.prompts * -(-(args.prompt_tokens + args.max_tokens) // args.block_size)
+            ceiling_args = [
+                *engine_args[: engine_args.index("--num-gpu-blocks-override")],
+                "--num-gpu-blocks-override",
+                str(unlimited),
+                *engine_args[engine_args.index("--num-gpu-blocks-override") + 2 :],
+            ]
+            servers.append((CEILING, "vanilla", ceiling_args, [Setting("full", None)]))
+        servers.append(("kvserve", "kvserve", engine_args, kvserve_settings))
+        results = run(servers, env, workload, Path(log_dir))
+    add_capacity_limits(results, args)
+    print()
+    print(report(results, args.prompt_tokens))
+    if args.plot:
+        plot(results, args.prompt_tokens, args.plot)
+    if args.out:
+        # no machine paths in published results: files by name only
+        recorded = {
+            **vars(args),
+            **{key: Path(getattr(args, key)).name for key in ("model", "out", "plot") if getattr(args, key)},
+        }
+        ran = provenance(command_line(argv, "kvserve bench"))
+        Path(args.out).write_text(
+            json.dumps({"command": args.command, "args": recorded, "provenance": ran, "results": results}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()

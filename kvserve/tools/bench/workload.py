@@ -1,0 +1,174 @@
+"""One workload: N long prompts sent at once, streamed, timed per request; the server's gauges sampled meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import statistics
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from kvserve.phases import PHASES
+from kvserve.tools.eval.client import Setting, metric_sum, stream_chunks
+
+
+@dataclass
+class RequestTiming:
+    ttft: float  # seconds from sending to the first streamed token
+    tpot: float  # mean seconds per output token after the first
+    output_tokens: int
+
+
+async def _one(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    setting: Setting,
+    first_token: asyncio.Event | None = None,
+) -> RequestTiming:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        # each setting on its own prefix-cache salt: settings run one after another on one server with the same
+        # prompts, and a later setting must not be served from an earlier one's cached blocks (a cold start each)
+        "cache_salt": f"bench:{setting.label}:{setting.budget}",
+    }
+    start = time.perf_counter()
+    first = None
+    output_tokens = 0
+    async for chunk in stream_chunks(client, url, "/v1/completions", body, setting):
+        if chunk.get("choices") and chunk["choices"][0].get("text") and first is None:
+            first = time.perf_counter()
+            if first_token is not None:
+                first_token.set()
+        if chunk.get("usage"):
+            output_tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    first = end if first is None else first
+    return RequestTiming(
+        ttft=first - start, tpot=(end - first) / max(output_tokens - 1, 1), output_tokens=output_tokens
+    )
+
+
+SCRAPE_EVERY_S = 0.1
+
+
+async def _sample_running(
+    client: httpx.AsyncClient, url: str, stop: asyncio.Event, first_token: asyncio.Event, peak: list[float]
+) -> None:
+    """Scrape the running gauge every `SCRAPE_EVERY_S`, and at once whenever a request streams its first token:
+    vLLM sets the gauge from a step's scheduler stats before it yields the step's tokens, so a scrape right after a
+    first token reads a step with that request running. Periodic scrapes alone missed every running step of a
+    sub-second workload on a busy machine (peak 0)."""
+    while not stop.is_set():
+        first_token.clear()
+        text = (await client.get(url + "/metrics")).text
+        peak[0] = max(peak[0], metric_sum(text, "vllm:num_requests_running"))
+        try:
+            await asyncio.wait_for(first_token.wait(), timeout=SCRAPE_EVERY_S)
+        except TimeoutError:
+            pass
+
+
+async def _run(url: str, model: str, prompts: list[list[int]], max_tokens: int, setting: Setting) -> dict:
+    async with httpx.AsyncClient(timeout=3600) as client:
+        before = (await client.get(url + "/metrics")).text
+        stop, first_token, peak = asyncio.Event(), asyncio.Event(), [0.0]
+        sampler = asyncio.create_task(_sample_running(client, url, stop, first_token, peak))
+        start = time.perf_counter()
+        timings = await asyncio.gather(
+            *(_one(client, url, model, p, max_tokens, setting, first_token) for p in prompts)
+        )
+        wall = time.perf_counter() - start
+        stop.set()
+        first_token.set()  # wakes the sampler to see the stop
+        await sampler
+        after = (await client.get(url + "/metrics")).text
+    return summarize(timings, wall, peak[0], before, after)
+
+
+def run_workload(url: str, model: str, prompts: list[list[int]], max_tokens: int, setting: Setting) -> dict:
+    return asyncio.run(_run(url, model, prompts, max_tokens, setting))
+
+
+def _percentile(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def summarize(
+    timings: list[RequestTiming], wall: float, peak_running: float, metrics_before: str, metrics_after: str
+) -> dict:
+    ttft = [t.ttft for t in timings]
+    tpot = [t.tpot for t in timings]
+    output_tokens = sum(t.output_tokens for t in timings)
+
+    def delta(name: str) -> float:
+        return metric_sum(metrics_after, name) - metric_sum(metrics_before, name)
+
+    return {
+        "requests": len(timings),
+        "wall_s": wall,
+        "peak_running": peak_running,
+        "requests_per_s": len(timings) / wall,
+        "output_tokens_per_s": output_tokens / wall,
+        "ttft_p50": _percentile(ttft, 50),
+        "ttft_p90": _percentile(ttft, 90),
+        "tpot_p50": _percentile(tpot, 50),
+        "tpot_p90": _percentile(tpot, 90),
+        "preemptions": delta("vllm:num_preemptions_total"),
+        "blocks_freed": delta("kvserve:blocks_freed_total"),
+        "compactions": delta("kvserve:compaction_seconds_count"),
+        "compaction_seconds": delta("kvserve:compaction_seconds_sum"),
+        "compaction_histogram": compaction_histogram(metrics_before, metrics_after),
+        "phase_seconds": {phase: phase_delta(metrics_before, metrics_after, phase) for phase in PHASES},
+    }
+
+
+def phase_delta(before: str, after: str, phase: str) -> float:
+    """Seconds `kvserve:engine_seconds_total{phase=...}` grew between two scrapes (0 for vanilla)."""
+
+    def value(text: str) -> float:
+        found = re.findall(rf'^kvserve:engine_seconds_total\{{[^}}]*phase="{phase}"[^}}]*\}} (\S+)$', text, re.M)
+        return sum(float(v) for v in found)
+
+    return value(after) - value(before)
+
+
+def compaction_histogram(before: str, after: str) -> dict[str, float]:
+    """Per-bucket counts (not cumulative) of `kvserve:compaction_seconds` added between two scrapes."""
+
+    def buckets(text: str) -> dict[str, float]:
+        counts: dict[str, float] = {}
+        for bound, value in re.findall(
+            r'^kvserve:compaction_seconds_bucket\{[^}]*le="([^"]+)"[^}]*\} (\S+)$', text, re.M
+        ):
+            counts[bound] = counts.get(bound, 0.0) + float(value)
+        return counts
+
+    start, end = buckets(before), buckets(after)
+    cumulative = {bound: end[bound] - start.get(bound, 0.0) for bound in end}
+    ordered = sorted(cumulative, key=lambda b: float("inf") if b == "+Inf" else float(b))
+    previous, per_bucket = 0.0, {}
+    for bound in ordered:
+        per_bucket[bound] = cumulative[bound] - previous
+        previous = cumulative[bound]
+    return per_bucket
+
+
+def prompts(count: int, tokens: int, model: str) -> list[list[int]]:
+    """`count` haystack prompts of `tokens` tokens each (seeded: the same prompts for every server of a run)."""
+    from transformers import AutoTokenizer
+
+    from kvserve.tools.eval.haystack import haystack
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return [haystack(tokenizer, tokens, seed=1000 + number) for number in range(count)]

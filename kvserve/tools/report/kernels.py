@@ -1,0 +1,57 @@
+"""The kernels on a GPU: the fused decode kernel (`python -m kvserve_kernels.bench --out ...`) against itself
+without statistics and against a plain PyTorch path, and the compiled kernel tests. GPUs are lent to some sessions
+only; the page shows the newest run per device and dtype."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvserve.tools.report.markdown import table
+from kvserve.tools.report.sources import DataDir, Source
+
+RUNS = ("kernels/h100-bf16.json", "kernels/h100-fp16.json")
+
+
+def _cell(values: list, fmt: str) -> str:
+    shown = [(v if isinstance(v, str) else format(v, fmt)) if v is not None else "-" for v in values]
+    return " / ".join(dict.fromkeys(shown)) if len(set(shown)) == 1 else " / ".join(shown)
+
+
+def decode_table(source: Source) -> str:
+    runs = source.data["runs"]
+    rows = []
+    for index, row in enumerate(runs[0]):
+        same = [run[index] for run in runs]
+        rows.append(
+            [
+                ", ".join(map(str, row["shape"])),
+                _cell([r["plain_ms"] for r in same], ".3f"),
+                _cell([100 * r["plain_peak_fraction"] if r["plain_peak_fraction"] else None for r in same], ".0f"),
+                _cell([100 * r["h2o_overhead"] for r in same], "+.0f") + "%",
+                _cell([100 * r["fused_overhead"] for r in same], "+.0f") + "%",
+                _cell([f"{r['torch_over_plain']:.0f}x" if r["torch_over_plain"] else None for r in same], ""),
+            ]
+        )
+    headers = ["shape (requests, tokens, query heads, KV heads, head dim, block)", "plain ms", "% of peak bandwidth"]
+    return table([*headers, "H2O sums overhead", "all statistics overhead", "PyTorch / plain"], rows)
+
+
+def section(data: DataDir, plots: Path, plot_link: str) -> str:
+    parts = [
+        "## The kernels on a GPU",
+        "Median of `triton.testing.do_bench` with L2 flushed; bandwidth is K and V bytes read over time against the "
+        "data sheet's peak. `plain` is the decode kernel without statistics; the overheads add H2O's column sums, "
+        "or H2O's sums, TOVA's last-query probabilities and MAT's first-key logits together. Where a run was "
+        "repeated, cells show each run (first / second): the short shapes move by tens of percent between runs.",
+    ]
+    for name in RUNS:
+        source = data.load(name)
+        parts += [f"### {source.data['device']}, {source.data['dtype']}", decode_table(source)]
+        tests = source.data.get("tests")
+        if tests:
+            parts.append(
+                f"Kernel tests compiled on this device: {tests['passed']} passed in {tests['seconds']} s "
+                f"(`{tests['command']}`)."
+            )
+        parts.append(source.caption())
+    return "\n\n".join(parts)

@@ -1,0 +1,324 @@
+"""How much quality do I keep at 8x? The quality suite (RULER's single needle through lm-evaluation-harness and the
+passkey task, 1k / 2k / 4k tokens) per policy against the entries it keeps, perplexity, and Attention-Gate at its own
+keep ratio against the baselines at equal memory per case."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from kvserve.policies import POLICY_NAMES
+from kvserve.tools.eval.perplexity import perplexities
+from kvserve.tools.eval.quality import mean_scores
+from kvserve.tools.eval.report import allocation_table
+from kvserve.tools.eval.suite import Cell, Suite, length_group
+from kvserve.tools.report.markdown import table
+from kvserve.tools.report.plots import pyplot, save
+from kvserve.tools.report.sources import DataDir
+
+SUITE = ("suite/ruler.jsonl", "suite/tasks.jsonl")
+PERPLEXITY = "suite/ppl.jsonl"
+GATE = ("gate/suite-ruler.jsonl", "gate/suite-tasks.jsonl")
+GATE_PERPLEXITY = "gate/ppl.jsonl"
+ALLOCATION = ("allocation/ppl.jsonl", "allocation/tasks.jsonl", "allocation/capacity.json")
+FLOOR = 0.5  # a task is judged where the full cache scores at least this
+CHECKPOINT = "/checkpoint"  # in a label: a kv_checkpoint setting (`kvserve.tools.eval.client.Setting.label`)
+
+
+def base_policy(label: str) -> str:
+    """`duoattention:retrieval_fraction=0.25/span8` -> `duoattention`."""
+    return label.split("/")[0].split(":")[0]
+
+
+def best_labels(suite: Suite, cells: list[Cell]) -> dict[str, str]:
+    """Per policy, the setting (span, allocation, knobs) with the highest mean share of full over the budgets it ran
+    at; ties go to the setting that ran at more budgets, then by name."""
+    budgets = suite.budgets()
+    scored: dict[str, list[tuple[float, int, str]]] = defaultdict(list)
+    for label in suite.labels():
+        if CHECKPOINT in label:  # a serving mode with its own table (`checkpoint_table`), not a policy setting
+            continue
+        ratios = [r for b in budgets if (r := suite.ratio((label, b), cells)) is not None]
+        if ratios:
+            scored[base_policy(label)].append((sum(ratios) / len(ratios), len(ratios), label))
+    return {policy: min(options, key=lambda o: (-o[0], -o[1], o[2]))[2] for policy, options in scored.items()}
+
+
+def share_table(suite: Suite, cells: list[Cell], labels: dict[str, str]) -> str:
+    budgets = suite.budgets()
+    full_mean, full_n = suite.mean(("full", None), cells)
+    lines = [
+        "| policy | best setting | " + " | ".join(f"B={b}" for b in budgets) + " |",
+        "| --- | --- |" + " --- |" * len(budgets),
+        "| `full` | | " + " | ".join([f"100% ({full_mean:.3f})"] * len(budgets)) + " |",
+    ]
+    top = {
+        b: max((r for lb in labels.values() if (r := suite.ratio((lb, b), cells)) is not None), default=None)
+        for b in budgets
+    }
+    order = sorted(labels, key=lambda p: -sum(suite.ratio((labels[p], b), cells) or 0 for b in budgets))
+    for policy in order:
+        label = labels[policy]
+        row = []
+        for b in budgets:
+            ratio, mean = suite.ratio((label, b), cells), suite.mean((label, b), cells)
+            text = "-" if ratio is None else f"{ratio:.0%} ({mean[0]:.3f})"
+            row.append(f"**{text}**" if ratio is not None and ratio == top[b] else text)
+        setting = label.removeprefix(policy).lstrip("/:") or "uniform, span 1"
+        lines.append(f"| `{policy}` | {setting} | " + " | ".join(row) + " |")
+    text = "\n".join(lines) + f"\n\n`full` answers {full_mean:.3f} of the judged cells (n = {full_n} answers)."
+    return text + too_small_budgets(labels, budgets, suite, cells)
+
+
+def checkpoint_table(suite: Suite, cells: list[Cell]) -> str:
+    """Each `kv_checkpoint` setting that ran, beside the same setting without checkpoints."""
+    budgets = suite.budgets()
+    lines = [
+        "| setting | " + " | ".join(f"B={b}" for b in budgets) + " |",
+        "| --- |" + " --- |" * len(budgets),
+    ]
+    for label in sorted(lb for lb in suite.labels() if CHECKPOINT in lb):
+        base, _, every = label.partition(CHECKPOINT)
+        every = every.lstrip("-")
+        for shown, name in ((base, f"`{base}`"), (label, f"`{base}`, `kv_checkpoint={every}`")):
+            row = []
+            for b in budgets:
+                ratio, mean = suite.ratio((shown, b), cells), suite.mean((shown, b), cells)
+                row.append("-" if ratio is None else f"{ratio:.0%} ({mean[0]:.3f})")
+            lines.append(f"| {name} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def too_small_budgets(labels: dict[str, str], budgets: list[int], suite: Suite, cells: list[Cell]) -> str:
+    """Why cells are empty: a budget not above what the policy always keeps (the server refuses it), or not run."""
+    from kvserve.policies import POLICIES
+
+    reasons = []
+    for policy, label in labels.items():
+        protected = POLICIES[policy]().protected_tokens()
+        empty = [b for b in budgets if suite.ratio((label, b), cells) is None]
+        refused, missing = [b for b in empty if b <= protected], [b for b in empty if b > protected]
+        if refused:
+            reasons.append(
+                f"`{policy}` always keeps {protected} entries, so B={'/'.join(map(str, refused))} is refused"
+            )
+        if missing:
+            reasons.append(f"`{policy}` has not run at B={'/'.join(map(str, missing))}")
+    return " A `-` is an empty cell: " + "; ".join(reasons) + "." if reasons else ""
+
+
+def share_plot(suite: Suite, cells: list[Cell], labels: dict[str, str], path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.cm.tab20.colors
+    for number, label in enumerate(sorted(labels.values())):
+        points = [(b, r) for b in suite.budgets() if (r := suite.ratio((label, b), cells)) is not None]
+        # past 20 settings the colours repeat: a new line style (and marker) keeps every line its own
+        cycle = number // len(colors) % 2
+        style = dict(color=colors[number % len(colors)], linestyle="-:"[cycle], marker="os"[cycle])
+        ax.plot([b for b, _ in points], [100 * r for _, r in points], label=label, **style)
+    ax.axhline(100, color="black", linestyle=":", label="full cache")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(suite.budgets(), [str(b) for b in suite.budgets()])
+    ax.set_xlabel("entries kept per layer and KV head (B)")
+    ax.set_ylabel("share of the full cache's score, %")
+    ax.set_title("Quality suite: RULER niah_single_1 + passkey, 1k/2k/4k tokens")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    save(fig, path)
+
+
+def perplexity_table(rows: list[dict], labels: dict[str, str]) -> str:
+    values = perplexities(rows)
+    budgets = sorted({b for _, b in values if b is not None})
+    full = values[("full", None)]
+    lines = [
+        "| policy | setting | " + " | ".join(f"B={b}" for b in budgets) + " |",
+        "| --- | --- |" + " --- |" * len(budgets),
+        "| `full` | | " + " | ".join([f"{full:.2f}"] * len(budgets)) + " |",
+    ]
+    shown = sorted({label for label, b in values if b is not None}, key=lambda lb: (base_policy(lb), lb))
+    for label in shown:
+        policy = base_policy(label)
+        cells = [f"{values[(label, b)]:.2f}" if (label, b) in values else "-" for b in budgets]
+        mark = " (best on the suite)" if labels.get(policy) == label else ""
+        setting = (label.removeprefix(policy).lstrip("/:") or "uniform, span 1") + mark
+        lines.append(f"| `{policy}` | {setting} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def kept_share(row: dict) -> float:
+    """The share of the prompt a request kept per (layer, KV head), from its evicted count."""
+    return 1 - row.get("kv_tokens_evicted", 0) / row["prompt_tokens"]
+
+
+def gate_table(rows: list[dict]) -> str:
+    """Attention-Gate settings (and the baselines given its kept count per case) on each task and length, with the
+    mean over each task's cells and over all cells as shares of `full`'s mean over the same cells."""
+    by_setting: dict[str, dict[tuple[str, int], list[float]]] = defaultdict(lambda: defaultdict(list))
+    keep: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        by_setting[row["policy"]][(row["task"], length_group(row["length"]))].append(row["score"])
+        if row.get("prompt_tokens") and row["policy"] != "full":
+            keep[row["policy"]].append(kept_share(row))
+    cells = sorted({cell for scores in by_setting.values() for cell in scores})
+    tasks = sorted({task for task, _ in cells})
+
+    def mean(setting: str, chosen: list[Cell]) -> float:
+        return sum(sum(by_setting[setting][c]) / len(by_setting[setting][c]) for c in chosen) / len(chosen)
+
+    def share(setting: str, chosen: list[Cell]) -> str:
+        if not chosen or any(c not in by_setting[setting] or c not in by_setting["full"] for c in chosen):
+            return "-"
+        mine, full = mean(setting, chosen), mean("full", chosen)
+        return f"{mine:.3f} ({mine / full:.0%})" if full else f"{mine:.3f}"
+
+    lines = []
+    for setting in ["full"] + sorted(s for s in by_setting if s != "full"):
+        scores = by_setting[setting]
+        kept = f"{sum(keep[setting]) / len(keep[setting]):.0%}" if keep.get(setting) else "100%" * (setting == "full")
+        lines.append(
+            [f"`{setting}`", kept or "-"]
+            + [f"{sum(scores[c]) / len(scores[c]):.2f}" if scores.get(c) else "-" for c in cells]
+            + [share(setting, [c for c in cells if c[0] == task]) for task in tasks]
+            + [share(setting, cells)]
+        )
+    headers = ["setting", "kept share of the prompt", *(f"{t} {k}k" for t, k in cells)]
+    return table([*headers, *(f"{task} (share of full)" for task in tasks), "all (share of full)"], lines)
+
+
+def gate_perplexity(rows: list[dict]) -> str:
+    values = perplexities(rows)
+    gates = {label: value for (label, _), value in values.items() if label.startswith("attention_gate")}
+    shown = ", ".join(f"`{label}` {value:.2f}" for label, value in sorted(gates.items()))
+    return (
+        f"Perplexity of the same two 2,048-token passages as above, in 256-token prefill chunks: {shown}, "
+        f"`full` {values[('full', None)]:.2f}."
+    )
+
+
+def gate_curve(rows: list[dict], path: Path) -> None:
+    """Passkey score against the kept share of the prompt: the gates at each tau, and the matched baselines."""
+    score: dict[str, list[float]] = defaultdict(list)
+    keep: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        if row["task"] != "passkey" or not row.get("prompt_tokens"):
+            continue
+        score[row["policy"]].append(row["score"])
+        keep[row["policy"]].append(kept_share(row))
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    gates = sorted(
+        (sum(keep[s]) / len(keep[s]), sum(score[s]) / len(score[s]), s) for s in score if s.startswith("attention_gate")
+    )
+    ax.plot(
+        [100 * k for k, _, _ in gates],
+        [v for _, v, _ in gates],
+        "o-",
+        color="tab:red",
+        label="attention_gate (tau varies)",
+    )
+    for k, v, s in gates:
+        ax.annotate(
+            s.partition(":")[2] or "tau=0.5", (100 * k, v), fontsize=7, xytext=(3, 3), textcoords="offset points"
+        )
+    for setting in sorted(s for s in score if "@" in s):
+        k, v = sum(keep[setting]) / len(keep[setting]), sum(score[setting]) / len(score[setting])
+        ax.plot([100 * k], [v], "s", label=setting)
+    if score.get("full"):
+        ax.axhline(sum(score["full"]) / len(score["full"]), color="black", linestyle=":", label="full cache")
+    ax.set_xlabel("kept share of the prompt, % (mean over cases)")
+    ax.set_ylabel("passkey score (1k/2k/4k)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    save(fig, path)
+
+
+def allocation_part(data: DataDir) -> list[str]:
+    """Each allocation against `uniform` at the same policy, span and budget, the summary first."""
+    from kvserve.tools.report.throughput import capacity_table
+
+    ppl, tasks, capacity = (data.load(name) for name in ALLOCATION)
+    parts = ["### Allocations and spans at equal memory"]
+    tables = (
+        ("Perplexity (4 passages of 1,024 tokens; lower is better)", allocation_table(perplexities(ppl.data), False)),
+        (
+            "Passkey at 1,000 tokens (12 cases a cell; higher is better)",
+            allocation_table(
+                {key: mean for key, (mean, _) in mean_scores(tasks.data, ("policy", "budget")).items()}, True
+            ),
+        ),
+    )
+    for title, text in tables:
+        rows, _, summary = text.partition("\n\n")
+        parts += [
+            f"{title}: {summary.replace(chr(10), '; ')}.",
+            f"<details><summary>every cell</summary>\n\n{rows}\n\n</details>",
+        ]
+    parts += [
+        ppl.caption(),
+        tasks.caption(),
+        "The same memory in a fixed pool (`snapkv` B=128 under each allocation):",
+        capacity_table(capacity),
+        capacity.caption(),
+    ]
+    return parts
+
+
+def section(data: DataDir, plots: Path, plot_link: str) -> str:
+    ruler, tasks = (data.load(name) for name in SUITE)
+    suite = Suite.from_rows(ruler.data + tasks.data)
+    cells = suite.judged_cells(FLOOR)
+    labels = best_labels(suite, cells)
+    share_plot(suite, cells, labels, plots / "quality.png")
+    ppl = data.load(PERPLEXITY)
+    gate_ruler, gate_tasks = (data.load(name) for name in GATE)
+    gate_rows = gate_ruler.data + gate_tasks.data
+    gate_curve(gate_tasks.data, plots / "attention-gate.png")
+    gate_ppl = data.load(GATE_PERPLEXITY)
+    judged = ", ".join(sorted({task for task, _ in cells}))
+    unmeasured = [p for p in POLICY_NAMES if p not in labels and p not in ("full", "attention_gate")]
+    missing = (
+        "Not in the suite yet (served, measured only on the older tasks in git history): "
+        + ", ".join(f"`{p}`" for p in unmeasured)
+        + "."
+        if unmeasured
+        else "Every served policy is in the suite."
+    )
+    return "\n\n".join(
+        [
+            "## How much quality do I keep at 8x?",
+            "Share of the full cache's score on the quality suite, by the entries each (layer, KV head) keeps (B); "
+            "a 4k-token prompt at B=512 is 8x. Judged tasks are those where `full` scores at least "
+            f"{FLOOR} ({judged}); each (task, length) cell weighs the same. Each policy is shown with its best "
+            "measured setting (span, allocation, knobs); the bold cell leads its budget. Rebuild the verdict with "
+            f"`kvserve eval suite {' '.join(s.name for s in (ruler, tasks))} --by-task`.",
+            share_table(suite, cells, labels),
+            missing,
+            "Prompt checkpoints (`kv_checkpoint`, for chat turns that resume from compacted prefixes): "
+            "`kv_checkpoint=turns` keeps on one prompt exactly what eager eviction keeps (tested), so the rows above "
+            "are its rows; `kv_checkpoint=C` compacts every C tokens with the queries before each checkpoint voting, "
+            "not once with the question's, and that costs:",
+            checkpoint_table(suite, cells),
+            f"![share of full against B]({plot_link}/quality.png)",
+            ruler.caption(),
+            tasks.caption(),
+            "### Perplexity under eviction",
+            "Two 2,048-token passages, eviction after every 256-token prefill chunk (lower is better).",
+            perplexity_table(ppl.data, labels),
+            ppl.caption(),
+            "### Attention-Gate at its own keep ratio",
+            "The gates decide per token and head what to keep, so they have no B. Each baseline "
+            "(`policy@attention_gate`) gets, on each case, the entries the gates kept there (`kvserve eval tasks "
+            "--match-budget attention_gate`); `attention_gate:tau=...` rows serve the same gates with another keep "
+            "threshold (the score-against-keep curve).",
+            gate_table(gate_rows),
+            f"![passkey score against kept share]({plot_link}/attention-gate.png)",
+            gate_ruler.caption(),
+            gate_tasks.caption(),
+            gate_perplexity(gate_ppl.data),
+            gate_ppl.caption(),
+            *allocation_part(data),
+        ]
+    )

@@ -1,0 +1,78 @@
+"""Result files and what they record about their runs.
+
+A benchmark's JSON carries its runs under "provenance" (one record, or a list when a file was assembled from
+several runs); an evaluation's JSON-lines file has them in `<name>.runs.jsonl` beside it (`kvserve eval` appends a
+line per run). A record: {date, command, machine: {cpu, cpu_flags, cores, gpu}, kvserve, note?}.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.provenance import describe_machine
+from kvserve.tools.eval.__main__ import runs_file
+
+
+@dataclass(frozen=True)
+class Source:
+    """One result file: its path as the page names it, its content, and the runs that wrote it."""
+
+    name: str  # relative to the repository, e.g. docs/eval/suite/tasks.jsonl
+    data: dict | list
+    runs: list[dict]
+
+    def caption(self) -> str:
+        """Markdown under a table: the file, then each run's machine, date and command (runs on the same machine
+        and date share a line)."""
+        lines = [f"Data: `{self.name}`."]
+        by_machine: dict[tuple[str, str], list[str]] = {}
+        notes = []
+        for run in self.runs:
+            key = (describe_machine(run["machine"]), run["date"])
+            by_machine.setdefault(key, []).append(run["command"])
+            if run.get("note"):
+                notes.append(run["note"])
+        for (machine, date), commands in by_machine.items():
+            lines.append(f"Machine: {machine}; {date}.")
+            lines.append("")
+            lines.append("```")
+            lines.extend(dict.fromkeys(commands))  # each distinct command once, in run order
+            lines.append("```")
+        lines.extend(dict.fromkeys(notes))
+        return "\n".join(lines)
+
+
+class DataDir:
+    """The result files under one folder (docs/eval), loaded on demand; `root` is what names are relative to."""
+
+    def __init__(self, folder: Path, root: Path | None = None) -> None:
+        self.folder = Path(folder)
+        self.root = Path(root) if root is not None else self.folder.parent.parent
+
+    def name(self, path: Path) -> str:
+        try:
+            return str(path.resolve().relative_to(self.root.resolve()))
+        except ValueError:
+            return str(path)
+
+    def load(self, relative: str) -> Source:
+        path = self.folder / relative
+        if not path.exists():
+            raise FileNotFoundError(f"kvserve report: {path} is missing (the page is built from it)")
+        if path.suffix == ".jsonl":
+            data: dict | list = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            sidecar = runs_file(path)
+            runs = (
+                [json.loads(line) for line in sidecar.read_text().splitlines() if line.strip()]
+                if sidecar.exists()
+                else []
+            )
+        else:
+            data = json.loads(path.read_text())
+            recorded = data.get("provenance") if isinstance(data, dict) else None
+            runs = recorded if isinstance(recorded, list) else [recorded] if recorded else []
+        if not runs:
+            raise ValueError(f"kvserve report: {path} records no run (machine, date, command); the page needs them")
+        return Source(self.name(path), data, runs)

@@ -1,0 +1,151 @@
+"""How much faster is it at the same memory? The capacity benchmarks (`kvserve bench capacity`: every server gets
+the same KV pool, requests all sent at once) and multi-turn chat with prefix caching (`kvserve bench chat`), each
+against vanilla vLLM measured in the same run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvserve.tools.bench.__main__ import CEILING
+from kvserve.tools.bench.__main__ import plot as capacity_plot
+from kvserve.tools.bench.chat import plot as chat_plot
+from kvserve.tools.report.markdown import ratio, table
+from kvserve.tools.report.sources import DataDir, Source
+
+DECODE_HEAVY = ("suite/capacity-duo.json", "capacity-decode-heavy.json")
+PREFILL_HEAVY = "capacity/prefill-heavy.json"
+CHAT = "chat/chat.json"
+HYBRID = "models/capacity-gemma3-tiny-3000.json"
+
+
+def setting_name(row: dict) -> str:
+    if row["server"] == CEILING:
+        return "vanilla, pool for every request (compute ceiling)"
+    if row["server"] == "vanilla":
+        return "vanilla vLLM"
+    if row["policy"] == "full":
+        return "kvserve `full` (eviction off)"
+    policy, deferred, _ = row["policy"].partition("/pressure")  # the label of a kv_evict_when=pressure setting
+    policy, _, checkpoint = policy.partition("/checkpoint")  # ... and of a kv_checkpoint setting
+    name = f"`{policy}`" + (f" B={row['budget']}" if row.get("budget") else "")
+    allocation = row.get("allocation")
+    name += f" {allocation}" if allocation and allocation != "uniform" else ""
+    name += f", `kv_checkpoint={checkpoint.lstrip('-')}`" if checkpoint else ""
+    return name + (", `kv_evict_when=pressure`" if deferred else "")
+
+
+def capacity_table(source: Source) -> str:
+    """One row per server and setting: requests the pool holds, what ran at once, throughput against vanilla."""
+    results = source.data["results"]
+    vanilla = next(r for r in results if r["server"] == "vanilla")
+    limits = any("pool_limit" in r for r in results)
+    headers = ["setting", *(["pool holds"] if limits else []), "peak running", "output tok/s", "vs vanilla"]
+    rows = [
+        [
+            setting_name(row),
+            *([str(row["pool_limit"])] if limits else []),
+            f"{row['peak_running']:.0f}",
+            f"{row['output_tokens_per_s']:.1f}",
+            ratio(row["output_tokens_per_s"], vanilla["output_tokens_per_s"]),
+            f"{row['ttft_p50']:.1f}",
+            f"{row['tpot_p50']:.3f}",
+            f"{row['preemptions']:.0f}",
+        ]
+        for row in results
+    ]
+    return table([*headers, "TTFT p50 s", "TPOT p50 s", "preemptions"], rows)
+
+
+def workload(source: Source) -> str:
+    args = source.data["args"]
+    return (
+        f"{args['prompts']} requests of {args['prompt_tokens']:,} prompt tokens and {args['max_tokens']} output "
+        f"tokens, sent at once; a pool of {args['num_blocks']} blocks of {args['block_size']} tokens for every "
+        f"server; model {args['model']}."
+    )
+
+
+def _turns_ratio(evicting: dict, full: dict) -> float:
+    """Median over turns 2.. of the per-turn TTFT p50 ratio."""
+    ratios = sorted(
+        e["ttft_p50"] / f["ttft_p50"] for e, f in zip(evicting["turns"][1:], full["turns"][1:], strict=True)
+    )
+    middle = len(ratios) // 2
+    return ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+
+
+def chat_table(source: Source) -> str:
+    results = source.data["results"]
+    rows = []
+    for pool in dict.fromkeys(r["pool"] for r in results):
+        runs = [r for r in results if r["pool"] == pool]
+        vanilla = next(r for r in runs if r["server"] == "vanilla")
+        full = next((r for r in runs if r["server"] != "vanilla" and r["policy"] == "full"), None)
+        for run in runs:
+            later = [r for r in run["requests"] if r["turn"] > 1]
+            hits = sum(r["cached_tokens"] for r in later) / sum(r["prompt_tokens"] for r in later)
+            ttft = f"{_turns_ratio(run, full):.2f}x" if full is not None and run["server"] != "vanilla" else "-"
+            rows.append(
+                [
+                    pool,
+                    setting_name(run),
+                    f"{run['output_tokens_per_s']:.1f}",
+                    ratio(run["output_tokens_per_s"], vanilla["output_tokens_per_s"]),
+                    f"{hits:.2f}",
+                    ttft,
+                    f"{run['checkpoint_hits']:.0f} / {len(later)}" if run.get("checkpoints_published") else "-",
+                    f"{run['preemptions']:.0f}",
+                ]
+            )
+    headers = ["pool", "server", "output tok/s", "vs vanilla", "prefix hit rate, turns 2+"]
+    ttft = "TTFT p50 vs kvserve `full`, turns 2+ (median)"
+    return table([*headers, ttft, "turns 2+ resumed from a checkpoint", "preemptions"], rows)
+
+
+def section(data: DataDir, plots: Path, plot_link: str) -> str:
+    newest, sweep = (data.load(name) for name in DECODE_HEAVY)
+    prefill = data.load(PREFILL_HEAVY)
+    chat = data.load(CHAT)
+    hybrid = data.load(HYBRID)
+    capacity_plot(sweep.data["results"], sweep.data["args"]["prompt_tokens"], str(plots / "decode-heavy.png"))
+    chat_plot(chat.data["results"], str(plots / "chat.png"))
+    args = chat.data["args"]
+    return "\n\n".join(
+        [
+            "## How much faster is it at the same memory?",
+            "Every server gets the same KV pool; kvserve fits more requests in it by evicting. Where decoding "
+            "dominates, more requests at once means more output per second, up to what the machine computes with "
+            "no memory limit (the ceiling row). Where prefill dominates, eviction cannot help: the prompt is "
+            "computed whole before anything is evicted.",
+            "### Decode-heavy at 8x",
+            workload(newest),
+            capacity_table(newest),
+            newest.caption(),
+            "The same benchmark across budgets (4x, 8x, 16x of the 1,500-token prompts):",
+            capacity_table(sweep),
+            f"![throughput and concurrency against compression]({plot_link}/decode-heavy.png)",
+            sweep.caption(),
+            "### Prefill-heavy",
+            workload(prefill),
+            capacity_table(prefill),
+            prefill.caption(),
+            "### Multi-turn chat with prefix caching",
+            f"{args['conversations']} conversations of {args['turns']} turns sharing a {args['doc_tokens']:,}-token "
+            f"document, {args['user_tokens']}-token user turns, {args['reply_tokens']}-token replies; a default pool "
+            f"and a small one of {args['small_pool_blocks']} blocks of {args['block_size']} tokens. An eager "
+            "evicting request compacts at the end of each prompt, so its reply is never published and the next turn "
+            "computes it again; with `kv_evict_when=pressure` it is served as `full` until the pool is short; with "
+            "`kv_checkpoint=turns` it compacts where each turn's prompt ends and by the decode rule after it, with "
+            "`kv_checkpoint=128` at every multiple of 128 tokens, and in both the next turn resumes from the "
+            "compacted lists the last one published. Waiting requests that can resume from a checkpoint are "
+            "admitted first, and their checkpoints are the last cached blocks vLLM evicts.",
+            chat_table(chat),
+            f"![TTFT and throughput per turn]({plot_link}/chat.png)",
+            chat.caption(),
+            "### A hybrid sliding-window model",
+            "A tiny random-weight Gemma 3-style model (sliding-window and global layers; kvserve evicts on the "
+            "global layers). " + workload(hybrid),
+            capacity_table(hybrid),
+            hybrid.caption(),
+        ]
+    )

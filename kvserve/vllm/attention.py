@@ -1,0 +1,170 @@
+"""The default attention implementation (`KVSERVE_ATTENTION=vllm`): vLLM's own CPU ops over head-granular pages, then
+kvserve's eviction step in the same layer pass.
+
+Every request is written and read through the page view (`kvserve/worker/pages.py`) with vLLM's
+`cpu_attn_reshape_and_cache` and `cpu_attention_with_kv_cache`, called on pseudo-sequences: one row per (KV head,
+request), one KV head, the G query heads of that KV head (`kvserve/worker/step.py`). On vLLM 0.32 this call is
+bit-identical to the normal one for requests that do not evict (`tests/test_head_pages.py`), and lets each
+(layer, head) of an evicting request keep its own count in its own pages.
+
+The stock kernel returns no probabilities, so the statistics a policy needs are computed right after it from the
+pages the kernel just read (only for evicting requests, only the rows a policy needs). Compaction happens here too,
+after this layer's attention for the step is done, so the step's output is unaffected and the next step reads the
+compacted lists.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm import _custom_ops as ops
+from vllm import envs
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+from kvserve import phases
+from kvserve.vllm.model import layer_index, pages_this_layer
+from kvserve.worker import layouts
+from kvserve.worker.eviction import after_attention, pseudo_queries, relocate_protected
+from kvserve.worker.step import StepPages, current_step
+
+
+class KVServeAttentionImpl(CPUAttentionBackendImpl):
+    def __init__(
+        self,
+        num_heads,
+        head_size,
+        scale,
+        num_kv_heads,
+        alibi_slopes,
+        sliding_window,
+        kv_cache_dtype,
+        logits_soft_cap=None,
+        attn_type=AttentionType.DECODER,
+        kv_sharing_target_layer_name=None,
+        sinks=None,
+    ) -> None:
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+            sinks,
+        )
+        self.paged = pages_this_layer(self, "KVSERVE_ATTENTION=vllm", kv_sharing_target_layer_name)
+        self._layout: layouts.CachePages | None = None
+
+    def do_kv_cache_update(
+        self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        step = current_step()
+        if step is None or not self.paged:  # a dummy run, or a layer that stays vLLM's: vLLM's own slots
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        pages = step.pages
+        tokens = pages.num_tokens
+        page_keys, page_values = split_pages(pages)
+        with phases.timed("attention"):
+            ops.cpu_attn_reshape_and_cache(
+                key[:tokens].reshape(-1, 1, self.head_size),
+                value[:tokens].reshape(-1, 1, self.head_size),
+                page_keys,
+                page_values,
+                pages.slots[layer_index(layer, pages.layout)],
+                layer.isa,
+                k_scale=layer._k_scale_float,
+                v_scale=layer._v_scale_float,
+                kv_cache_dtype=self.kv_cache_dtype,
+            )
+
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+    ) -> torch.Tensor:
+        step = current_step()
+        if step is None or attn_metadata is None or not self.paged:
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            )
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by kvserve's attention")
+        pages = step.pages
+        layer_idx = layer_index(layer, pages.layout)
+        tokens = pages.num_tokens
+        with phases.timed("attention"):
+            rows = pseudo_queries(query[:tokens], self.num_kv_heads)
+            out_rows = torch.empty_like(rows)
+            page_keys, page_values = split_pages(pages)
+            ops.cpu_attention_with_kv_cache(
+                query=rows,
+                key_cache=page_keys,
+                value_cache=page_values,
+                output=out_rows,
+                query_start_loc=pages.query_start_loc,
+                seq_lens=pages.seq_lens[layer_idx],
+                scale=self.scale,
+                causal=True,
+                alibi_slopes=None,
+                sliding_window=-1,
+                block_table=pages.tables[layer_idx],
+                softcap=self.logits_soft_cap,
+                scheduler_metadata=pages.metadata(layer_idx, self._metadata_builder(layer, query, pages)),
+                s_aux=None,
+                dynamic_causal=None,
+                k_scale=layer._k_scale_float,
+                v_scale=layer._v_scale_float,
+                kv_cache_dtype=self.kv_cache_dtype,
+            )
+            output[:tokens] = (
+                out_rows.view(self.num_kv_heads, tokens, -1, self.head_size)
+                .transpose(0, 1)
+                .reshape(output[:tokens].shape)
+            )
+        if step.rows:
+            self._evict(step, layer, layer_idx, query, output)
+        return output
+
+    def _metadata_builder(self, layer, query: torch.Tensor, pages: StepPages):
+        group = self.num_heads // self.num_kv_heads
+        rows_start = pages.query_start_loc
+
+        def build(seq_lens: torch.Tensor):
+            return ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=seq_lens.shape[0],
+                num_heads=group,
+                num_kv_heads=1,
+                head_dim=self.head_size,
+                seq_lens=seq_lens,
+                dtype=query.dtype,
+                query_start_loc=rows_start,
+                causal=True,
+                sliding_window_size=-1,
+                isa=layer.isa,
+                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+                kv_cache_dtype=self.kv_cache_dtype,
+            )
+
+        return build
+
+    def _evict(self, step, layer, layer_idx: int, query: torch.Tensor, output: torch.Tensor) -> None:
+        cache = self._cache_pages(step.pages.pages, layer)
+        relocate_protected(step, layer_idx, cache)
+        tables = {plan.req_id: plan.table(layer_idx) for plan in step.rows}
+        after_attention(step, layer_idx, query, cache, tables, self.scale, output)
+
+    def _cache_pages(self, pages: torch.Tensor, layer) -> layouts.CachePages:
+        """The page view in the layout vLLM picked for this layer (its ISA, fixed at engine start): made once and
+        kept while the page view is the same tensor."""
+        if not layouts.same_view(self._layout, pages):
+            self._layout = layouts.for_isa(getattr(layer, "isa", "vec"))(pages)
+        return self._layout
+
+
+def split_pages(pages: StepPages) -> tuple[torch.Tensor, torch.Tensor]:
+    """The page view as the key and value halves vLLM's ops take (as `CPUAttentionBackendImpl.forward` splits a
+    layer's cache): [P, 1, block_size, D] each."""
+    view = pages.pages
+    return view.view(view.shape[0], 1, 2 * view.shape[2], -1).chunk(2, dim=2)

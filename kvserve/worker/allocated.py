@@ -1,0 +1,104 @@
+"""A compaction under `kv_allocation` / `kv_span` (the rules: `kvserve/policies/allocation.py`): how many entries each
+head of a layer keeps, then which.
+
+- At a prompt compaction (the prompt's last chunk, or any chunk with `kv_evict_every_chunk`) the allocation decides
+  each (layer, head)'s count, its share; `global` waits for the worker's last layer of the step and ranks all of them
+  together (under pipeline parallelism: the stage's layers, so each stage still keeps its layers x H x B).
+- At a decode compaction (once a block of new tokens arrived) each (layer, head) returns to its share: the shares stay
+  those of the prompt, and only which entries fill them changes.
+- A score-based policy keeps each head's best `count` entries by its scores (summed over spans with `kv_span`); a
+  rule-based one (StreamingLLM, MAT, EMS) only takes `pyramid`, which gives all heads of a layer one budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserve.policies import LayerObservation, ScoredPolicy, Selection
+from kvserve.policies.allocation import head_floor, normalised, pyramid_budgets, ranked, shares, span_scores, top_counts
+from kvserve.worker.layouts import CachePages
+from kvserve.worker.request import LayerState
+from kvserve.worker.step import RowPlan
+
+
+@dataclass
+class Deferred:
+    """A layer of a `global` prompt compaction, scored, waiting for the step's last layer."""
+
+    layer_idx: int
+    layer: LayerState
+    obs: LayerObservation
+    cache: CachePages
+    table: torch.Tensor
+    keys: torch.Tensor  # [H, n] ranking keys: normalised scores, protected first, padding last
+    limits: torch.Tensor  # [H] entries each head holds
+
+
+def select(
+    plan: RowPlan, layer: LayerState, layer_idx: int, obs: LayerObservation, cache: CachePages, table: torch.Tensor
+) -> Selection | None:
+    """The layer's selection, or None when it waits for the rest of a `global` compaction (`plan.deferred`)."""
+    config, policy, budget = plan.state.config, plan.state.policy, plan.compaction.keep_tokens
+    limits = (
+        obs.lengths
+        if obs.lengths is not None
+        else torch.full((obs.num_heads,), obs.num_tokens, device=obs.positions.device)
+    )
+    counts = None
+    if policy.own_counts:  # fixed per head by the policy (DuoAttention's roles), at the prompt and in decode alike
+        counts = policy.head_counts(obs, budget)  # each already capped at what its head holds
+    elif plan.compaction.decode and layer.share is not None:
+        counts = torch.minimum(layer.share, limits)
+    elif config.allocation == "pyramid":
+        minimum = policy.protected_tokens() + 1  # every layer's budget must exceed what the policy protects
+        layer_budget = pyramid_budgets(budget, plan.state.pages.layout.total_layers, minimum)[obs.layer_idx]
+        counts = limits.clamp(max=layer_budget)
+    elif config.allocation == "uniform":
+        counts = limits.clamp(max=budget)
+    if not isinstance(policy, ScoredPolicy):  # pyramid over a rule-based policy: one budget for the layer's heads
+        layer.share = counts
+        return policy.select(obs, int(counts.max()))
+    padding = obs.padding()
+    protected = policy.protected_mask(obs) if padding is None else policy.protected_mask(obs) & ~padding
+    scores = span_scores(policy.score(obs), obs.positions, config.span)
+    if counts is None and config.allocation == "global":
+        keys = ranked(normalised(scores, protected, padding), protected, padding)
+        plan.deferred.append(Deferred(layer_idx, layer, obs, cache, table, keys, limits))
+        return None
+    keys = ranked(scores, protected, padding)
+    if counts is None:  # heads: the layer's H*B over its heads by score, above the floor
+        (counts,) = shares([keys], obs.num_heads * budget, head_floor(budget, policy.protected_tokens()), [limits])
+    layer.share = counts
+    return Selection(top_counts(keys, counts), keep_counts=counts)
+
+
+def planned_counts(plan: RowPlan, layer_idx: int) -> np.ndarray:
+    """[H] entries each of the layer's lists keeps at this step's compaction, known before it is scored: the budget
+    (`uniform`) or the layer's PyramidKV budget (`pyramid`), or all a shorter list holds. Only these allocations share
+    the prefix cache (`kvserve/vllm/kv_cache_manager.py`), so only they need it."""
+    config, budget = plan.state.config, plan.compaction.keep_tokens
+    if config.allocation == "pyramid":
+        minimum = plan.state.policy.protected_tokens() + 1
+        layout = plan.state.pages.layout
+        budget = pyramid_budgets(budget, layout.total_layers, minimum)[layer_idx + layout.first_layer]
+    elif config.allocation != "uniform":
+        raise RuntimeError(f"kv_allocation={config.allocation} decides its counts while it compacts")
+    return np.minimum(plan.state.pages.lens[layer_idx], budget)
+
+
+def finish_global(plan: RowPlan) -> list[tuple[Deferred, Selection]]:
+    """The step's deferred layers with their selections: L*H*B entries over all of them, ranked together (every
+    layout's operations address the whole page view, so each deferred layer is still compacted where it lies)."""
+    deferred, plan.deferred = plan.deferred, []
+    budget, policy = plan.compaction.keep_tokens, plan.state.policy
+    floor = head_floor(budget, policy.protected_tokens())
+    total = sum(item.obs.num_heads for item in deferred) * budget
+    counts = shares([item.keys for item in deferred], total, floor, [item.limits for item in deferred])
+    selections = []
+    for item, layer_counts in zip(deferred, counts, strict=True):
+        item.layer.share = layer_counts
+        selections.append((item, Selection(top_counts(item.keys, layer_counts), keep_counts=layer_counts)))
+    return selections

@@ -1,0 +1,343 @@
+"""The eviction step of one layer, run by the attention backend right after the layer's attention: record window
+queries, measure the statistics the policy asks for, and, when the scheduler planned a compaction, let the policy
+choose each head's entries and move them to the front of the head's page list. Pages past a head's new count go back
+to the request (`HeadPages.shrink`); whole blocks go back to vLLM at the end of the step
+(`WorkerRequests.end_step`).
+
+A layer's lists are read as pseudo rows: row h of `table` [H, W] is head h's page list in the page view, and every
+read, statistic and rewrite goes through the cache's layout (`kvserve/worker/layouts/`), which runs on many rows at
+once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from kvserve import phases
+from kvserve.metrics import metrics
+from kvserve.policies import LayerObservation, Policy, Selection
+from kvserve.policies.base import PassStatistics
+from kvserve.worker import allocated
+from kvserve.worker.gated import gated_layer_step
+from kvserve.worker.layouts import CachePages
+from kvserve.worker.pages import cdiv
+from kvserve.worker.request import LayerState, QueryWindow
+from kvserve.worker.step import RowPlan, StepContext
+
+logger = logging.getLogger(__name__)
+
+
+def after_attention(
+    step: StepContext,
+    layer_idx: int,
+    query: torch.Tensor,
+    cache: CachePages,
+    tables: dict[str, torch.Tensor],
+    scale: float,
+    output: torch.Tensor,
+    measured: dict[str, PassStatistics] | None = None,
+) -> None:
+    """For each evicting request of the step: its eviction work on layer `layer_idx` (this step's entries are
+    written). `tables[req_id]` ([H, W]) addresses its lists in `cache`; `measured[req_id]` holds what the backend's
+    own pass measured. Gated requests get their output rows [q, Hq, D] recomputed with the per-head keep mask."""
+    layer_start, compaction_before = time.perf_counter(), phases.seconds("compaction")
+    if cache is not None and measured is None:  # every decoding request's statistics in one product
+        start = time.perf_counter()
+        try:
+            measured = measure_decode_rows(step, layer_idx, query, cache, tables, scale)
+        except Exception:  # never the engine: each request then measures alone, and only a failing one fails
+            logger.exception("kvserve: batched decode statistics failed; measuring each request alone")
+            measured = {}
+        if measured:
+            share = (time.perf_counter() - start) / len(measured)
+            for plan in step.rows:
+                if plan.req_id in measured:
+                    plan.eviction_seconds += share
+    for plan in step.rows:
+        if plan.failure is not None:
+            continue
+        start = time.perf_counter()
+        try:
+            if plan.state.gate is not None:
+                gated_layer_step(
+                    plan,
+                    plan.state.layer(layer_idx),
+                    layer_idx,
+                    query[plan.query_start : plan.query_end],
+                    output,
+                    cache,
+                    tables[plan.req_id],
+                    scale,
+                )
+            else:
+                _evict(plan, layer_idx, query, cache, tables.get(plan.req_id), scale, (measured or {}).get(plan.req_id))
+        except Exception as error:  # a policy's bug fails its request, never the engine (the scheduler ends it)
+            # the reason alone: the scheduler's log and the HTTP front end's 500 name the policy once
+            plan.failure = f"{type(error).__name__}: {error}"
+            logger.exception("kvserve: request %s: kv_policy %r failed", plan.req_id, plan.state.config.policy)
+        plan.eviction_seconds += time.perf_counter() - start
+    compacting = phases.seconds("compaction") - compaction_before  # timed inside _compact
+    phases.add("statistics", time.perf_counter() - layer_start - compacting)
+
+
+def relocate_protected(step: StepContext, layer_idx: int, cache: CachePages) -> None:
+    """Before layer `layer_idx`'s eviction step (the backend calls this before it reads the lists): the pages a
+    compaction will write that lie in protected blocks (prefix-cache blocks, blocks another request reads) are
+    copied into the request's own free pages and the lists point there, so compacting in place never changes what
+    vLLM's prefix cache or another request holds. A whole page is one slab, so the copy is right in every format."""
+    for plan in step.rows:
+        if plan.failure is not None or plan.compaction is None or not plan.compaction.protected_blocks:
+            continue
+        try:
+            keep_pages = cdiv(allocated.planned_counts(plan, layer_idx), plan.state.pages.layout.block_size)
+            cache.copy_pages(plan.state.pages.relocate(layer_idx, keep_pages))
+        except Exception as error:  # fails this request only (its blocks are freed, the protected ones untouched)
+            plan.failure = f"kvserve could not copy request {plan.req_id}'s pages out of shared blocks: {error}"
+            logger.exception("kvserve: %s", plan.failure)
+
+
+def record_times(step: StepContext) -> None:
+    """After the forward: one histogram sample per request that compacted in this step."""
+    for plan in step.rows:
+        if plan.compaction is not None and plan.failure is None:
+            metrics().compaction_seconds.labels(policy=plan.state.config.policy).observe(plan.eviction_seconds)
+
+
+def _evict(
+    plan: RowPlan,
+    layer_idx: int,
+    query: torch.Tensor,
+    cache: CachePages,
+    table: torch.Tensor | None,
+    scale: float,
+    given: PassStatistics | None,
+) -> None:
+    layer = plan.state.layer(layer_idx)
+    policy = plan.state.policy
+    queries = query[plan.query_start : plan.query_end]
+    window = policy.window_size()
+    if window:
+        _record_window(layer, queries, plan, window)
+    if not policy.stat_names and plan.compaction is None:
+        return
+    lengths = plan.lengths(layer_idx)
+    obs = _observe(plan, layer, layer_idx, cache, lengths, scale)
+    obs.measured = measure_pass(
+        policy, obs, queries, cache, table, lengths, compacting=plan.compaction is not None, given=given
+    )
+    if plan.compaction is not None or _reads_entries(policy, obs.measured):
+        obs.keys, obs.values = cache.read_lists(table, lengths)
+    if policy.stat_names:
+        query_positions = plan.query_positions().to(queries.device)
+        layer.stats = obs.stats = policy.update_stats(obs, queries, query_positions)
+    if plan.compaction is not None:
+        _compact(plan, layer, layer_idx, obs, cache, table)
+
+
+def _record_window(layer: LayerState, queries: torch.Tensor, plan: RowPlan, window: int) -> None:
+    if layer.window is None or layer.window.size != window:
+        layer.window = QueryWindow(window)
+    layer.window.record(queries, plan.logical_len - queries.shape[0])
+
+
+def _observe(
+    plan: RowPlan, layer: LayerState, layer_idx: int, cache: CachePages, lengths: torch.Tensor, scale: float
+) -> LayerObservation:
+    """The layer's observation without its entries: keys and values are shape-only (meta) tensors until the caller
+    reads them from the cache. A step that only accumulates measured statistics never copies the cache, and a policy
+    that touched them without asking would fail loudly instead of scoring garbage."""
+    n = int(lengths.max())
+    num_heads = lengths.shape[0]
+    keys = values = torch.empty(num_heads, n, cache.head_size, device="meta")
+    stats = {}
+    for name in plan.state.policy.stat_names:  # entries appended since the last step start at zero
+        old = layer.stats.get(name)
+        stats[name] = (
+            torch.zeros(num_heads, n, device=cache.device) if old is None else F.pad(old, (0, n - old.shape[1]))
+        )
+    ragged = bool((lengths != n).any())
+    device = cache.device  # the observation lives with the cache; page bookkeeping stays on the host
+    window_positions = layer.window_positions
+    return LayerObservation(
+        layer_idx=layer_idx + plan.state.pages.layout.first_layer,
+        keys=keys,
+        values=values,
+        positions=layer.positions(lengths, plan.state.since).to(device),
+        scale=scale,
+        window_queries=layer.window_queries,
+        window_positions=None if window_positions is None else window_positions.to(device),
+        stats=stats,
+        budget=plan.compaction.keep_tokens if plan.compaction else 0,
+        lengths=lengths.to(device).long() if ragged else None,
+        rotary=plan.state.rotary.get(layer_idx),
+        model=plan.state.model,
+    )
+
+
+def _compact(
+    plan: RowPlan, layer: LayerState, layer_idx: int, obs: LayerObservation, cache: CachePages, table: torch.Tensor
+) -> None:
+    with phases.timed("compaction"):
+        config = plan.state.config
+        if config.allocation == "uniform" and config.span == 1:
+            _move(plan, layer, layer_idx, obs, cache, table, plan.state.policy.select(obs, plan.compaction.keep_tokens))
+            return
+        selection = allocated.select(plan, layer, layer_idx, obs, cache, table)
+        if selection is not None:
+            _move(plan, layer, layer_idx, obs, cache, table, selection)
+        if plan.deferred and layer_idx == plan.state.pages.layout.num_layers - 1:  # global: every layer is scored
+            for item, chosen in allocated.finish_global(plan):
+                _move(plan, item.layer, item.layer_idx, item.obs, item.cache, item.table, chosen)
+
+
+def _move(
+    plan: RowPlan,
+    layer: LayerState,
+    layer_idx: int,
+    obs: LayerObservation,
+    cache: CachePages,
+    table: torch.Tensor,
+    selection: Selection,
+) -> None:
+    """Move each head's kept entries (and their statistics) to the front of its list and give back the rest."""
+    keep = selection.keep_indices
+    width = keep.shape[1]
+    counts = selection.keep_counts
+    if counts is None:
+        counts = torch.full((keep.shape[0],), width, dtype=torch.long, device=keep.device)
+    if selection.keys is None:  # the statistics move with their entries, in the same operation
+        stats = {name: stat.float().contiguous() for name, stat in obs.stats.items()}
+        cache.compact(table, keep, counts, stats=list(stats.values()), entries=(obs.keys, obs.values))
+        layer.stats = {name: stat[:, :width].clone() for name, stat in stats.items()}
+    else:  # a merging policy rewrote the kept entries and their statistics
+        cache.write_lists(table, selection.keys, selection.values)
+        layer.stats = selection.stats or {name: stat.gather(1, keep) for name, stat in obs.stats.items()}
+    model_layer = str(plan.state.pages.layout.model_layer(layer_idx))
+    metrics().kept_entries.labels(layer=model_layer, allocation=plan.state.config.allocation).inc(int(counts.sum()))
+    kept_here = torch.arange(width, device=counts.device)[None, :] < counts[:, None]
+    # what was kept, on the host with the page lists (a no-op on CPU)
+    layer.kept_positions = obs.positions.gather(1, keep).masked_fill(~kept_here, -1).cpu()
+    counts = counts.long().cpu()
+    layer.kept_counts = None if bool((counts == width).all()) else counts
+    plan.state.pages.shrink(layer_idx, counts.numpy())
+
+
+def _reads_entries(policy: Policy, measured: PassStatistics) -> bool:
+    """Outside a compaction, the entries are needed only by a statistic the pass did not measure (or by a policy that
+    keeps statistics without declaring them as pass statistics)."""
+    if policy.stat_names and not policy.pass_statistics:
+        return True
+    return any(getattr(measured, name) is None for name in policy.pass_statistics if name != "window_sums")
+
+
+def pseudo_queries(queries: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[q, H*G, D] -> [H*q, G, D]: one pseudo row of q queries per KV head, in head order."""
+    count, num_q_heads, dim = queries.shape
+    return (
+        queries.view(count, num_heads, num_q_heads // num_heads, dim)
+        .transpose(0, 1)
+        .reshape(num_heads * count, num_q_heads // num_heads, dim)
+    )
+
+
+def measure_pass(
+    policy: Policy,
+    obs: LayerObservation,
+    queries: torch.Tensor,
+    cache: CachePages,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    compacting: bool,
+    given: PassStatistics | None = None,
+) -> PassStatistics:
+    """The statistics of this step's queries [q, Hq, D] that `policy.pass_statistics` names, measured on the layer's
+    lists as pseudo rows (one per KV head, `table` [H, W]) by the cache's layout (`kvserve/worker/layouts/`: page
+    by page on CPU, the fused Triton kernels on CUDA).
+
+    Window sums are measured only at a compaction whose window lies inside this step (a prefill chunk of at least
+    `window` queries, or a one-query window in decode without a logit scale); an older window is not in this pass,
+    and the policy computes it from the stored window queries. Prefill first-logits are left to the policy (one
+    [q, Hq] product; the prefill kernel does not produce them). What `given` holds (the backend's own pass, or
+    `measure_decode_rows` for the whole batch, measured it) is not measured again.
+    """
+    given = given or PassStatistics()
+    wanted = [name for name in policy.pass_statistics if getattr(given, name) is None]
+    measured = replace(given)
+    num_queries, num_heads = queries.shape[0], obs.num_heads
+    window = policy.window_size() if compacting and "window_sums" in wanted else 0
+    gain = policy.window_logit_scale(obs) if 0 < window <= num_queries else None
+    if not wanted:
+        return measured
+    rows = pseudo_queries(queries, num_heads).view(num_heads, num_queries, -1, queries.shape[-1])
+    if num_queries == 1:  # decode: one product gives the column sums (= a one-query window's sums) and the logits
+        window_here = window == 1 and gain is None
+        if window_here and measured.column_sums is not None:
+            measured.window_sums = measured.column_sums
+            return measured
+        want_first = "first_logits" in wanted
+        if "column_sums" not in wanted and not window_here:
+            if want_first:  # entry 0's key alone, not the whole list
+                measured.first_logits = cache.first_logits(rows[:, 0], table, obs.scale).reshape(1, -1)
+            return measured
+        sums, first = cache.query_sums(rows, table, lengths, obs.scale, first_logits=want_first)
+        if "column_sums" in wanted:
+            measured.column_sums = sums
+        if window_here:
+            measured.window_sums = sums
+        if first is not None:
+            measured.first_logits = first.reshape(1, -1)
+        return measured
+    if "column_sums" in wanted:
+        measured.column_sums, _ = cache.query_sums(rows, table, lengths, obs.scale)
+    if 0 < window <= num_queries:  # the gain applies to the window rows
+        measured.window_sums, _ = cache.query_sums(rows[:, -window:], table, lengths, obs.scale, logit_scale=gain)
+    return measured
+
+
+def measure_decode_rows(
+    step: StepContext,
+    layer_idx: int,
+    query: torch.Tensor,
+    cache: CachePages,
+    tables: dict[str, torch.Tensor],
+    scale: float,
+) -> dict[str, PassStatistics]:
+    """Column sums and first logits for every decoding request of the step that wants them, in one product over
+    all their lists: per request, what `measure_pass` would measure, without a Python pass per request."""
+    plans = [
+        plan
+        for plan in step.rows
+        if plan.failure is None
+        and plan.state.gate is None
+        and plan.query_end - plan.query_start == 1
+        and plan.req_id in tables
+        and {"column_sums", "first_logits"} & set(plan.state.policy.pass_statistics)
+    ]
+    if not plans:
+        return {}
+    num_heads = tables[plans[0].req_id].shape[0]
+    width = max(tables[plan.req_id].shape[1] for plan in plans)
+    all_tables = torch.cat(
+        [F.pad(tables[plan.req_id].long(), (0, width - tables[plan.req_id].shape[1])) for plan in plans]
+    )
+    lengths = [plan.lengths(layer_idx) for plan in plans]
+    rows = torch.cat([pseudo_queries(query[plan.query_start : plan.query_end], num_heads) for plan in plans])
+    want_first = any("first_logits" in plan.state.policy.pass_statistics for plan in plans)
+    if any("column_sums" in plan.state.policy.pass_statistics for plan in plans):
+        sums, first = cache.query_sums(rows[:, None], all_tables, torch.cat(lengths), scale, first_logits=want_first)
+    else:  # first logits alone (MAT): entry 0's key, not the whole list
+        sums, first = None, cache.first_logits(rows, all_tables, scale)
+    measured = {}
+    for index, (plan, plan_lengths) in enumerate(zip(plans, lengths, strict=True)):
+        heads = slice(index * num_heads, (index + 1) * num_heads)
+        wanted = plan.state.policy.pass_statistics
+        measured[plan.req_id] = PassStatistics(
+            column_sums=sums[heads, : int(plan_lengths.max())] if "column_sums" in wanted else None,
+            first_logits=first[heads].reshape(1, -1) if "first_logits" in wanted else None,
+        )
+    return measured

@@ -1,0 +1,232 @@
+"""A worker's evicting requests, one `WorkerRequest` each, and the events of a request's life on the worker: admit
+(the engine core's plan names its settings), step (its page lists follow its vLLM blocks and take the step's
+tokens), compact (after the forward it gives back the blocks its lists no longer need), publish and resume
+(`kv_checkpoint`), restart (after a preemption), finish, fail. The boundary (`kvserve/vllm/worker.py`) reads vLLM's
+runner and calls these; nothing here touches vLLM.
+
+`num_computed_tokens` stays LOGICAL everywhere in vLLM (it drives RoPE positions and token gathering); where each
+(layer, KV head)'s entries live is kvserve's business alone: attention writes and reads through `StepPages` and
+ignores vLLM's slot mapping and block table for evicting requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserve.config import KVConfig
+from kvserve.messages import CheckpointId, PageReport, StagePages, StageRelease, StepPlan, StepReport
+from kvserve.worker.checkpoints import CheckpointLists, lists_of, resume_from
+from kvserve.worker.eviction import record_times
+from kvserve.worker.pages import HeadPages, PageLayout, blocks_to_release, copy_pages
+from kvserve.worker.request import GateRuntime, WorkerRequest
+from kvserve.worker.stages import StageLink
+from kvserve.worker.step import RowPlan, StepContext
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    """One evicting request's row of the step's batch, as vLLM's input batch has it."""
+
+    req_id: str
+    row: int  # its row in the batch
+    block_ids: list[int]  # its vLLM blocks in the paged group (vLLM's own list: dropping blocks edits it)
+    computed: int  # tokens computed before this step
+    num_new: int  # tokens this step computes
+    query_start: int  # its first query among the step's tokens
+
+
+class WorkerRequests:
+    """This worker's evicting requests, the page view they live in, and the published checkpoints' lists."""
+
+    def __init__(
+        self, layout: PageLayout, pages: torch.Tensor, rotary: dict, model: str, link: StageLink | None, group: int
+    ) -> None:
+        self.layout = layout  # this worker's paged layers, blocks, KV heads
+        self.group = group  # the KV-cache group whose blocks hold the pages (a hybrid model's full-attention layers)
+        self.pages = pages  # the page view of the whole KV buffer
+        self.rotary = rotary  # each paged layer's RoPE table, by page-view index
+        self.model = model  # the served model's name (policies trained per model read it)
+        self.link = link  # pipeline parallelism: this stage's link to its neighbours
+        self.requests: dict[str, WorkerRequest] = {}
+        self.checkpoints: dict[CheckpointId, CheckpointLists] = {}  # published checkpoints' lists (kv_checkpoint)
+        # until the engine core hears of them (`report`): why requests failed, and compacted requests' lists
+        self.failures: dict[str, str] = {}
+        self.reports: dict[str, PageReport] = {}
+
+    def begin_step(self, plan: StepPlan, finished: set[str], restarted: list[str]) -> None:
+        """Before vLLM updates its requests for a step: forget finished requests and dropped checkpoints, restart
+        the preempted ones, and (on an earlier pipeline stage) move the live pages out of the blocks the last stage
+        gave back."""
+        for req_id in finished:
+            self.finish(req_id)
+        for checkpoint in plan.dropped:
+            self.checkpoints.pop(checkpoint, None)
+        for req_id in restarted:  # after a preemption the request recomputes from scratch into fresh blocks
+            if req_id in self.requests:
+                self.requests[req_id].reset()
+        if self.link is not None and not self.link.is_last:
+            for req_id, released in plan.releases.items():
+                request = self.requests.get(req_id)
+                if request is not None:
+                    copy_pages(self.pages, request.pages.release(released))
+                    request.released = list(released)
+
+    def finish(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    def admit(self, plan: StepPlan, gate: Callable[[str], GateRuntime]) -> None:
+        """The step's new evicting requests, with the settings the engine core admitted them with. `gate(req_id)`
+        builds a gated request's runtime."""
+        for req_id, settings in plan.admitted.items():
+            self._admit(req_id, settings, gate)
+
+    def _admit(self, req_id: str, settings: KVConfig, gate: Callable[[str], GateRuntime]) -> None:
+        request = WorkerRequest(
+            config=settings,
+            policy=settings.make_policy(),
+            pages=HeadPages(self.layout),
+            rotary=self.rotary,
+            model=self.model,
+        )
+        if settings.ragged:
+            try:
+                request.gate = gate(req_id)
+            except Exception as error:  # e.g. a gate file that fails its checksum: fail the request, not the engine
+                self.failures[req_id] = f"kv_policy {settings.policy!r} cannot start: {error}"
+                return
+        self.requests[req_id] = request
+
+    def released_blocks(self) -> dict[str, list[int]]:
+        """The blocks each request gave back last step (vLLM's view of its blocks must drop them); once."""
+        released = {}
+        for req_id, request in self.requests.items():
+            if request.released:
+                released[req_id], request.released = request.released, []
+        return released
+
+    def step_rows(self, plan: StepPlan, batch: list[BatchRow]) -> tuple[list[RowPlan], dict[int, np.ndarray]]:
+        """This step's evicting rows: each request's lists take its new blocks (a first step may start from a
+        checkpoint or a prefix-cache hit) and the step's tokens. Returns the rows and, by batch row, the slots
+        [L, H, q] of the entries the step appends."""
+        rows, appended = [], {}
+        for item in batch:
+            request = self.requests[item.req_id]
+            if item.req_id in plan.adopt:  # its first step resumes from a published checkpoint
+                resume_from(request, self.checkpoints[plan.adopt[item.req_id]], item.block_ids)
+            elif item.computed and not request.pages.blocks:  # its first step starts from a prefix-cache hit
+                request.pages.adopt_prefix(item.block_ids, item.computed)
+            _take_new_blocks(request.pages, item.block_ids, item.req_id)
+            appended[item.row] = request.pages.append(item.num_new)
+            compaction = plan.compactions.get(item.req_id)
+            if compaction is not None:  # the blocks the compaction must not write (none: it may write all it holds)
+                request.pages.protect(compaction.protected_blocks)
+                if compaction.cached_tokens != int(request.pages.lens.max()):
+                    raise RuntimeError(f"kvserve: core and worker disagree on request {item.req_id}'s cache length")
+            rows.append(
+                RowPlan(
+                    req_id=item.req_id,
+                    state=request,
+                    row=item.row,
+                    query_start=item.query_start,
+                    query_end=item.query_start + item.num_new,
+                    logical_len=item.computed + item.num_new,
+                    compaction=compaction,
+                )
+            )
+        return rows, appended
+
+    def end_step(self, step: StepContext) -> None:
+        """After the forward: requests whose policy raised go to the engine core; those that compacted give back the
+        blocks their lists no longer need (moving the few live pages out of the emptiest blocks first). Under
+        pipeline parallelism the stages first pass their counts down the pipeline (`kvserve/worker/stages.py`)."""
+        if step.rows:
+            record_times(step)
+            self.failures.update(step.failures())
+        compacted = [plan for plan in step.rows if plan.compaction is not None and plan.failure is None]
+        if self.link is None:
+            for plan in compacted:
+                moves, released = plan.state.pages.release_blocks()
+                copy_pages(self.pages, moves)
+                self._compacted(plan, [plan.state.pages.stage_pages()], released)
+                if plan.compaction.checkpoint is not None:
+                    self._publish(plan)
+            return
+        self._end_stage(compacted)
+
+    def _end_stage(self, compacted: list[RowPlan]) -> None:
+        """Pipeline parallelism: add this stage's counts to the message down the pipeline; the last stage chooses
+        the blocks each request gives back from every stage's counts."""
+        link = self.link
+        message = link.receive()
+        for plan in compacted:
+            lists = plan.state.pages
+            message.releases.setdefault(plan.req_id, []).append(
+                StageRelease(
+                    pages=lists.stage_pages(),
+                    block_ids=tuple(lists.blocks),
+                    live_pages=tuple(int(n) for n in lists.live_pages()),
+                )
+            )
+        if not link.is_last:
+            message.failures.update(self.failures)  # only the last stage's output reaches the engine core
+            self.failures.clear()
+            link.send(message)
+            for plan in compacted:
+                _mark_compacted(plan)
+            return
+        self.failures.update(message.failures)
+        for plan in compacted:
+            stages = message.releases[plan.req_id]
+            if plan.req_id in self.failures or len(stages) != link.group.world_size:
+                continue  # it failed on some stage: the engine core frees all its blocks
+            if any(stage.block_ids != stages[-1].block_ids for stage in stages):
+                raise RuntimeError(f"kvserve: pipeline stages disagree on request {plan.req_id}'s blocks")
+            released = blocks_to_release(
+                list(stages[-1].block_ids),
+                [(stage.pages.pages, stage.pages.pages_per_block, stage.live_pages) for stage in stages],
+                plan.state.pages.protected_ids(),
+            )
+            copy_pages(self.pages, plan.state.pages.release(released))
+            self._compacted(plan, [stage.pages for stage in stages], released)
+
+    def _compacted(self, plan: RowPlan, stages: list[StagePages], released: list[int]) -> None:
+        _mark_compacted(plan)
+        plan.state.released = released
+        self.reports[plan.req_id] = PageReport(
+            logical_tokens=plan.logical_len, stages=tuple(stages), released_block_ids=tuple(released)
+        )
+
+    def _publish(self, plan: RowPlan) -> None:
+        """The step ended at a checkpoint: keep a copy of the lists if they fill whole blocks, and name their blocks
+        in the report; the engine core gives those blocks the checkpoint's hashes. The request itself must not write
+        them any more: they are protected from now on."""
+        lists = lists_of(plan.state)
+        if lists is None:
+            return
+        self.checkpoints[(plan.compaction.checkpoint, lists.blocks)] = lists
+        plan.state.pages.protected[:] = True
+        self.reports[plan.req_id] = dataclasses.replace(self.reports[plan.req_id], checkpoint_blocks=lists.blocks)
+
+    def report(self) -> StepReport:
+        """What the engine core has not heard yet, once."""
+        report = StepReport(failures=self.failures, pages=self.reports)
+        self.failures, self.reports = {}, {}
+        return report
+
+
+def _take_new_blocks(pages: HeadPages, block_ids: list[int], req_id: str) -> None:
+    held = len(pages.blocks)
+    if block_ids[:held] != pages.blocks:
+        raise RuntimeError(f"kvserve: request {req_id}'s blocks in vLLM and in its page lists differ")
+    if len(block_ids) > held:
+        pages.add_blocks(block_ids[held:])
+
+
+def _mark_compacted(plan: RowPlan) -> None:
+    plan.state.since = plan.logical_len  # entries appended after this compaction have positions from here on
+    plan.state.compactions += 1
