@@ -148,8 +148,17 @@ class Background:
         return "".join(run.log.read_text() for run in self.runs[fixture])
 
     def stop(self) -> None:
+        """The session ends (a run may still be going when it ends early, as under `pytest -x`): the run is
+        interrupted first, so that a bench command stops the servers it started (each in a session of its own, out
+        of reach of the group kill), then whatever is left in its session is killed."""
         self.stopped = True
         if self.process is not None:
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGINT)
+                try:
+                    self.process.wait(timeout=90)
+                except subprocess.TimeoutExpired:
+                    pass
             _kill_group(self.process)
 
 

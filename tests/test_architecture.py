@@ -4,6 +4,7 @@ a layer above its own, no serving file over 400 lines. Each check also runs on a
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,36 @@ def test_no_serving_file_is_over_400_lines():
         if not name.startswith("kvserve.tools") and len(path.read_text().splitlines()) > MAX_SERVING_LINES
     }
     assert long == {}
+
+
+def defined_names(source: str) -> set[str]:
+    """Classes, functions and methods defined in a module (`Class.method` and `method` both)."""
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            for member in node.body:
+                if isinstance(member, ast.FunctionDef | ast.AsyncFunctionDef):
+                    names.update({member.name, f"{node.name}.{member.name}"})
+    return names
+
+
+def unknown_references(text: str) -> list[str]:
+    """`kvserve/x.py:name` references in a text whose file or name does not exist."""
+    wrong = []
+    for path, name in re.findall(r"`(kvserve/[\w/]+\.py):([\w.]+)`", text):
+        file = PACKAGE.parent / path
+        if not file.exists() or name not in defined_names(file.read_text()):
+            wrong.append(f"{path}:{name}")
+    return wrong
+
+
+def test_the_architecture_page_follows_a_request_through_functions_that_exist():
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    path = page[page.index("## The path of one request") : page.index("## The files")]
+    assert len(re.findall(r"`kvserve/[\w/]+\.py:[\w.]+`", path)) >= 20
+    assert "kvserve/core/compaction.py" in page[: page.index("## The code, by layer")]  # named on the first screen
+    assert unknown_references(page) == []
+    made_up = "kvserve/core/compaction.py:no_such_rule"
+    assert unknown_references(f"`{made_up}`") == [made_up]

@@ -1,6 +1,7 @@
 """The background runner's handling of a run that hangs (tests/background.py): its threads' stacks reach the
 failure, a second attempt that passes turns the failure into a warning that still carries them, and nothing the run
-started outlives it."""
+started outlives it; nor when the session ends while a run is going (a server it started in a session of its own
+included, which the run stops on its way out)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,28 @@ def _ends(stat: Path, within_s: float = 5.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+# starts a child in a session of its own (as a bench command starts its servers) and stops it on its way out
+SERVES = """
+import subprocess, sys, time
+out = sys.argv[1]
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+open(out + ".child", "w").write(str(child.pid))
+try:
+    time.sleep(600)
+finally:
+    child.kill()
+"""
+
+
+def test_a_session_that_ends_during_a_run_leaves_nothing_the_run_started():
+    background = Background()
+    run = Run("probe", [sys.executable, "-c", SERVES, "{out}"], timeout_s=600, bind_cpu=False)
+    background.start([run])
+    child = Path(f"{run.out}.child")
+    deadline = time.monotonic() + 60
+    while not (child.exists() and child.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    background.stop()
+    assert _ends(Path(f"/proc/{child.read_text()}/stat"))

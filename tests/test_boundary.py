@@ -146,3 +146,31 @@ def test_every_vllm_method_kvserve_overrides_is_in_the_table():
                 if f"{owner.__name__}.{name}" not in listed and f"{base.__name__}.{name}" not in listed:
                     missing.append(f"{subclass.__name__}.{name}")
     assert missing == []
+
+
+def test_the_plugin_checks_the_table_before_it_patches_anything():
+    """In a fresh process (the plugin patches once per process): a point written for other parameters stops
+    `apply()` with its name and the installed version, and nothing is patched."""
+    import subprocess
+    import sys
+
+    script = """
+import dataclasses, vllm
+from vllm.config.scheduler import SchedulerConfig
+from kvserve.vllm import patches, points
+original = SchedulerConfig.get_scheduler_cls
+points.POINTS = tuple(
+    dataclasses.replace(p, signature="(self, moved)") if p.name == "scheduler_choice" else p for p in points.POINTS
+)
+try:
+    patches.apply()
+except RuntimeError as error:
+    assert SchedulerConfig.get_scheduler_cls is original, "patched before the check"
+    print("REFUSED", vllm.__version__, error)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    import vllm
+
+    refused = done.stdout[done.stdout.index("REFUSED") :]
+    assert f"REFUSED {vllm.__version__}" in refused and "scheduler_choice" in refused and "(self, moved)" in refused

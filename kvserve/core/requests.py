@@ -52,8 +52,8 @@ class CoreRequests:
         return record if record is not None and record.evicts else None
 
     def admit(self, request_id: str, settings: KVConfig) -> CoreRequest:
-        """A new request. Its settings ask for eviction, but the model cannot evict: it is served without (the front
-        ends answer such a request 400 before it gets here)."""
+        """A new request's record, from the settings it was validated with. One that asks for eviction from a model
+        that cannot evict is served without (the front ends answer it 400 before it gets here)."""
         record = CoreRequest(request_id, settings)
         if settings.evicts and self.evicting:
             record.sharing = settings.prefix_sharing()
