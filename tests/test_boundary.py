@@ -174,3 +174,14 @@ except RuntimeError as error:
 
     refused = done.stdout[done.stdout.index("REFUSED") :]
     assert f"REFUSED {vllm.__version__}" in refused and "scheduler_choice" in refused and "(self, moved)" in refused
+
+
+def test_the_engine_core_serves_unreadable_settings_without_eviction_instead_of_failing():
+    from kvserve.vllm.scheduler import EvictingScheduler
+
+    def request(wire) -> SimpleNamespace:
+        return SimpleNamespace(request_id="r", sampling_params=SimpleNamespace(extra_args={SETTINGS_KEY: wire}))
+
+    assert EvictingScheduler._settings_of(None, request({"policy": "snapkv"})) == KVConfig()
+    config = parse_kv_config({"kv_policy": "tova", "kv_budget": 64}, defaults={})
+    assert EvictingScheduler._settings_of(None, request(config.to_wire())) == config

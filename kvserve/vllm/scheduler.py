@@ -26,7 +26,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.request import Request
 
 from kvserve import phases
-from kvserve.config import settings_from
+from kvserve.config import KVConfig, settings_from
 from kvserve.core.admission import resumable_first
 from kvserve.core.checkpoints import chunk_end, first_compaction, publish_key
 from kvserve.core.compaction import compaction_after, is_decode
@@ -34,6 +34,7 @@ from kvserve.core.prefix import copyable_hit, hit_limit
 from kvserve.core.pressure import short_of_blocks
 from kvserve.core.record import CoreRequest
 from kvserve.core.requests import CoreRequests
+from kvserve.errors import InvalidSetting
 from kvserve.messages import Compaction, PageReport, StepPlan, cdiv, with_evicted_count
 from kvserve.metrics import metrics
 from kvserve.model_support import eviction_support, generation_marker
@@ -99,7 +100,7 @@ class EvictingScheduler(Scheduler):
 
     def add_request(self, request: Request) -> None:
         if request.request_id not in self.requests:
-            record = self.core.admit(request.request_id, settings_from(request.sampling_params))
+            record = self.core.admit(request.request_id, self._settings_of(request))
             if record.settings.evicts and not record.evicts:  # the front ends answer 400 before it gets here
                 logger.error(
                     "request %s asks for eviction, which this model lacks (%s): served without eviction",
@@ -109,6 +110,17 @@ class EvictingScheduler(Scheduler):
             if record.evicts and not record.sharing.reads:
                 request.skip_reading_prefix_cache = True
         super().add_request(request)
+
+    def _settings_of(self, request: Request) -> KVConfig:
+        try:
+            return settings_from(request.sampling_params)
+        except InvalidSetting:
+            # vLLM's input validation writes them; a request handed to the engine some other way must still not
+            # bring it down: it runs without eviction, and says so
+            logger.exception(
+                "request %s: unreadable eviction settings, serving it without eviction", request.request_id
+            )
+            return KVConfig()
 
     def schedule(self, *args, **kwargs):
         with phases.timed("schedule"):
