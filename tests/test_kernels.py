@@ -506,21 +506,10 @@ def _serve_one_layer(
         logical += tokens
         if layout != "amx":  # the views, as vLLM's "vec" writer or kvserve's attention writes them
             paged.write_slots(slots.reshape(-1).to(device), keys.reshape(-1, HEAD_DIM), values.reshape(-1, HEAD_DIM))
-        else:  # vLLM's own AMX writer, in its tile format
-            from vllm import _custom_ops as ops
+        else:  # vLLM's own AMX writer, in its tile format (kvserve's codec where it cannot run: cache_writers.py)
+            from cache_writers import write
 
-            key_cache, value_cache = raw.view(num_pages, 1, 2 * PATH_BLOCK, HEAD_DIM).chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(
-                keys.reshape(-1, 1, HEAD_DIM),
-                values.reshape(-1, 1, HEAD_DIM),
-                key_cache,
-                value_cache,
-                slots.reshape(-1),
-                "amx",
-                k_scale=1.0,
-                v_scale=1.0,
-                kv_cache_dtype="auto",
-            )
+            write(raw, "amx", keys.reshape(-1, HEAD_DIM), values.reshape(-1, HEAD_DIM), slots.reshape(-1))
         compaction = Compaction(PATH_BUDGET, logical, int(lengths().max())) if compact else None
         plan = RowPlan(
             req_id="r", state=state, row=0, query_start=0, query_end=tokens, logical_len=logical, compaction=compaction
