@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvserve.core", "kvserve.worker"),
     ("kvserve.server",),
     ("kvserve.vllm",),
-    ("kvserve.plugin",),
+    ("kvserve.plugin", "kvserve.server.launch"),  # what vLLM loads, and the process `kvserve serve` becomes
     ("kvserve.tools",),
     ("kvserve.cli",),  # the command line: `kvserve serve` and the tools' commands
 )

@@ -148,32 +148,67 @@ def test_every_vllm_method_kvserve_overrides_is_in_the_table():
     assert missing == []
 
 
-def test_the_plugin_checks_the_table_before_it_patches_anything():
-    """In a fresh process (the plugin patches once per process): a point written for other parameters stops
-    `apply()` with its name and the installed version, and nothing is patched."""
+def _fresh_process(setup: str, then: str) -> str:
+    """Runs `setup` then `then` in a new Python process (the plugin patches once per process); its output."""
     import subprocess
     import sys
 
-    script = """
-import dataclasses, vllm
-from vllm.config.scheduler import SchedulerConfig
-from kvserve.vllm import patches, points
-original = SchedulerConfig.get_scheduler_cls
+    done = subprocess.run(
+        [sys.executable, "-c", setup + "\n" + then], capture_output=True, text=True, timeout=300, env=_without_warned()
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+def _without_warned() -> dict:
+    import os
+
+    from kvserve.vllm.patches import INACTIVE_ENV
+
+    return {key: value for key, value in os.environ.items() if key != INACTIVE_ENV}
+
+
+MOVED_POINT = """
+import dataclasses
+from kvserve.vllm import points
 points.POINTS = tuple(
     dataclasses.replace(p, signature="(self, moved)") if p.name == "scheduler_choice" else p for p in points.POINTS
 )
-try:
-    patches.apply()
-except RuntimeError as error:
-    assert SchedulerConfig.get_scheduler_cls is original, "patched before the check"
-    print("REFUSED", vllm.__version__, error)
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    import vllm
+OTHER_VERSION = "import vllm\nvllm.__version__ = '0.33.1'"
+OTHER_PLATFORM = "from vllm.platforms import current_platform\ncurrent_platform.is_cpu = lambda: False"
+APPLY = """
+from vllm.config.scheduler import SchedulerConfig
+from kvserve.vllm import patches
+original = SchedulerConfig.get_scheduler_cls
+patches.apply()
+patches._applied = False
+patches.apply()  # another load of the plugin in the same process tree says nothing more
+assert SchedulerConfig.get_scheduler_cls is original, "patched although inactive"
+print("NOT PATCHED")
+"""
 
-    refused = done.stdout[done.stdout.index("REFUSED") :]
-    assert f"REFUSED {vllm.__version__}" in refused and "scheduler_choice" in refused and "(self, moved)" in refused
+
+@pytest.mark.parametrize(
+    ("setup", "named"),
+    [(MOVED_POINT, "scheduler_choice"), (OTHER_VERSION, "found 0.33.1"), (OTHER_PLATFORM, "CPU platform only")],
+    ids=["moved point", "other vLLM release", "other platform"],
+)
+def test_where_kvserve_cannot_evict_the_plugin_stays_inactive_and_says_why_once(setup, named):
+    """vLLM loads the plugin in every process: where kvserve cannot evict (a moved point, another release, a GPU
+    platform) it patches nothing, so vanilla vLLM serves, and warns once with the reason."""
+    printed = _fresh_process(setup, APPLY)
+    assert "NOT PATCHED" in printed
+    assert printed.count("kvserve is installed but inactive") == 1 and named in printed
+
+
+def test_kvserve_serve_refuses_to_start_where_it_cannot_evict():
+    printed = _fresh_process(
+        OTHER_VERSION,
+        "from kvserve.server import launch\ntry:\n    launch.main(['--port', '0'])\nexcept SystemExit as e:\n"
+        "    print('EXIT', e)",
+    )
+    assert "EXIT kvserve serve: eviction is not available here" in printed and "found 0.33.1" in printed
 
 
 def test_the_engine_core_serves_unreadable_settings_without_eviction_instead_of_failing():

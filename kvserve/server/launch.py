@@ -40,7 +40,21 @@ def parse_serve_args(argv: list[str]):
     return args
 
 
+def refuse_where_kvserve_cannot_evict() -> None:
+    """`kvserve serve` asks for eviction: where kvserve's plugin would stay inactive (another vLLM release, a platform
+    other than the CPU, a vLLM function that moved), it exits saying why instead of serving without it."""
+    from kvserve.vllm.patches import inactive_reason
+
+    reason = inactive_reason()
+    if reason is not None:
+        raise SystemExit(
+            f"kvserve serve: eviction is not available here, so kvserve does not start: {reason}. vLLM itself still "
+            "serves (`vllm serve`: kvserve's plugin stays inactive)."
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
+    refuse_where_kvserve_cannot_evict()
     import uvloop
     from vllm.entrypoints.launchers.api_server import entry
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args

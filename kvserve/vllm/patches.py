@@ -25,6 +25,8 @@ In every vLLM process (the API server's patches are `kvserve/vllm/api_server.py`
 from __future__ import annotations
 
 import functools
+import logging
+import os
 from typing import TYPE_CHECKING
 
 from kvserve import REQUIRED_VLLM_VERSION
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
 _applied = False
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format
 
 
 def check_vllm_version() -> None:
@@ -45,27 +48,6 @@ def check_vllm_version() -> None:
         )
 
 
-def apply() -> None:
-    """Install all patches. Idempotent: vLLM loads plugins in every process, sometimes more than once."""
-    global _applied
-    if _applied:
-        return
-    import vllm
-
-    from kvserve.vllm import api_server, points
-
-    check_vllm_version()
-    _check_platform()
-    points.check(points.group("engine"), vllm.__version__)
-    _register_attention_backend()
-    _patch_scheduler_choice()
-    _patch_model_runner()
-    _patch_seeded_sampling()
-    _patch_pipeline_buffers()
-    api_server.apply()
-    _applied = True
-
-
 def _check_platform() -> None:
     from vllm.platforms import current_platform
 
@@ -73,9 +55,55 @@ def _check_platform() -> None:
         raise RuntimeError(
             "kvserve runs on vLLM's CPU platform only. Its GPU path (the Triton kernels of kvserve_kernels, used by "
             "the attention mode KVSERVE_ATTENTION=kernels) has not been run inside a CUDA build of vLLM, so it is "
-            f"not enabled on {current_platform.device_name}. Uninstall kvserve or set VLLM_PLUGINS to a list "
-            "without 'kvserve' to run vanilla vLLM."
+            f"not enabled on {current_platform.device_name}"
         )
+
+
+def inactive_reason() -> str | None:
+    """Why kvserve cannot evict inside this vLLM (another release than the one it patches, a platform other than
+    the CPU, a vLLM function that moved: `kvserve/vllm/points.py`), or None."""
+    import vllm
+
+    from kvserve.vllm import points
+
+    try:
+        check_vllm_version()
+        _check_platform()
+        points.check(points.group("engine"), vllm.__version__)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+INACTIVE_ENV = "KVSERVE_INACTIVE_WARNED"  # set once warned: vLLM's other processes inherit it and stay quiet
+
+
+def apply() -> None:
+    """Install all patches. Idempotent: vLLM loads plugins in every process, sometimes more than once. Where kvserve
+    cannot evict (`inactive_reason`) it patches nothing and vanilla vLLM serves: installed beside a CUDA vLLM or
+    another release, it must not break `vllm serve` (`kvserve serve` refuses to start there, saying why)."""
+    global _applied
+    if _applied:
+        return
+    _applied = True
+    reason = inactive_reason()
+    if reason is not None:
+        if not os.environ.get(INACTIVE_ENV):
+            os.environ[INACTIVE_ENV] = "1"
+            logger.warning(
+                "kvserve is installed but inactive, vLLM serves without eviction: %s. (Uninstall kvserve, or set "
+                "VLLM_PLUGINS to a list without 'kvserve', to silence this.)",
+                reason,
+            )
+        return
+    from kvserve.vllm import api_server
+
+    _register_attention_backend()
+    _patch_scheduler_choice()
+    _patch_model_runner()
+    _patch_seeded_sampling()
+    _patch_pipeline_buffers()
+    api_server.apply()
 
 
 def _register_attention_backend() -> None:
