@@ -108,7 +108,9 @@ def _knob_help() -> dict[str, str]:
 
 
 def defaults_from_args(args: argparse.Namespace) -> dict:
-    """The server-wide kv_* defaults from --kv-config and --kv-* flags (flags win), checked before vLLM starts."""
+    """The server-wide kv_* defaults from --kv-config and --kv-* flags (flags win), checked before vLLM starts.
+    Knobs and `kv_span` at the top level are the default policy's (`kv_policy`); a `policies:` section gives other
+    policies' own (`kvserve.config.policy_defaults`)."""
     defaults: dict = {}
     if args.kv_config is not None:
         loaded = yaml.safe_load(args.kv_config.read_text()) or {}
@@ -119,11 +121,57 @@ def defaults_from_args(args: argparse.Namespace) -> dict:
     defaults.update(flags)
     if "kv_policy" not in defaults:  # knobs alone (`--kv-window 64`) tune the built-in policy, not `full`
         defaults = {**BUILTIN_DEFAULTS, **defaults}
-    try:
-        parse_kv_config(defaults, defaults={})  # fail at start-up, not on the first request
+    try:  # fail at start-up, not on the first request
+        parse_kv_config(defaults, defaults={})
+        for policy in _sections(defaults):
+            parse_kv_config({"kv_policy": policy}, defaults=defaults)
     except InvalidSetting as exc:
         raise SystemExit(f"kvserve: invalid server default {exc}") from exc
     return defaults
+
+
+def _sections(defaults: dict) -> dict[str, dict]:
+    """The `policies:` section of the server defaults, each entry checked to hold that policy's own settings only."""
+    from kvserve.config import POLICY_KEY, knob_keys
+    from kvserve.policies import POLICIES
+
+    sections = defaults.get(POLICY_KEY) or {}
+    if not isinstance(sections, dict):
+        raise SystemExit(f"kvserve: `{POLICY_KEY}:` must map policy names to their settings")
+    for policy, settings in sections.items():
+        if policy not in POLICIES or policy == "full" or not isinstance(settings, dict):
+            raise SystemExit(f"kvserve: `{POLICY_KEY}:` maps an eviction policy to its settings; got {policy!r}")
+        own = {setting.key for setting in POLICIES[policy].knobs().values()} | {"kv_span"}
+        for key in settings:
+            if key not in own:
+                why = "applies to every policy: give it at the top level" if key not in knob_keys() else "is not one"
+                raise SystemExit(
+                    f"kvserve: `{POLICY_KEY}: {policy}:` takes {policy}'s own settings ({', '.join(sorted(own))}); "
+                    f"{key} {why}"
+                )
+    return sections
+
+
+def effective_defaults(defaults: dict) -> list[str]:
+    """One line per policy: the settings a request that names only that policy gets from these defaults (the
+    server's default policy first). CAOTE variants take their base's."""
+    from kvserve.policies import POLICIES
+
+    names = [defaults["kv_policy"]] + sorted(name for name in POLICIES if "+" not in name and name != "full")
+    lines = []
+    for name in dict.fromkeys(names):
+        try:
+            config = parse_kv_config({"kv_policy": name}, defaults=defaults)
+        except InvalidSetting as exc:
+            lines.append(f"{name}: not servable without further settings ({exc})")
+            continue
+        if not config.evicts:
+            lines.append(f"{name}: no eviction")
+            continue
+        settings = [f"budget {config.budget}", f"span {config.span}", f"allocation {config.allocation}"]
+        settings += [f"{knob} {value}" for knob, value in config.knobs]
+        lines.append(f"{name}{' (default)' if name == defaults['kv_policy'] else ''}: {', '.join(settings)}")
+    return lines
 
 
 def _flag_value(args: list[str], *names: str) -> str | None:
@@ -202,7 +250,13 @@ def serve(argv: list[str]) -> None:
     command = [sys.executable, "-m", "kvserve.server.launch"]
     if "--async-scheduling" not in vllm_args:
         command.append("--no-async-scheduling")  # eviction plans need schedule -> execute -> update in lockstep
-    print(f"kvserve: eviction defaults {defaults}", file=sys.stderr, flush=True)
+    print(
+        f"kvserve: eviction defaults {defaults}; each policy's, when a request names only the policy:",
+        file=sys.stderr,
+        flush=True,
+    )
+    for line in effective_defaults(defaults):
+        print(f"kvserve:   {line}", file=sys.stderr, flush=True)
     os.execve(sys.executable, command + vllm_args, env)
 
 

@@ -117,6 +117,22 @@ class PrefixSharing:
     spare_blocks: int = 0
 
 
+POLICY_KEY = "policies"  # server defaults: {policy: {kv_<knob> or kv_span: value}}, one section per policy
+
+
+def policy_defaults(defaults: dict[str, Any], policy: str) -> dict[str, Any]:
+    """The server's defaults for `policy`'s own settings (its knobs and `kv_span`): the top-level ones when `policy`
+    is the server's default policy (`kvserve serve --kv-policy P --kv-window 64`: P's window), then those of its
+    section under `policies:`; a `<base>+caote` variant takes its base's first. Never another policy's."""
+    own: dict[str, Any] = {}
+    sections = defaults.get(POLICY_KEY) or {}
+    for name in dict.fromkeys([policy.partition("+")[0], policy]):
+        if defaults.get("kv_policy") == name:
+            own.update({key: value for key, value in defaults.items() if key in knob_keys() or key == "kv_span"})
+        own.update(sections.get(name) or {})
+    return own
+
+
 def knob_keys() -> set[str]:
     """Every policy's knob keys (`kv_window`, ...)."""
     return {setting.key for cls in POLICIES.values() for setting in cls.knobs().values()}
@@ -139,8 +155,9 @@ def env_defaults() -> dict[str, Any]:
 def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any] | None = None) -> KVConfig:
     """Merge server defaults with a request's `kv_*` keys and validate the result.
 
-    Request keys that do not fit the chosen policy are errors; default knobs that belong to another policy are
-    dropped (a server default for StreamingLLM's sinks must not break a request that asks for SnapKV).
+    Request keys that do not fit the chosen policy are errors. The server's defaults for a policy's own settings
+    (its knobs and `kv_span`: `policy_defaults`) reach that policy only: `kv_window: 32` given for SnapKV is not
+    Expected Attention's window; another policy gets its own defaults (span 8 for the score-based ones).
     """
     defaults = env_defaults() if defaults is None else defaults
     request = {k: v for k, v in (request_args or {}).items() if k.startswith(KEY_PREFIX)}
@@ -150,6 +167,7 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
             raise InvalidSetting(key, f"unknown eviction setting; allowed keys: {', '.join(sorted(allowed))}")
 
     policy = request.get("kv_policy", defaults.get("kv_policy", "full"))
+    own = policy_defaults(defaults, policy)  # the server's defaults for this policy's own settings, no other's
     if not isinstance(policy, str) or policy not in POLICY_NAMES:
         raise InvalidSetting(
             "kv_policy",
@@ -168,7 +186,7 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
         raise InvalidSetting(foreign[0], f"is not a setting of {policy}; its settings: {_knob_list(cls)}")
     # the policy's own fields parse and check each value; an error names the request key
     policy_obj = cls(
-        **{name: request.get(key, defaults.get(key, cls.knobs()[name].default)) for key, name in declared.items()}
+        **{name: request.get(key, own.get(key, cls.knobs()[name].default)) for key, name in declared.items()}
     )
 
     budget: int | None = None
@@ -184,7 +202,7 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
     every_chunk = parse_bool(
         "kv_evict_every_chunk", request.get("kv_evict_every_chunk", defaults.get("kv_evict_every_chunk", False))
     )
-    allocation, span = _allocation_and_span(request, defaults, cls, budget, protected)
+    allocation, span = _allocation_and_span(request, defaults, own, cls, budget, protected)
     evict_when = _evict_when(request, defaults, cls, every_chunk)
     knobs = tuple((name, getattr(policy_obj, name)) for name in cls.knobs())
     config = KVConfig(
@@ -258,13 +276,18 @@ def _evict_when(request: dict[str, Any], defaults: dict[str, Any], cls: type[Pol
 
 
 def _allocation_and_span(
-    request: dict[str, Any], defaults: dict[str, Any], cls: type[Policy], budget: int | None, protected: int
+    request: dict[str, Any],
+    defaults: dict[str, Any],
+    own: dict[str, Any],
+    cls: type[Policy],
+    budget: int | None,
+    protected: int,
 ) -> tuple[str, int]:
     """kv_allocation and kv_span, refused (with the reason) where the policy cannot use them."""
     allocation = request.get("kv_allocation", defaults.get("kv_allocation", "uniform"))
     if allocation not in ALLOCATIONS:
         raise InvalidSetting("kv_allocation", f"must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
-    span = parse_int("kv_span", request.get("kv_span", defaults.get("kv_span", 1)))
+    span = parse_int("kv_span", request.get("kv_span", own.get("kv_span", cls.default_span)))
     if span < 1:
         raise InvalidSetting("kv_span", f"must be >= 1, got {span}")
     # a server default that does not fit this request's policy is dropped, as default knobs of another policy are
@@ -303,7 +326,7 @@ def _allocation_and_span(
             )
         span = 1
     if budget is not None and span > budget - protected and "kv_span" not in requested:
-        span = 1  # a server default span that this request's small budget leaves no room for is dropped, not refused
+        span = 1  # a default span that this request's small budget leaves no room for is dropped, not refused
     if budget is not None and span > budget - protected:
         raise InvalidSetting(
             "kv_span",

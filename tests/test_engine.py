@@ -73,7 +73,8 @@ def _assert_same_kept(engine_kept: torch.Tensor, ref_kept: torch.Tensor, ref_sco
 def test_snapkv_keeps_what_dense_attention_chooses(engine, hf_model):
     ids = prompt(engine, 400, seed=4)
     budget, window, kernel = 128, 32, 7
-    out = engine.generate([ids], 1, {"kv_policy": "snapkv", "kv_budget": budget})[0]
+    # span 1: the per-token choice the reference makes (SnapKV's default span is 8)
+    out = engine.generate([ids], 1, {"kv_policy": "snapkv", "kv_budget": budget, "kv_span": 1})[0]
     state = engine.eviction_state(out.request_id)
     ref_keep, ref_scores = snapkv_reference(hf_model, ids, budget, window, kernel)
     assert len(state.layers) == len(ref_keep) == hf_model.config.num_hidden_layers
@@ -99,6 +100,7 @@ def test_expected_attention_keeps_what_the_models_own_query_statistics_choose(en
         "kv_window": window,
         "kv_future": future,
         "kv_sink_tokens": sinks,
+        "kv_span": 1,  # the per-token choice the reference makes (score-based policies default to span 8)
     }
     out = engine.generate([ids], 1, settings)[0]
     state = engine.eviction_state(out.request_id)
@@ -119,7 +121,7 @@ def test_duoattention_streaming_heads_keep_sinks_and_recent_and_retrieval_heads_
     from kvserve.policies.duo_attention import DuoAttention
 
     budget, fraction = 128, DuoAttention().retrieval_fraction
-    out = engine.generate([ids], 1, {"kv_policy": "duoattention", "kv_budget": budget})[0]
+    out = engine.generate([ids], 1, {"kv_policy": "duoattention", "kv_budget": budget, "kv_span": 1})[0]
     state = engine.eviction_state(out.request_id)
     roles = HeadRoles.for_model(DEFAULT_MODEL_NAME, hf_model.config.num_key_value_heads).retrieval(fraction)
     total, retrieval = roles.numel(), int(roles.sum())
@@ -159,7 +161,8 @@ def test_scores_from_the_attention_pass_match_dense_attention(engine, hf_model, 
     with 32 recent tokens protected; the references take both from the model's own eager attention."""
     ids = prompt(engine, 400, seed=8)
     budget = 128
-    out = engine.generate([ids], 1, {"kv_policy": policy, "kv_budget": budget})[0]
+    # span 1: the per-token choice the references make (score-based policies default to span 8)
+    out = engine.generate([ids], 1, {"kv_policy": policy, "kv_budget": budget, "kv_span": 1})[0]
     state = engine.eviction_state(out.request_id)
     for layer, probs in enumerate(attention_probabilities(hf_model, ids)):
         if policy == "tova":
@@ -396,14 +399,14 @@ def test_a_raising_policy_fails_only_its_request(engine, monkeypatch):
     """A bug in a policy ends that request with finish_reason "error"; its batch neighbours and the engine go on."""
     from kvserve.policies.tova import TOVA
 
-    def broken(self, obs, budget):
+    def broken(self, obs):
         raise RuntimeError("injected policy failure")
 
     prompts = [prompt(engine, 300, seed=60 + i) for i in range(2)]
     snapkv = {"kv_policy": "snapkv", "kv_budget": 64}
     alone = engine.generate(prompts[1:], 40, snapkv)[0].outputs[0]
     free_before = engine.free_blocks()
-    monkeypatch.setattr(TOVA, "keep_indices", broken)
+    monkeypatch.setattr(TOVA, "score", broken)  # what a TOVA compaction asks, per token or by spans
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 

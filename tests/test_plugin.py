@@ -12,6 +12,7 @@ import yaml
 from kvserve import REQUIRED_VLLM_VERSION
 from kvserve.cli import BUILTIN_DEFAULTS, defaults_from_args
 from kvserve.config import parse_kv_config
+from kvserve.policies import POLICY_NAMES
 from kvserve.vllm import patches as vllm_patches
 
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -97,3 +98,53 @@ def test_misspelt_attention_mode_stops_the_plugin_with_the_reason(monkeypatch):
     monkeypatch.setenv("KVSERVE_ATTENTION", "triton")
     with pytest.raises(ValueError, match="KVSERVE_ATTENTION must be one of vllm, kernels"):
         vllm_patches._register_attention_backend()
+
+
+def test_a_config_files_knobs_reach_only_its_own_policy():
+    """configs/default.yaml's kv_window (SnapKV's 32) used to become Expected Attention's window, and
+    configs/streamingllm-512.yaml's kv_sink_tokens (4) DuoAttention's sinks (trained with 16)."""
+    snapkv_file = defaults_from_args(namespace(kv_config=CONFIGS / "default.yaml"))
+    own = dict(parse_kv_config({"kv_policy": "expected_attention", "kv_budget": 512}, {}).knobs)["window"]
+    assert dict(parse_kv_config({"kv_policy": "expected_attention"}, snapkv_file).knobs)["window"] == own == 64
+    assert dict(parse_kv_config({}, snapkv_file).knobs)["window"] == 32  # the file's own policy takes it
+    streaming_file = defaults_from_args(namespace(kv_config=CONFIGS / "streamingllm-512.yaml"))
+    duo = parse_kv_config({"kv_policy": "duoattention"}, streaming_file)
+    assert dict(duo.knobs)["sink_tokens"] == 16 and duo.budget == 512  # the budget is every policy's
+
+
+def test_naming_a_score_based_policy_gives_it_the_span_the_suite_chose():
+    """`kvserve serve --kv-policy snapkv --kv-budget 512` ran span 1: the built-in span 8 applied only when no policy
+    was named."""
+    defaults = defaults_from_args(namespace(kv_policy="snapkv", kv_budget="512"))
+    assert parse_kv_config({}, defaults).span == 8
+    for policy, span in (("tova", 8), ("h2o+caote", 8), ("streamingllm", 1), ("mat", 1)):
+        assert parse_kv_config({"kv_policy": policy, "kv_budget": 256}, defaults={}).span == span, policy
+    assert parse_kv_config({"kv_policy": "tova", "kv_budget": 256, "kv_span": 1}, defaults={}).span == 1
+
+
+def test_a_policies_section_sets_other_policies_own_defaults_and_is_checked_at_start_up(tmp_path):
+    config = tmp_path / "defaults.yaml"
+    config.write_text("kv_policy: snapkv\nkv_budget: 512\npolicies:\n  tova: {kv_span: 4}\n  h2o: {kv_recent: 16}\n")
+    defaults = defaults_from_args(namespace(kv_config=config))
+    assert parse_kv_config({"kv_policy": "tova"}, defaults).span == 4
+    assert parse_kv_config({"kv_policy": "tova+caote"}, defaults).span == 4  # a CAOTE variant takes its base's
+    assert dict(parse_kv_config({"kv_policy": "h2o"}, defaults).knobs)["recent"] == 16
+    assert parse_kv_config({}, defaults).span == 8 and parse_kv_config({"kv_policy": "ahakv"}, defaults).span == 8
+    for wrong, says in (
+        ("  tova: {kv_budget: 64}\n", "applies to every policy"),
+        ("  nope: {kv_span: 4}\n", "'nope'"),
+        ("  streamingllm: {kv_window: 8}\n", "kv_window"),
+    ):
+        config.write_text("kv_policy: snapkv\nkv_budget: 512\npolicies:\n" + wrong)
+        with pytest.raises(SystemExit, match=says):
+            defaults_from_args(namespace(kv_config=config))
+
+
+def test_start_up_says_what_each_policy_gets():
+    from kvserve.cli import effective_defaults
+
+    lines = effective_defaults(defaults_from_args(namespace(kv_config=CONFIGS / "streamingllm-512.yaml")))
+    assert lines[0] == "streamingllm (default): budget 512, span 1, allocation uniform, sink_tokens 4"
+    duo = next(line for line in lines if line.startswith("duoattention:"))
+    assert "span 8" in duo and "sink_tokens 16" in duo
+    assert len(lines) == len({name for name in POLICY_NAMES if "+" not in name and name != "full"})

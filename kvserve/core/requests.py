@@ -13,6 +13,7 @@ from kvserve.core.record import CoreRequest, Progress
 from kvserve.core.turns import TurnEnds
 from kvserve.messages import CheckpointId, PageReport
 from kvserve.metrics import metrics
+from kvserve.policies import POLICY_NAMES
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format, INFO shown
 
@@ -43,6 +44,8 @@ class CoreRequests:
         self.checkpoints = CheckpointRegistry()  # published checkpoints (kv_checkpoint)
         self.dropped: list[CheckpointId] = []  # checkpoints the workers hold and must forget
         self.under_pressure = False  # this schedule found the pool short (`kvserve.core.pressure`)
+        for policy in POLICY_NAMES:  # every policy's error count is served from the start: 0, not "no data"
+            metrics().policy_errors.labels(policy=policy)
 
     def get(self, request_id: str) -> CoreRequest | None:
         return self.records.get(request_id)

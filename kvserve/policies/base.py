@@ -159,6 +159,8 @@ class Policy:
     own_counts: ClassVar[bool] = False
     # what the engine should measure in the attention pass (fields of PassStatistics); window_sums only at compactions
     pass_statistics: ClassVar[tuple[str, ...]] = ()
+    # kv_span when neither the request nor the server's defaults for this policy give one (`ScoredPolicy`: 8)
+    default_span: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         for knob in self.knobs().values():  # also turns a header's text ("16") into the declared type
@@ -253,6 +255,11 @@ def pool_scores(scores: torch.Tensor, kernel_size: int, mode: str = "avg") -> to
 
 class ScoredPolicy(Policy):
     """A policy whose whole idea is a score: keep the protected entries plus the top-scoring rest."""
+
+    # Score whole spans of 8 token positions unless told otherwise: the quality suite chose span 8 for every
+    # score-based policy (docs/benchmarks.md: a passkey's digits are separate tokens, and a per-token ranking kept some
+    # digits of a key and dropped others)
+    default_span: ClassVar[int] = 8
 
     def score(self, obs: LayerObservation) -> torch.Tensor:
         """[H, n], higher = more worth keeping."""
