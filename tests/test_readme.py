@@ -1,5 +1,6 @@
-"""The README's first screen works as pasted: its curl command and its OpenAI-client call, run against the real
-server (the test's server listens on another port than the README's 8000; nothing else is changed)."""
+"""The README's first screen works as pasted and shows eviction: its curl command and its OpenAI-client call, run
+against the real server (the test's server listens on another port than the README's 8000; nothing else is
+changed)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from urllib.parse import urlparse
 import pytest
 
 README = Path(__file__).parent.parent / "README.md"
-FIRST_SCREEN_LINES = 45
+FIRST_SCREEN_LINES = 40
 
 
 def first_screen_blocks(language: str) -> list[str]:
@@ -28,14 +29,19 @@ def on_test_server(snippet: str, server: str) -> str:
 
 
 def test_first_screen_curl_works_as_pasted(server):
+    """The curl on the first screen evicts: its headers say what was applied, its usage block what was evicted."""
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed")
-    [block] = [b for b in first_screen_blocks("bash") if b.lstrip().startswith("curl")]
+    [block] = [b for b in first_screen_blocks("bash") if "curl " in b]
     done = subprocess.run(["bash", "-c", on_test_server(block, server)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    body = json.loads(done.stdout)
-    assert body["choices"][0]["text"]
-    assert body["usage"]["kv_tokens_evicted"] == 0  # a 6-token prompt is far under the budget: nothing to evict
+    head, _, body = done.stdout.replace("\r\n", "\n").partition("\n\n")
+    headers = dict(line.lower().split(": ", 1) for line in head.splitlines()[1:])
+    assert headers["x-kv-policy-applied"] == "snapkv" and headers["x-kv-budget-applied"] == "64"
+    response = json.loads(body)
+    assert response["choices"][0]["text"]
+    assert response["usage"]["kv_tokens_evicted"] > 0
+    assert response["usage"]["prompt_tokens"] > 1000  # the prompt the README says it sends
 
 
 def test_first_screen_openai_call_works_as_pasted(server):
@@ -44,4 +50,5 @@ def test_first_screen_openai_call_works_as_pasted(server):
         [sys.executable, "-c", on_test_server(block, server)], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "completion_tokens" in done.stdout and "kv_tokens_evicted" in done.stdout
+    evicted = re.search(r"kv_tokens_evicted=(\d+)", done.stdout)
+    assert "completion_tokens" in done.stdout and evicted and int(evicted.group(1)) > 0, done.stdout
