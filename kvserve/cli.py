@@ -19,17 +19,11 @@ from pathlib import Path
 import yaml
 
 from kvserve.allocator import allocator_env
-from kvserve.config import DEFAULTS_ENV, parse_kv_config
+from kvserve.config import BUILTIN_DEFAULTS, DEFAULTS_ENV, parse_kv_config
 from kvserve.cpu_dtype import default_dtype, has_dtype_flag
 from kvserve.errors import InvalidSetting
 from kvserve.policies import POLICY_NAMES
 from kvserve.policies.allocation import ALLOCATIONS
-
-# Eviction is on by default: SnapKV keeping 1,024 tokens per layer and KV head in spans of 8 (configs/default.yaml
-# says the same). Chosen by the quality suite (README, "Which one to pick"): spans lifted SnapKV on RULER's single
-# needle from 0.61 / 0.92 / 0.97 to 1.00 of full at B = 128 / 256 / 512, and it still reads and publishes prefix-cache
-# blocks (kv_allocation heads / global would not).
-BUILTIN_DEFAULTS = {"kv_policy": "snapkv", "kv_budget": 1024, "kv_span": 8}
 
 
 def _serve_parser() -> argparse.ArgumentParser:

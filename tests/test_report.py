@@ -61,7 +61,11 @@ def test_every_table_names_its_machine_date_and_command():
     text = PAGE.read_text()
     tables = len(re.findall(r"^Data: `docs/eval/[^`]+`\.$", text, flags=re.M))
     assert tables >= 15
-    captions = re.findall(r"^Data: `[^`]+`\.\nMachine: (.+); (\d{4}-\d\d-\d\d)\.\n\n```\n(.+)", text, flags=re.M)
+    captions = re.findall(
+        r"^Data: `[^`]+`\.\nMachine: (.+); (\d{4}-\d\d-\d\d)\.\n\n<details><summary>[^<]+</summary>\n\n```\n(.+)",
+        text,
+        flags=re.M,
+    )  # the commands folded under the table
     assert len(captions) == tables
     for machine, _, command in captions:
         assert "cores" in machine or "H100" in machine or "H200" in machine
@@ -115,3 +119,26 @@ def test_every_number_the_readme_quotes_is_on_the_benchmarks_page():
     page = PAGE.read_text()
     missing = [number for number in numbers if number not in page]
     assert missing == [], f"the README's {missing} are not on the benchmarks page"
+
+
+def test_the_summary_agrees_with_the_sections_it_summarises():
+    """The summary's share of full for each policy and budget is the quality table's, inside its own interval, and
+    its throughput and decode-cost cells are the capacity and overhead tables' ratios."""
+    page = PAGE.read_text()
+    summary = page[page.index("## Summary") : page.index("## How much quality")]
+    quality = page[page.index("## How much quality") : page.index("### Perplexity")]
+    rows = [line for line in summary.splitlines() if line.startswith("| `")]
+    assert rows[0].startswith("| `snapkv` **(default)**")
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        policy = cells[0].split()[0]
+        quality_row = next(line for line in quality.splitlines() if line.startswith(f"| {policy} |"))
+        shares = [cell.split()[0] for cell in quality_row.strip("|").split("|")[3:6]]  # B=128, 256, 512
+        for share, cell in zip(shares, cells[2:5], strict=True):
+            if share == "-":
+                assert cell == "-"
+                continue
+            low, high = (float(bound.rstrip("%")) for bound in cell.split("(")[1].rstrip(")").split("-"))
+            assert cell.startswith(share.strip("*")) and low <= float(share.strip("*%")) <= high, (policy, cell)
+    throughput = page[page.index("### Decode-heavy at 8x") : page.index("The same benchmark across budgets")]
+    assert "| `snapkv` B=188 | 9 | 8 | 110.3 | 1.98x |" in throughput and "| 1.98x (B=188) |" in summary

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvserve.tools.report import costs, kernels, quality, reliability, throughput
+from kvserve.tools.report import costs, kernels, quality, reliability, summary, throughput
 from kvserve.tools.report.sources import DataDir
 
-SECTIONS = (quality, throughput, costs, kernels, reliability)
+SECTIONS = (summary, quality, throughput, costs, kernels, reliability)
 
 INTRO = """# Benchmarks
 
@@ -22,6 +22,7 @@ history.
 The default model is SmolLM2-135M-Instruct (30 layers, 3 KV heads of 64 dimensions); B is the number of entries each
 (layer, KV head) keeps.
 
+- [Summary: which policy, how much memory, at what cost](#summary-which-policy-how-much-memory-at-what-cost)
 - [How much quality do I keep at 8x?](#how-much-quality-do-i-keep-at-8x)
 - [How much faster is it at the same memory?](#how-much-faster-is-it-at-the-same-memory)
 - [What does each policy cost?](#what-does-each-policy-cost)

@@ -35,11 +35,13 @@ class Source:
             if run.get("note"):
                 notes.append(run["note"])
         for (machine, date), commands in by_machine.items():
+            distinct = list(dict.fromkeys(commands))  # each distinct command once, in run order
             lines.append(f"Machine: {machine}; {date}.")
             lines.append("")
-            lines.append("```")
-            lines.extend(dict.fromkeys(commands))  # each distinct command once, in run order
-            lines.append("```")
+            # folded: a table's commands (57 of them under one) come after what it says, not before
+            summary = "command" if len(distinct) == 1 else f"{len(distinct)} commands"
+            lines.append(f"<details><summary>{summary}</summary>")
+            lines += ["", "```", *distinct, "```", "", "</details>"]
         lines.extend(dict.fromkeys(notes))
         return "\n".join(lines)
 

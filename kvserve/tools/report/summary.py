@@ -1,0 +1,128 @@
+"""Which policy, how much memory saved, at what cost: one row per policy from the sections' own data (the quality
+suite, the decode-heavy capacity benchmark, the overhead benchmark), the server's default marked, and the KV memory
+a request holds at the suite's prompt lengths."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from kvserve.config import BUILTIN_DEFAULTS, parse_kv_config
+from kvserve.tools.eval.suite import Cell, Suite
+from kvserve.tools.report.markdown import ratio, table
+from kvserve.tools.report.quality import FLOOR, SUITE, base_policy, best_labels
+from kvserve.tools.report.sources import DataDir
+from kvserve.tools.report.throughput import DECODE_HEAVY
+
+OVERHEAD = "costs/overhead.json"
+SHOWN_BUDGETS = (128, 256, 512)
+# The default model's KV entry per token: keys and values, 30 layers x 3 KV heads x 64 dimensions, bf16
+LAYERS, KV_HEADS, HEAD_DIM, BYTES = 30, 3, 64, 2
+BLOCK_SIZE = 32
+OUTPUT_TOKENS = 64
+
+
+def share_interval(suite: Suite, label: str, budget: int, cells: list[Cell]) -> tuple[float, float, float] | None:
+    """(share of full, low, high): the policy's mean over the cells against full's, with a 95% interval from each
+    cell's answers (the binomial spread p(1 - p) / n per cell, normal approximation; full's mean taken as fixed)."""
+    have, full = suite.cells.get((label, budget), {}), suite.mean(("full", None), cells)
+    if full is None or full[0] == 0 or any(cell not in have for cell in cells):
+        return None
+    mean = sum(have[c][0] for c in cells) / len(cells)
+    spread = math.sqrt(sum(have[c][0] * (1 - have[c][0]) / have[c][1] for c in cells)) / len(cells)
+    return mean / full[0], max(mean - 1.96 * spread, 0) / full[0], (mean + 1.96 * spread) / full[0]
+
+
+def prefix_support(policy: str) -> str:
+    sharing = parse_kv_config({"kv_policy": policy, "kv_budget": 512}, defaults={}).prefix_sharing()
+    if sharing.reads and sharing.publishes:
+        return "reads and publishes"
+    return "publishes" if sharing.publishes else "neither"
+
+
+def policy_table(data: DataDir) -> tuple[str, list]:
+    ruler, tasks = (data.load(name) for name in SUITE)
+    suite = Suite.from_rows(ruler.data + tasks.data)
+    cells = suite.judged_cells(FLOOR)
+    labels = best_labels(suite, cells)
+    capacity = data.load(DECODE_HEAVY[0])
+    results = capacity.data["results"]
+    vanilla = next(r for r in results if r["server"] == "vanilla")
+    throughput = {
+        r["policy"]: f"{ratio(r['output_tokens_per_s'], vanilla['output_tokens_per_s'])} (B={r['budget']})"
+        for r in results
+        if r["server"] == "kvserve"
+    }
+    overhead = data.load(OVERHEAD)
+    costs = overhead.data["results"]
+    full = next(r for r in costs if r["server"] == "kvserve" and r["policy"] == "full")
+    decode = {r["policy"]: ratio(r["tpot_p50"], full["tpot_p50"]) for r in costs if r["server"] == "kvserve"}
+    default = BUILTIN_DEFAULTS["kv_policy"]
+    order = sorted(labels, key=lambda p: (p != default, -sum(suite.ratio((labels[p], b), cells) or 0 for b in (256,))))
+    rows = []
+    for policy in order:
+        label = labels[policy]
+        shares = []
+        for budget in SHOWN_BUDGETS:
+            found = share_interval(suite, label, budget, cells)
+            shares.append("-" if found is None else f"{found[0]:.0%} ({found[1]:.0%}-{found[2]:.0%})")
+        name = f"`{policy}`" + (" **(default)**" if policy == default else "")
+        setting = label.removeprefix(policy).lstrip("/:") or "span 1"
+        rows.append(
+            [
+                name,
+                setting,
+                *shares,
+                throughput.get(base_policy(policy), "not run"),
+                decode.get(policy, "not run"),
+                prefix_support(policy),
+            ]
+        )
+    headers = [
+        "policy",
+        "setting",
+        *(f"quality kept, B={b} (95% interval)" for b in SHOWN_BUDGETS),
+        "output tok/s vs vanilla, equal memory",
+        "decode step vs `full`, nothing evicted",
+        "prefix cache",
+    ]
+    return table(headers, rows), [ruler, tasks, capacity, overhead]
+
+
+def memory_table() -> str:
+    """KV memory a request holds once its prompt is computed, by prompt length and budget: every token's entries
+    without eviction; with it, at most B + one block of entries per layer and KV head (eviction runs once per block of
+    new tokens), rounded up to whole blocks."""
+    per_token = 2 * LAYERS * KV_HEADS * HEAD_DIM * BYTES
+    rows = []
+    for prompt in (1024, 2048, 4096):
+        tokens = prompt + OUTPUT_TOKENS
+        full = -(-tokens // BLOCK_SIZE) * BLOCK_SIZE * per_token
+        kept = [min(full, -(-(budget + BLOCK_SIZE) // BLOCK_SIZE) * BLOCK_SIZE * per_token) for budget in SHOWN_BUDGETS]
+        cells = [f"{bytes_ / 2**20:.1f} ({full / bytes_:.0f}x less)" for bytes_ in kept]
+        rows.append([f"{prompt:,}", f"{full / 2**20:.1f}", *cells])
+    return table(["prompt tokens", "`full`, MiB", *(f"B={b}, MiB" for b in SHOWN_BUDGETS)], rows)
+
+
+def section(data: DataDir, plots: Path, plot_link: str) -> str:
+    policies, sources = policy_table(data)
+    return "\n\n".join(
+        [
+            "## Summary: which policy, how much memory, at what cost",
+            "Each policy at its best measured setting on the quality suite (the next section), the server's default "
+            "first: the share of the full cache's score it keeps at B entries per (layer, KV head), with a 95% "
+            "interval from the suite's answers (12 a cell, 72 in all: one answer moves a share by about 1.4 points); "
+            "its "
+            "output tokens/s against vanilla vLLM in the same KV memory on the decode-heavy benchmark where it ran; "
+            "its decode step against kvserve `full` when it scores but evicts nothing (what its statistics cost); "
+            "and whether its requests read and publish prefix-cache blocks.",
+            policies,
+            "Data: " + ", ".join(f"`{source.name}`" for source in sources) + " (machines and commands in the sections "
+            "below).",
+            "What a request holds, computed from the default model's shape (30 layers x 3 KV heads x 64 dimensions, "
+            f"bf16: {2 * LAYERS * KV_HEADS * HEAD_DIM * BYTES:,} bytes a token) with {OUTPUT_TOKENS} output tokens "
+            f"and blocks of {BLOCK_SIZE}: every token's entries without eviction, at most B + one block per layer "
+            "and KV head with it. Divide the pool (`VLLM_CPU_KVCACHE_SPACE`) by these to size it.",
+            memory_table(),
+        ]
+    )
