@@ -142,3 +142,12 @@ def test_the_summary_agrees_with_the_sections_it_summarises():
             assert cell.startswith(share.strip("*")) and low <= float(share.strip("*%")) <= high, (policy, cell)
     throughput = page[page.index("### Decode-heavy at 8x") : page.index("The same benchmark across budgets")]
     assert "| `snapkv` B=188 | 9 | 8 | 110.3 | 1.98x |" in throughput and "| 1.98x (B=188) |" in summary
+
+
+def test_every_share_and_ratio_architecture_md_quotes_is_in_the_data():
+    """architecture.md's design notes quote measurements: each share (%) and ratio (x) stands on the generated page
+    or in the gates' training record (docs/gates/findings.md, its table of recipes), so none drifts from the data."""
+    quoted = re.findall(r"\b\d+(?:\.\d+)?(?:%|x\b)", (REPO / "docs" / "architecture.md").read_text())
+    assert len(quoted) >= 40
+    data = PAGE.read_text() + (REPO / "docs" / "gates" / "findings.md").read_text()
+    assert [number for number in quoted if number not in data] == []
