@@ -22,9 +22,9 @@ from kvserve.policies.knobs import KEY_PREFIX, parse_bool, parse_int
 # Server-wide defaults travel to the processes that parse settings (the API server; offline, the one process) here.
 DEFAULTS_ENV = "KVSERVE_DEFAULTS"
 # Eviction is on by default: SnapKV keeping 1,024 tokens per layer and KV head in spans of 8 (configs/default.yaml
-# says the same). Chosen by the quality suite (README, "Which one to pick"): spans lifted SnapKV on RULER's single
-# needle from 0.61 / 0.92 / 0.97 to 1.00 of full at B = 128 / 256 / 512, and it still reads and publishes prefix-cache
-# blocks (kv_allocation heads / global would not).
+# says the same). Chosen by the quality suite (docs/guide.md, "Which one to pick"): spans lifted SnapKV on RULER's
+# single needle from 0.61 / 0.92 / 0.97 to 1.00 of full at B = 128 / 256 / 512, and it still reads and publishes
+# prefix-cache blocks (kv_allocation heads / global would not).
 BUILTIN_DEFAULTS = {"kv_policy": "snapkv", "kv_budget": 1024, "kv_span": 8}  # `kvserve serve`'s defaults without --kv-*
 # SamplingParams.extra_args key: the validated settings (`KVConfig.to_wire`), written by vLLM's input validation over
 # whatever a request brings under that name; the engine core reads them (`settings_from`) and parses nothing.
@@ -172,7 +172,6 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
             raise InvalidSetting(key, f"unknown eviction setting; allowed keys: {', '.join(sorted(allowed))}")
 
     policy = request.get("kv_policy", defaults.get("kv_policy", "full"))
-    own = policy_defaults(defaults, policy)  # the server's defaults for this policy's own settings, no other's
     if not isinstance(policy, str) or policy not in POLICY_NAMES:
         raise InvalidSetting(
             "kv_policy",
@@ -185,6 +184,7 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
         return KVConfig()
 
     cls = POLICIES[policy]
+    own = policy_defaults(defaults, policy)  # the server's defaults for this policy's own settings, no other's
     declared = {setting.key: name for name, setting in cls.knobs().items()}
     foreign = [k for k in request if k in knob_keys() and k not in declared]
     if foreign:

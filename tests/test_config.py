@@ -14,6 +14,7 @@ from kvserve.errors import InvalidSetting
     "bad,field",
     [
         ({"kv_policy": "lru", "kv_budget": 64}, "kv_policy"),
+        ({"kv_policy": 5, "kv_budget": 64}, "kv_policy"),
         ({"kv_policy": "snapkv", "kv_budget": "64k"}, "kv_budget"),
         ({"kv_policy": "snapkv", "kv_budget": 1.5}, "kv_budget"),
         ({"kv_policy": "snapkv", "kv_budget": 32}, "kv_budget"),
