@@ -5,6 +5,8 @@ Written from the papers' rules, not by calling kvserve, so that agreement with t
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 
@@ -180,3 +182,25 @@ def expected_attention_reference(model, prompt_ids: list[int], budget: int, wind
         keeps.append(torch.sort(torch.cat([sink_idx, ranked, window_idx], dim=1), dim=1).values)
         all_scores.append(scores)
     return keeps, all_scores
+
+
+@contextmanager
+def fp8_cache(fmt: torch.dtype, key_scale: float = 1.0, value_scale: float = 1.0):
+    """The model attends over keys and values as an fp8 KV cache holds them: every attention layer of a Llama model
+    reads each key and value rounded toward zero to an fp8 value of `fmt` (times its scale), as vLLM's CPU cache
+    writer stores them and its attention reads them back. Queries stay unquantised."""
+    from cache_writers import fp8_reference
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.eager_attention_forward
+
+    def quantised(module, query, key, value, *args, **kwargs):
+        key = fp8_reference(key, fmt, key_scale)[1].to(key.dtype)
+        value = fp8_reference(value, fmt, value_scale)[1].to(value.dtype)
+        return original(module, query, key, value, *args, **kwargs)
+
+    modeling_llama.eager_attention_forward = quantised
+    try:
+        yield
+    finally:
+        modeling_llama.eager_attention_forward = original

@@ -5,13 +5,18 @@ entries are only moved).
 
 vLLM's AMX writer runs on CPUs with AVX-512 (only its AMX attention kernel needs tiles); elsewhere the AMX pages are
 written by kvserve's own codec (tests/cache_writers.py), held to vLLM's writer wherever that runs, so every AMX code
-path here runs on every machine."""
+path here runs on every machine.
+
+An fp8 cache (`--kv-cache-dtype fp8`) is the same layouts a byte per entry (`QuantisedPages`): its settings run the
+same operations on pages vLLM's fp8 writer filled, with scales that are not powers of two, and expect the entries as
+`cache_writers.fp8_reference` finds them (a search over the 256 codes, not a conversion). They skip where vLLM has
+no fp8 cache (no AVX-512)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from cache_writers import vllm_cannot_write, write
+from cache_writers import fp8_reference, vllm_cannot_write, vllm_cannot_write_fp8, write, write_with_vllm
 from kvserve_kernels.reference import (
     compact_reference,
     decode_attention_reference,
@@ -20,46 +25,80 @@ from kvserve_kernels.reference import (
 )
 from vllm import _custom_ops as ops
 
-from kvserve.worker.layouts import AmxPages, CachePages, VecPages, cpu_views, for_isa
+from kvserve.worker.layouts import (
+    FP8_FORMATS,
+    AmxPages,
+    CachePages,
+    QuantisedPages,
+    VecPages,
+    cpu_views,
+    for_cache,
+    for_isa,
+)
 
 BLOCK, DIM, GROUP = 32, 64, 3
 LENGTHS = torch.tensor([75, 40, 96, 1, 33])  # ragged rows: one (request, head) list each
 PROB_TOL = dict(rtol=1e-4, atol=1e-6)
-# (layout, dtype): vLLM stores bf16 in the AMX format only on CPUs with tiles, and float32 never
-SETTINGS = [("vec", torch.float32), ("vec", torch.bfloat16), ("amx", torch.bfloat16)]
-SETTING_IDS = [f"{layout}-{str(dtype).removeprefix('torch.')}" for layout, dtype in SETTINGS]
+FP8_SCALES = (1.3, 1.1)  # k_scale, v_scale: at these a decoded entry re-encodes to another byte (1 in 8 of the codes)
+# (layout, model dtype, cache dtype): vLLM stores bf16 in the AMX format only on CPUs with tiles, float32 never; an fp8
+# cache keeps the element order of the model dtype's layout
+SETTINGS = [
+    ("vec", torch.float32, "auto"),
+    ("vec", torch.bfloat16, "auto"),
+    ("amx", torch.bfloat16, "auto"),
+    ("vec", torch.float32, "fp8"),
+    ("vec", torch.bfloat16, "fp8_e5m2"),
+    ("amx", torch.bfloat16, "fp8_e4m3"),
+]
+SETTING_IDS = [f"{layout}-{str(dtype).removeprefix('torch.')}-{cache}" for layout, dtype, cache in SETTINGS]
+PARAMETERS = "layout,dtype,cache"
 
 
-def page_pool(layout: str, dtype: torch.dtype, seed: int = 0) -> tuple[CachePages, torch.Tensor, list]:
-    """Pages written by vLLM's op in `layout`, tables [R, W] of distinct pages in shuffled order, and each row's
-    (keys, values) [length, D] as written. The same seed gives the same entries in every layout."""
+def stored(entries: torch.Tensor, cache: str, scale: float) -> torch.Tensor:
+    """`entries` as a cache of dtype `cache` reads them back."""
+    return entries if cache == "auto" else fp8_reference(entries, FP8_FORMATS[cache], scale)[1]
+
+
+def page_pool(
+    layout: str, dtype: torch.dtype, seed: int = 0, cache: str = "auto"
+) -> tuple[CachePages, torch.Tensor, list]:
+    """Pages written by vLLM's op in `layout` (and cache dtype), tables [R, W] of distinct pages in shuffled order,
+    and each row's (keys, values) [length, D] as the cache reads them back. The same seed gives the same entries in
+    every layout."""
+    if cache != "auto" and vllm_cannot_write_fp8(layout):
+        pytest.skip(vllm_cannot_write_fp8(layout))
     generator = torch.Generator().manual_seed(seed)
     width = -(-int(LENGTHS.max()) // BLOCK)
     num_pages = len(LENGTHS) * width + 3
     tables = torch.randperm(num_pages, generator=generator)[: len(LENGTHS) * width].view(len(LENGTHS), width)
-    pages = torch.zeros(num_pages, 1, BLOCK, 2 * DIM, dtype=dtype)
+    pages = torch.zeros(num_pages, 1, BLOCK, 2 * DIM, dtype=dtype if cache == "auto" else torch.uint8)
     rows = []
     for row, length in enumerate(LENGTHS.tolist()):
         entries = torch.arange(length)
         keys, values = (torch.randn(length, DIM, generator=generator).to(dtype) for _ in range(2))
-        write(pages, layout, keys, values, tables[row, entries // BLOCK] * BLOCK + entries % BLOCK)
-        rows.append((keys, values))
-    return for_isa(layout)(pages), tables, rows
+        slots = tables[row, entries // BLOCK] * BLOCK + entries % BLOCK
+        if cache == "auto":
+            write(pages, layout, keys, values, slots)
+        else:
+            write_with_vllm(pages, layout, keys, values, slots, cache, FP8_SCALES)
+        rows.append((stored(keys, cache, FP8_SCALES[0]), stored(values, cache, FP8_SCALES[1])))
+    return for_cache(pages, layout, cache, *FP8_SCALES), tables, rows
 
 
 def vec_twin(cache: CachePages) -> VecPages:
-    """The same entries in the "vec" layout (each page decoded and re-stored): where the references read."""
+    """The same entries in the "vec" layout (each page decoded and re-stored, unquantised): where the references
+    read."""
     if isinstance(cache, VecPages):
         return cache
     ids = torch.arange(cache.pages.shape[0])
-    twin = VecPages(torch.zeros_like(cache.pages))
+    twin = VecPages(torch.zeros(cache.pages.shape, dtype=cache.dtype))
     twin.store_pages(ids, cache.key_pages(ids), cache.value_pages(ids))
     return twin
 
 
-@pytest.mark.parametrize("layout,dtype", SETTINGS, ids=SETTING_IDS)
-def test_lists_read_back_what_vllm_wrote_and_pad_shorter_rows(layout, dtype):
-    cache, tables, rows = page_pool(layout, dtype)
+@pytest.mark.parametrize(PARAMETERS, SETTINGS, ids=SETTING_IDS)
+def test_lists_read_back_what_vllm_wrote_and_pad_shorter_rows(layout, dtype, cache):
+    cache, tables, rows = page_pool(layout, dtype, cache=cache)
     keys, values = cache.read_lists(tables, LENGTHS)
     for row, (want_k, want_v) in enumerate(rows):
         length = want_k.shape[0]
@@ -71,9 +110,9 @@ def test_lists_read_back_what_vllm_wrote_and_pad_shorter_rows(layout, dtype):
         assert torch.equal(keys[row, :length], want_k[0])
 
 
-@pytest.mark.parametrize("layout,dtype", SETTINGS, ids=SETTING_IDS)
-def test_decode_sums_and_first_logits_match_the_reference(layout, dtype):
-    cache, tables, _ = page_pool(layout, dtype, seed=1)
+@pytest.mark.parametrize(PARAMETERS, SETTINGS, ids=SETTING_IDS)
+def test_decode_sums_and_first_logits_match_the_reference(layout, dtype, cache):
+    cache, tables, _ = page_pool(layout, dtype, seed=1, cache=cache)
     queries = torch.randn(len(LENGTHS), 1, GROUP, DIM).to(dtype)
     sums, first = cache.query_sums(queries, tables, LENGTHS, DIM**-0.5, first_logits=True)
     vec = vec_twin(cache)
@@ -102,11 +141,13 @@ def test_decode_sums_and_first_logits_match_the_reference(layout, dtype):
         torch.testing.assert_close(first, vec_first, **PROB_TOL)
 
 
-@pytest.mark.parametrize("layout,dtype", [("vec", torch.float32), ("amx", torch.bfloat16)])
+@pytest.mark.parametrize(
+    PARAMETERS, [("vec", torch.float32, "auto"), ("amx", torch.bfloat16, "auto"), ("amx", torch.bfloat16, "fp8")]
+)
 @pytest.mark.parametrize("with_gain", [False, True])
-def test_window_sums_of_a_prefill_chunk_match_the_reference(layout, dtype, with_gain):
+def test_window_sums_of_a_prefill_chunk_match_the_reference(layout, dtype, cache, with_gain):
     """Each row's newest Q entries are this step's queries; the sums cover the last `window` of them, causally."""
-    cache, tables, _ = page_pool(layout, dtype, seed=2)
+    cache, tables, _ = page_pool(layout, dtype, seed=2, cache=cache)
     vec = vec_twin(cache)
     rows = (LENGTHS > 1).nonzero()[:, 0]  # a one-entry list cannot hold a 20-query chunk
     lengths, tables = LENGTHS[rows], tables[rows]
@@ -152,9 +193,9 @@ def random_keep(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return keep, counts
 
 
-@pytest.mark.parametrize("layout,dtype", SETTINGS, ids=SETTING_IDS)
-def test_compaction_matches_the_reference_bit_for_bit(layout, dtype):
-    cache, tables, rows = page_pool(layout, dtype, seed=3)
+@pytest.mark.parametrize(PARAMETERS, SETTINGS, ids=SETTING_IDS)
+def test_compaction_matches_the_reference_bit_for_bit(layout, dtype, cache):
+    cache, tables, rows = page_pool(layout, dtype, seed=3, cache=cache)
     keep, counts = random_keep(3)
     stats = torch.randn(len(LENGTHS), int(LENGTHS.max()), generator=torch.Generator().manual_seed(4))
     want = vec_twin(cache)
@@ -164,10 +205,18 @@ def test_compaction_matches_the_reference_bit_for_bit(layout, dtype):
         want.views.keys, want.views.values, tables.int(), keep[:, None], keep_counts=counts, stats=[want_stats[:, None]]
     )
     before = cache.pages.clone()
+    if isinstance(cache, QuantisedPages):  # what the layout stores, bytes for fp8
+        stored_keys, stored_values = cache.stored.read_rows(tables, int(LENGTHS.max()))
     cache.compact(tables, keep, counts, stats=[stats])
     assert torch.equal(stats, want_stats)
     assert torch.equal(vec_twin(cache).pages, want.pages)
-    if layout == "amx":  # the kept entries' pages are what vLLM's AMX writer writes for them, bit for bit
+    if isinstance(cache, QuantisedPages):  # a kept entry moved as its bytes, not decoded and encoded again
+        got_keys, got_values = cache.stored.read_rows(tables, int(counts.max()))
+        for row, count in enumerate(counts.tolist()):
+            kept = keep[row, :count]
+            assert torch.equal(got_keys[row, :count], stored_keys[row, kept])
+            assert torch.equal(got_values[row, :count], stored_values[row, kept])
+    elif layout == "amx":  # the kept entries' pages are what vLLM's AMX writer writes for them, bit for bit
         fresh = torch.zeros_like(cache.pages)
         for row, count in enumerate(counts.tolist()):
             entries = torch.arange(count)
@@ -182,30 +231,36 @@ def test_compaction_matches_the_reference_bit_for_bit(layout, dtype):
         assert torch.equal(cache.pages[page], before[page])
 
 
-@pytest.mark.parametrize("layout,dtype", SETTINGS, ids=SETTING_IDS)
-def test_writes_land_where_the_reads_find_them(layout, dtype):
-    cache, tables, _ = page_pool(layout, dtype, seed=5)
+@pytest.mark.parametrize(PARAMETERS, SETTINGS, ids=SETTING_IDS)
+def test_writes_land_where_the_reads_find_them(layout, dtype, cache):
+    cache_dtype = cache
+    cache, tables, _ = page_pool(layout, dtype, seed=5, cache=cache)
     generator = torch.Generator().manual_seed(6)
     width = 50
     keys, values = (torch.randn(len(LENGTHS), width, DIM, generator=generator).to(dtype) for _ in range(2))
     cache.write_lists(tables, keys, values)
+    keys, values = stored(keys, cache_dtype, FP8_SCALES[0]), stored(values, cache_dtype, FP8_SCALES[1])
     got_k, got_v = cache.read_rows(tables, width)
     assert torch.equal(got_k, keys) and torch.equal(got_v, values)
     slots = torch.tensor([int(tables[0, 1]) * BLOCK + 3, int(tables[2, 0]) * BLOCK + 31, int(tables[0, 1]) * BLOCK])
     new_k, new_v = (torch.randn(3, DIM, generator=generator).to(dtype) for _ in range(2))
     cache.write_slots(slots, new_k, new_v)
     got_k, got_v = cache.read_rows(tables, width)
-    keys[0, BLOCK + 3], keys[2, 31], keys[0, BLOCK] = new_k
-    values[0, BLOCK + 3], values[2, 31], values[0, BLOCK] = new_v
+    keys[0, BLOCK + 3], keys[2, 31], keys[0, BLOCK] = stored(new_k, cache_dtype, FP8_SCALES[0])
+    values[0, BLOCK + 3], values[2, 31], values[0, BLOCK] = stored(new_v, cache_dtype, FP8_SCALES[1])
     assert torch.equal(got_k, keys) and torch.equal(got_v, values)
-    if layout != "vec":  # and vLLM's own writer puts the same bytes there
-        write(vec_pages := cache.pages.clone(), layout, new_k, new_v, slots)
-        assert torch.equal(vec_pages, cache.pages)
+    if layout != "vec" or cache_dtype != "auto":  # and vLLM's own writer puts the same bytes there
+        by_vllm = cache.pages.clone()
+        if cache_dtype == "auto":
+            write(by_vllm, layout, new_k, new_v, slots)
+        else:
+            write_with_vllm(by_vllm, layout, new_k, new_v, slots, cache_dtype, FP8_SCALES)
+        assert torch.equal(by_vllm, cache.pages)
 
 
-@pytest.mark.parametrize("layout,dtype", SETTINGS, ids=SETTING_IDS)
-def test_a_page_move_copies_the_page_without_decoding_it(layout, dtype):
-    cache, tables, _ = page_pool(layout, dtype, seed=7)
+@pytest.mark.parametrize(PARAMETERS, SETTINGS, ids=SETTING_IDS)
+def test_a_page_move_copies_the_page_without_decoding_it(layout, dtype, cache):
+    cache, tables, _ = page_pool(layout, dtype, seed=7, cache=cache)
     source, destination, bystander = int(tables[0, 0]), int(tables[1, 1]), int(tables[2, 2])
     before = cache.pages[bystander].clone()
     want_k, want_v = cache.key_pages(torch.tensor([source])), cache.value_pages(torch.tensor([source]))
@@ -213,6 +268,7 @@ def test_a_page_move_copies_the_page_without_decoding_it(layout, dtype):
     assert torch.equal(cache.key_pages(torch.tensor([destination])), want_k)
     assert torch.equal(cache.value_pages(torch.tensor([destination])), want_v)
     assert torch.equal(cache.pages[bystander], before)
+    assert torch.equal(cache.pages[destination], cache.pages[source])
 
 
 @pytest.mark.parametrize("block_size,dim", [(32, 64), (128, 64), (64, 128)])
@@ -344,3 +400,35 @@ def test_one_product_for_all_decoding_requests_equals_each_request_alone(layout)
             assert (want is None) == (got is None) == (name not in plan.state.policy.pass_statistics)
             if want is not None:
                 torch.testing.assert_close(got, want, **PROB_TOL)
+
+
+@pytest.mark.parametrize("cache", sorted(FP8_FORMATS))
+def test_the_fp8_codec_stores_what_vllms_writer_stores(cache):
+    """Encoding is vLLM's writer's (rounding toward zero, saturating), decoding gives the value times the scale;
+    both held to the search reference over wide and tiny magnitudes."""
+    if vllm_cannot_write_fp8("vec"):
+        pytest.skip(vllm_cannot_write_fp8("vec"))
+    generator = torch.Generator().manual_seed(8)
+    count = 4 * BLOCK
+    spread = torch.logspace(-6, 3, count)[:, None]  # from below the smallest subnormal to past e4m3's largest value
+    keys, values = (torch.randn(count, DIM, generator=generator) * spread for _ in range(2))
+    pages = torch.zeros(4, 1, BLOCK, 2 * DIM, dtype=torch.uint8)
+    write_with_vllm(pages, "vec", keys, values, torch.arange(count), cache, FP8_SCALES)
+    by_vllm = VecPages(pages)
+    quantised = for_cache(torch.zeros_like(pages), "vec", cache, *FP8_SCALES)
+    assert isinstance(quantised, QuantisedPages)
+    codec, ids = quantised.codec, torch.arange(4)
+    stored_keys = by_vllm.key_pages(ids).transpose(1, 2).reshape(count, DIM)
+    stored_values = by_vllm.value_pages(ids).reshape(count, DIM)
+    assert torch.equal(codec.encode(keys, FP8_SCALES[0]), stored_keys)
+    assert torch.equal(codec.encode(values, FP8_SCALES[1]), stored_values)
+    codes, readback = fp8_reference(keys, FP8_FORMATS[cache], FP8_SCALES[0])
+    assert torch.equal(codes, stored_keys)
+    quantised.write_slots(torch.arange(count), keys, values)
+    assert torch.equal(quantised.pages, pages)
+    assert torch.equal(quantised.read_rows(torch.arange(4)[None], count)[0][0], readback)
+
+
+def test_an_unknown_cache_dtype_is_refused_by_name():
+    with pytest.raises(RuntimeError, match="'int8'"):
+        for_cache(torch.zeros(1, 1, BLOCK, 2 * DIM, dtype=torch.uint8), "vec", "int8")

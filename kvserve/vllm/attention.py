@@ -56,7 +56,7 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
             kv_sharing_target_layer_name,
             sinks,
         )
-        self.paged = pages_this_layer(self, "KVSERVE_ATTENTION=vllm", kv_sharing_target_layer_name)
+        self.paged = pages_this_layer(self, "KVSERVE_ATTENTION=vllm", kv_sharing_target_layer_name, reads_fp8=True)
         self._layout: layouts.CachePages | None = None
 
     def do_kv_cache_update(
@@ -156,10 +156,12 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         after_attention(step, layer_idx, query, cache, tables, self.scale, output)
 
     def _cache_pages(self, pages: torch.Tensor, layer) -> layouts.CachePages:
-        """The page view in the layout vLLM picked for this layer (its ISA, fixed at engine start): made once and
-        kept while the page view is the same tensor."""
+        """The page view in the layout vLLM picked for this layer (its ISA, fixed at engine start), read through
+        the layer's fp8 scales on a quantised cache: made once and kept while the page view is the same tensor."""
         if not layouts.same_view(self._layout, pages):
-            self._layout = layouts.for_isa(getattr(layer, "isa", "vec"))(pages)
+            self._layout = layouts.for_cache(
+                pages, getattr(layer, "isa", "vec"), self.kv_cache_dtype, layer._k_scale_float, layer._v_scale_float
+            )
         return self._layout
 
 
