@@ -192,9 +192,10 @@ def print_help() -> None:
 
 
 def parallel_env(vllm_args: list[str], env: dict) -> dict[str, str]:
-    """Settings a parallel layout needs: kvserve refuses tensor parallelism at start-up (see
-    `parallelism_refusal`); under pipeline parallelism vLLM's CPU workers each need CPUs of their own, and vLLM
-    only finds them by itself on a machine with a NUMA node per worker, so kvserve splits this process's CPUs."""
+    """CPUs for each worker of a parallel layout (see `parallelism_refusal` for what is refused): vLLM's CPU
+    workers, one per pipeline stage and tensor-parallel rank, each need CPUs of their own, and vLLM only finds them by
+    itself on a machine with a NUMA node per worker, so kvserve splits this process's CPUs into one group per worker
+    (in vLLM's rank order: the ranks of stage 0, then stage 1, ...)."""
     from kvserve.parallelism import parallelism_refusal
 
     tensor = int(_flag_value(vllm_args, "--tensor-parallel-size", "-tp") or 1)
@@ -202,15 +203,17 @@ def parallel_env(vllm_args: list[str], env: dict) -> dict[str, str]:
     if refusal is not None:
         raise SystemExit(refusal)  # it names kvserve already
     stages = int(_flag_value(vllm_args, "--pipeline-parallel-size", "-pp") or 1)
-    if stages == 1 or "VLLM_CPU_OMP_THREADS_BIND" in env:
+    workers = stages * tensor
+    if workers == 1 or "VLLM_CPU_OMP_THREADS_BIND" in env:
         return {}
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < stages:
+    if len(cpus) < workers:
         raise SystemExit(
-            f"kvserve: --pipeline-parallel-size {stages} needs a CPU per stage; this process may use {len(cpus)}"
+            f"kvserve: --pipeline-parallel-size {stages} x --tensor-parallel-size {tensor} needs a CPU per worker "
+            f"({workers}); this process may use {len(cpus)}"
         )
-    share = len(cpus) // stages
-    groups = [cpus[stage * share : (stage + 1) * share] for stage in range(stages)]
+    share = len(cpus) // workers
+    groups = [cpus[worker * share : (worker + 1) * share] for worker in range(workers)]
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(str(cpu) for cpu in group) for group in groups)}
 
 
@@ -229,7 +232,7 @@ def serve(argv: list[str]) -> None:
     env = os.environ
     for key, value in parallel_env(vllm_args, env).items():
         env[key] = value
-        print(f"kvserve: {key}={value} (one CPU group per pipeline stage)", file=sys.stderr, flush=True)
+        print(f"kvserve: {key}={value} (one CPU group per worker)", file=sys.stderr, flush=True)
     env[DEFAULTS_ENV] = json.dumps(defaults)
     # kvserve's metrics live in the engine-core process; multiprocess mode brings them to the API server's /metrics.
     env.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="kvserve-prom-"))

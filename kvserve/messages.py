@@ -78,7 +78,7 @@ class PageReport:
     of its vLLM blocks the workers emptied and gave back."""
 
     logical_tokens: int  # tokens the request had computed when the report was made
-    stages: tuple[StagePages, ...]  # one per pipeline stage, first to last
+    stages: tuple[StagePages, ...]  # one per worker: pipeline stages first to last, each stage's ranks in order
     released_block_ids: tuple[int, ...]
     # a checkpoint the worker published (the plan's `Compaction.checkpoint`): the blocks that hold its lists, in the
     # request's order; empty when the step was no checkpoint or its lists did not fill whole blocks
@@ -95,12 +95,18 @@ class PageReport:
 
 @dataclass(frozen=True)
 class StageRelease:
-    """Pipeline parallelism: what one stage tells the last one about a request it compacted, so that every stage
-    gives back the SAME blocks (a vLLM block spans all layers, so it is free only when every stage emptied it)."""
+    """What one worker (a pipeline stage, a tensor-parallel rank) tells the others about a request it compacted, so
+    that every worker gives back the SAME blocks (a vLLM block spans all layers and KV heads, so it is free only when
+    every worker emptied it)."""
 
     pages: StagePages
     block_ids: tuple[int, ...]  # the request's vLLM blocks, in order
     live_pages: tuple[int, ...]  # pages in use on this stage, per block
+
+    @property
+    def counts(self) -> tuple[int, int, tuple[int, ...]]:
+        """(pages in use, pages per block, live pages per block): what `blocks_to_release` weighs."""
+        return self.pages.pages, self.pages.pages_per_block, self.live_pages
 
 
 CheckpointId = tuple[bytes, tuple[int, ...]]  # (key, the blocks holding the lists): what core and workers share

@@ -107,11 +107,12 @@ def _support(model_config) -> EvictionSupport:
 @dataclass(frozen=True)
 class ServedEngine:
     """What the settings checks need of the engine being served: vLLM's model config (read as `eviction_support`
-    reads it), its block size and its pipeline stages."""
+    reads it), its block size, its pipeline stages and tensor-parallel ranks."""
 
     model_config: Any
     block_size: int | None = None
     pipeline_stages: int = 1
+    tensor_ranks: int = 1
 
 
 # The answer `served_settings(..., remember=True)` gave in this context: the HTTP middleware runs in the context every
@@ -135,7 +136,12 @@ def served_settings(
     config = parse_kv_config(asked)
     if engine is not None:
         config = check_against_model(
-            config, engine.model_config, asked, block_size=engine.block_size, pipeline_stages=engine.pipeline_stages
+            config,
+            engine.model_config,
+            asked,
+            block_size=engine.block_size,
+            pipeline_stages=engine.pipeline_stages,
+            tensor_ranks=engine.tensor_ranks,
         )
     if remember and engine is not None:  # (without an engine, not the whole answer)
         _remembered.set((key, config))
@@ -170,6 +176,7 @@ def check_against_model(
     request_args: dict[str, Any] | None,
     block_size: int | None = None,
     pipeline_stages: int = 1,
+    tensor_ranks: int = 1,
 ) -> KVConfig:
     """The checks that need the served model (vLLM's `ModelConfig`): a model that cannot evict, a budget no sequence
     can reach, a gate the model does not have. Returns the configuration to serve: on a model that cannot evict
@@ -177,7 +184,7 @@ def check_against_model(
     (`request_args`) ask for eviction is an error naming the reason.
 
     Run by the HTTP middleware (so a streamed request gets a 400, not an error event after its 200) and by vLLM's
-    input validation (offline use); both pass the engine's `block_size` and pipeline stages."""
+    input validation (offline use); both pass the engine's `block_size`, pipeline stages and tensor-parallel ranks."""
     model, max_model_len = model_config.model, model_config.max_model_len
     support = eviction_support(model_config)
     if config.evicts and not support.evicts:
@@ -189,6 +196,8 @@ def check_against_model(
     if config.evicts and config.budget is not None and config.budget > max_model_len:
         # a budget no sequence can reach is a mistake, not a way to turn eviction off (policy full does that)
         raise InvalidSetting("kv_budget", f"{config.budget} is above max_model_len ({max_model_len})")
+    if config.evicts and tensor_ranks > 1:
+        _check_tensor_parallel(config, tensor_ranks)
     if config.checkpoints and support.hybrid:
         raise InvalidSetting(
             "kv_checkpoint", f"is not served on {model}: its sliding-window layers keep blocks of their own"
@@ -216,6 +225,23 @@ def check_against_model(
         except ValueError as exc:
             raise InvalidSetting("kv_policy", str(exc)) from exc
     return config
+
+
+def _check_tensor_parallel(config: KVConfig, tensor_ranks: int) -> None:
+    """Under tensor parallelism each rank holds and scores only its own KV heads (and their query heads): settings
+    that need every head at once are refused rather than served differently from one rank."""
+    if config.allocation in ("heads", "global"):
+        raise InvalidSetting(
+            "kv_allocation",
+            f"{config.allocation} ranks entries across all KV heads; under tensor parallelism ({tensor_ranks} ranks) "
+            "each rank holds only its own heads. Use uniform (spans work)",
+        )
+    if config.policy == "attention_gate":
+        raise InvalidSetting(
+            "kv_policy",
+            f"attention_gate's gates read every query head of a layer; under tensor parallelism ({tensor_ranks} "
+            "ranks) each rank computes only its own",
+        )
 
 
 def _check_checkpoint(config: KVConfig, block_size: int | None, pipeline_stages: int) -> None:

@@ -4,18 +4,22 @@ heavy (the CLI would otherwise pay vLLM's import once more before it execs the s
 from __future__ import annotations
 
 
-def parallelism_refusal(tensor_parallel_size: int, decode_context_parallel_size: int = 1) -> str | None:
-    """Why kvserve cannot serve this parallel layout correctly, or None. Pipeline and data parallelism work: each
-    stage evicts its own layers and passes its page counts down the pipeline (`kvserve/worker/stages.py`); each
-    data-parallel engine is a whole kvserve engine. Under tensor parallelism every rank would evict its own KV
-    heads in the same blocks, but only rank 0's page report reaches the scheduler and the ranks would not agree on
-    the blocks to give back, so it is refused rather than served with leaked or overwritten pages."""
-    if tensor_parallel_size > 1:
+def parallelism_refusal(
+    tensor_parallel_size: int, decode_context_parallel_size: int = 1, num_kv_heads: int | None = None
+) -> str | None:
+    """Why kvserve cannot serve this parallel layout correctly, or None.
+
+    Pipeline, tensor and data parallelism work. Each pipeline stage evicts its own layers and each tensor-parallel
+    rank its own KV heads, all in the SAME vLLM blocks; the workers agree on the blocks a request gives back before
+    any is (`kvserve/worker/ranks.py`, `kvserve/worker/stages.py`). Each data-parallel engine is a whole kvserve
+    engine. With more ranks than KV heads (`num_kv_heads`, when known) vLLM replicates a KV head on several ranks,
+    each scoring it with other query heads: their copies would keep different entries, so that is refused."""
+    if num_kv_heads is not None and tensor_parallel_size > num_kv_heads:
         return (
-            f"kvserve eviction does not support tensor parallelism (--tensor-parallel-size "
-            f"{tensor_parallel_size}): each rank would evict its own KV heads, but the ranks do not yet agree on "
-            "the blocks to give back. Use --pipeline-parallel-size to split the model, or run vanilla vLLM "
-            "(VLLM_PLUGINS without 'kvserve')."
+            f"kvserve eviction does not support more tensor-parallel ranks ({tensor_parallel_size}) than the model "
+            f"has KV heads ({num_kv_heads}): vLLM would copy each KV head to several ranks, which would score it with "
+            f"different query heads and keep different entries. Use --tensor-parallel-size {num_kv_heads} or a "
+            "divisor of it, or run vanilla vLLM (VLLM_PLUGINS without 'kvserve')."
         )
     if decode_context_parallel_size > 1:
         return (

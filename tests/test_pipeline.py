@@ -1,6 +1,6 @@
 """vLLM's own scale-out with kvserve: pipeline parallelism (2 stages, each a worker process evicting its own layers)
-gives the single-process engine's greedy tokens and evicted counts, and returns every block; tensor parallelism is
-refused at start-up with the reason."""
+gives the single-process engine's greedy tokens and evicted counts, and returns every block. Tensor parallelism:
+tests/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from background import Run
 from engine_settings import EQUIVALENCE_MAX_TOKENS, equivalence_prompts
 
 from kvserve.cli import parallel_env
-from kvserve.parallelism import parallelism_refusal
 
 TESTS = Path(__file__).parent
 
@@ -70,16 +69,6 @@ def test_pipeline_stages_give_the_single_process_tokens_and_return_every_block(e
     assert all(max(result["evicted"]) > 0 for result in evicting)
     snapkv = next(result for result in evicting if result["kv"]["kv_policy"] == "snapkv")
     assert snapkv["cached"][0] > 0 and snapkv["evicted"][0] > 0  # a prefix hit, then a compaction
-
-
-def test_tensor_parallelism_is_refused_with_the_reason():
-    assert parallelism_refusal(1) is None
-    assert "tensor parallelism" in parallelism_refusal(2)
-    assert "decode context parallelism" in parallelism_refusal(1, decode_context_parallel_size=2)
-    with pytest.raises(SystemExit, match="tensor parallelism"):
-        parallel_env(["--tensor-parallel-size", "2"], {})
-    with pytest.raises(SystemExit, match="tensor parallelism"):
-        parallel_env(["-tp=2"], {})
 
 
 def test_pipeline_stages_get_cpus_of_their_own():

@@ -47,10 +47,22 @@ class LayerObservation:
     lengths: torch.Tensor | None = None
     rotary: Rotary | None = None  # how the layer rotates queries and keys by position (None: not given)
     model: str = ""  # the served model's name (its directory's), for policies trained per model (DuoAttention)
+    # tensor parallelism: this rank's KV heads are the model's first_head .. first_head + H - 1 of model_heads
+    first_head: int = 0
+    model_heads: int = 0  # (0: H, one rank holds them all)
 
     @property
     def num_heads(self) -> int:
         return self.keys.shape[0]
+
+    @property
+    def heads(self) -> slice:
+        """This rank's KV heads among the model's, for per-head tables of the whole model (trained roles)."""
+        return slice(self.first_head, self.first_head + self.num_heads)
+
+    @property
+    def total_heads(self) -> int:
+        return self.model_heads or self.num_heads
 
     @property
     def num_tokens(self) -> int:

@@ -47,19 +47,19 @@ class DuoAttention(SnapKV):
         return None  # its counts differ by head, decided before any score: kept out of shared prefix blocks for now
 
     def retrieval_heads(self, obs: LayerObservation) -> torch.Tensor:
-        """[H] bool: this layer's retrieval heads."""
-        retrieval = roles_for(obs.model, obs.num_heads).retrieval(self.retrieval_fraction)
+        """[H] bool: this layer's retrieval heads (this rank's, under tensor parallelism: the roles rank all heads)."""
+        retrieval = roles_for(obs.model, obs.total_heads).retrieval(self.retrieval_fraction)
         if obs.layer_idx >= retrieval.shape[0]:
             raise ValueError(
                 f"the DuoAttention roles of {obs.model!r} have {retrieval.shape[0]} layers, not layer {obs.layer_idx}"
             )
-        return retrieval[obs.layer_idx].to(obs.positions.device)
+        return retrieval[obs.layer_idx, obs.heads].to(obs.positions.device)
 
     def head_counts(self, obs: LayerObservation, budget: int) -> torch.Tensor:
         """[H] entries each head keeps: sinks + recent for a streaming head, the retrieval heads' equal share of the
         model's L x H x B for a retrieval head; never more than a head holds."""
-        roles = roles_for(obs.model, obs.num_heads)
-        total_heads = roles.gates.numel()
+        roles = roles_for(obs.model, obs.total_heads)
+        total_heads = roles.gates.numel()  # layers x KV heads of the whole model
         retrieval = int(roles.retrieval(self.retrieval_fraction).sum())
         streaming_count = self.sink_tokens + self.recent
         retrieval_count = (total_heads * budget - (total_heads - retrieval) * streaming_count) // max(retrieval, 1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 from vllm.config import get_current_vllm_config
-from vllm.distributed.parallel_state import get_pp_group
+from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
@@ -45,6 +45,7 @@ def served_engine(vllm_config) -> ServedEngine | None:
         model_config,
         block_size=vllm_config.cache_config.block_size,
         pipeline_stages=vllm_config.parallel_config.pipeline_parallel_size,
+        tensor_ranks=vllm_config.parallel_config.tensor_parallel_size,
     )
 
 
@@ -134,4 +135,10 @@ def rotary_tables(model: torch.nn.Module, model_layers: tuple[int, ...], device:
 def pipeline_group():
     """vLLM's pipeline-parallel group coordinator, or None without pipeline parallelism."""
     group = get_pp_group()
+    return group if group.world_size > 1 else None
+
+
+def tensor_group():
+    """vLLM's tensor-parallel group coordinator, or None without tensor parallelism."""
+    group = get_tp_group()
     return group if group.world_size > 1 else None

@@ -149,6 +149,7 @@ POINTS: tuple[Point, ...] = (
     _p("layer_number", "vllm.model_executor.models.utils:extract_layer_index", "(layer_name, num_attn_module=1)",
        "called", "model.layer_index"),
     _p("pipeline_group", "vllm.distributed.parallel_state:get_pp_group", "()", "called", "model.pipeline_group"),
+    _p("tensor_group", "vllm.distributed.parallel_state:get_tp_group", "()", "called", "model.tensor_group"),
     # the API server: settings validated once, evicted counts to the response, headers, exit status
     # (kvserve/vllm/api_server.py)
     _p("input_validation", "vllm.v1.engine.input_processor:InputProcessor._validate_params",

@@ -50,12 +50,15 @@ class EvictingScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         parallel = self.vllm_config.parallel_config
-        refusal = parallelism_refusal(parallel.tensor_parallel_size, parallel.decode_context_parallel_size)
+        self.support = eviction_support(self.vllm_config.model_config)
+        kv_heads = self.vllm_config.model_config.get_total_num_kv_heads() if self.support.evicts else None
+        refusal = parallelism_refusal(
+            parallel.tensor_parallel_size, parallel.decode_context_parallel_size, num_kv_heads=kv_heads
+        )
         if refusal is not None:
             raise RuntimeError(refusal)
         if self.vllm_config.speculative_config is not None:
             raise RuntimeError("kvserve eviction does not support speculative decoding (drafts would be compacted)")
-        self.support = eviction_support(self.vllm_config.model_config)
         self.paged_group = paged_group(self.kv_cache_config, self.support)
         self.pipeline_stages = parallel.pipeline_parallel_size
         self.evicting_manager: EvictingFullAttentionManager | None = None
@@ -71,8 +74,10 @@ class EvictingScheduler(Scheduler):
                 raise RuntimeError(f"kvserve: the paged KV-cache group has a {type(manager).__name__}")
             spec = self.kv_cache_config.kv_cache_groups[self.paged_group].kv_cache_spec
             # pages per block over every pipeline stage (the scheduler's cache config names the first stage's layers)
-            pages_per_block = len(self.support.paged_layers) * spec.num_kv_heads
-            bytes_per_block = spec.page_size_bytes * len(self.support.paged_layers)
+            # and every tensor-parallel rank (the spec counts one rank's KV heads)
+            ranks = parallel.tensor_parallel_size
+            pages_per_block = len(self.support.paged_layers) * spec.num_kv_heads * ranks
+            bytes_per_block = spec.page_size_bytes * len(self.support.paged_layers) * ranks
             manager.__class__ = EvictingFullAttentionManager
             self.evicting_manager = manager
         self.core = CoreRequests(

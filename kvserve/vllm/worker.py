@@ -22,8 +22,16 @@ import torch
 
 from kvserve.model_support import eviction_support
 from kvserve.vllm.carriers import plan_of, with_report
-from kvserve.vllm.model import caches_by_layer, layer_numbers, paged_group, pipeline_group, rotary_tables
+from kvserve.vllm.model import (
+    caches_by_layer,
+    layer_numbers,
+    paged_group,
+    pipeline_group,
+    rotary_tables,
+    tensor_group,
+)
 from kvserve.worker.pages import check_cache_contract, page_view
+from kvserve.worker.ranks import TensorRanks
 from kvserve.worker.request import GateRuntime
 from kvserve.worker.requests import BatchRow, WorkerRequests
 from kvserve.worker.stages import StageLink
@@ -50,11 +58,16 @@ def _attach(runner) -> WorkerRequests | None:
     model_layers = layer_numbers(runner.kv_cache_config.kv_cache_groups[group].layer_names)
     caches = caches_by_layer(runner)
     layout = check_cache_contract([caches[index] for index in model_layers])
+    ranks = tensor_group()
+    rank = 0 if ranks is None else ranks.rank_in_group
     layout = dataclasses.replace(
         layout,
         first_layer=support.paged_layers.index(model_layers[0]),  # > 0 on a later pipeline stage
         model_layers=len(support.paged_layers),
         model_layer_ids=model_layers,
+        # vLLM gives tensor-parallel rank r the r-th equal share of the KV heads (more ranks than heads: refused)
+        first_head=rank * layout.num_heads,
+        model_heads=runner.model_config.get_total_num_kv_heads(),
     )
     pages = page_view([caches[index] for index in model_layers], layout)
     link_group = pipeline_group()
@@ -65,6 +78,7 @@ def _attach(runner) -> WorkerRequests | None:
         model=Path(str(runner.model_config.model).rstrip("/")).name,
         link=None if link_group is None else StageLink(link_group),
         group=group,
+        ranks=None if ranks is None else TensorRanks(ranks),
     )
     return book
 

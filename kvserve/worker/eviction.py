@@ -176,6 +176,8 @@ def _observe(
         lengths=lengths.to(device).long() if ragged else None,
         rotary=plan.state.rotary.get(layer_idx),
         model=plan.state.model,
+        first_head=plan.state.pages.layout.first_head,
+        model_heads=plan.state.pages.layout.model_heads,
     )
 
 

@@ -35,6 +35,9 @@ class PageLayout:
     model_layers: int = 0  # paged layers of the whole model, on every stage (0: this worker's are all of them)
     # the model layer index of each of this worker's paged layers (empty: first_layer, first_layer + 1, ...)
     model_layer_ids: tuple[int, ...] = ()
+    # tensor parallelism: this worker's KV heads are the model's first_head .. first_head + num_heads - 1
+    first_head: int = 0
+    model_heads: int = 0  # KV heads of the whole model (0: num_heads, one worker holds them all)
 
     @property
     def total_layers(self) -> int:

@@ -23,6 +23,7 @@ from kvserve.messages import CheckpointId, PageReport, StagePages, StageRelease,
 from kvserve.worker.checkpoints import CheckpointLists, lists_of, resume_from
 from kvserve.worker.eviction import record_times
 from kvserve.worker.pages import HeadPages, PageLayout, blocks_to_release, copy_pages
+from kvserve.worker.ranks import RankMessage, TensorRanks
 from kvserve.worker.request import GateRuntime, WorkerRequest
 from kvserve.worker.stages import StageLink
 from kvserve.worker.step import RowPlan, StepContext
@@ -44,7 +45,14 @@ class WorkerRequests:
     """This worker's evicting requests, the page view they live in, and the published checkpoints' lists."""
 
     def __init__(
-        self, layout: PageLayout, pages: torch.Tensor, rotary: dict, model: str, link: StageLink | None, group: int
+        self,
+        layout: PageLayout,
+        pages: torch.Tensor,
+        rotary: dict,
+        model: str,
+        link: StageLink | None,
+        group: int,
+        ranks: TensorRanks | None = None,
     ) -> None:
         self.layout = layout  # this worker's paged layers, blocks, KV heads
         self.group = group  # the KV-cache group whose blocks hold the pages (a hybrid model's full-attention layers)
@@ -52,6 +60,7 @@ class WorkerRequests:
         self.rotary = rotary  # each paged layer's RoPE table, by page-view index
         self.model = model  # the served model's name (policies trained per model read it)
         self.link = link  # pipeline parallelism: this stage's link to its neighbours
+        self.ranks = ranks  # tensor parallelism: the other ranks of this stage
         self.requests: dict[str, WorkerRequest] = {}
         self.checkpoints: dict[CheckpointId, CheckpointLists] = {}  # published checkpoints' lists (kv_checkpoint)
         # until the engine core hears of them (`report`): why requests failed, and compacted requests' lists
@@ -78,6 +87,9 @@ class WorkerRequests:
 
     def finish(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
+        # a worker whose output never reaches the engine core (a tensor-parallel rank > 0) never hands these over
+        self.reports.pop(req_id, None)
+        self.failures.pop(req_id, None)
 
     def admit(self, plan: StepPlan, gate: Callable[[str], GateRuntime]) -> None:
         """The step's new evicting requests, with the settings the engine core admitted them with. `gate(req_id)`
@@ -125,7 +137,10 @@ class WorkerRequests:
             compaction = plan.compactions.get(item.req_id)
             if compaction is not None:  # the blocks the compaction must not write (none: it may write all it holds)
                 request.pages.protect(compaction.protected_blocks)
-                if compaction.cached_tokens != int(request.pages.lens.max()):
+                # the core knows the longest list over all pipeline stages; a stage whose layers keep fewer entries
+                # (a pyramid allocation's later layers) holds shorter ones
+                longest = int(request.pages.lens.max())
+                if longest > compaction.cached_tokens or (self.link is None and longest != compaction.cached_tokens):
                     raise RuntimeError(f"kvserve: core and worker disagree on request {item.req_id}'s cache length")
             rows.append(
                 RowPlan(
@@ -142,36 +157,49 @@ class WorkerRequests:
 
     def end_step(self, step: StepContext) -> None:
         """After the forward: requests whose policy raised go to the engine core; those that compacted give back the
-        blocks their lists no longer need (moving the few live pages out of the emptiest blocks first). Under
-        pipeline parallelism the stages first pass their counts down the pipeline (`kvserve/worker/stages.py`)."""
+        blocks their lists no longer need (moving the few live pages out of the emptiest blocks first). The blocks
+        are chosen from every worker's counts: under tensor parallelism the ranks first exchange theirs
+        (`kvserve/worker/ranks.py`), under pipeline parallelism the stages pass them down the pipeline
+        (`kvserve/worker/stages.py`)."""
         if step.rows:
             record_times(step)
             self.failures.update(step.failures())
         compacted = [plan for plan in step.rows if plan.compaction is not None and plan.failure is None]
-        if self.link is None:
-            for plan in compacted:
-                moves, released = plan.state.pages.release_blocks()
-                copy_pages(self.pages, moves)
-                self._compacted(plan, [plan.state.pages.stage_pages()], released)
-                if plan.compaction.checkpoint is not None:
-                    self._publish(plan)
+        releases = self._releases(compacted)
+        if self.link is not None:
+            self._end_stage(compacted, releases)
             return
-        self._end_stage(compacted)
+        publishing = []
+        for plan in compacted:
+            parts = releases[plan.req_id]
+            if plan.req_id in self.failures:  # it failed on another rank: the engine core frees all its blocks
+                continue
+            released = blocks_to_release(
+                list(plan.state.pages.blocks), [part.counts for part in parts], plan.state.pages.protected_ids()
+            )
+            copy_pages(self.pages, plan.state.pages.release(released))
+            self._compacted(plan, [part.pages for part in parts], released)
+            if plan.compaction.checkpoint is not None:
+                publishing.append(plan)
+        self._publish(publishing)
 
-    def _end_stage(self, compacted: list[RowPlan]) -> None:
-        """Pipeline parallelism: add this stage's counts to the message down the pipeline; the last stage chooses
-        the blocks each request gives back from every stage's counts."""
+    def _releases(self, compacted: list[RowPlan]) -> dict[str, list[StageRelease]]:
+        """Each compacted request's counts on every rank of this stage (this worker's alone without tensor
+        parallelism); under tensor parallelism every rank's failures join this worker's."""
+        mine = {plan.req_id: _release(plan.state.pages) for plan in compacted}
+        if self.ranks is None:
+            return {req_id: [release] for req_id, release in mine.items()}
+        releases, failures = self.ranks.exchange(RankMessage(mine, dict(self.failures)))
+        self.failures.update(failures)
+        return releases
+
+    def _end_stage(self, compacted: list[RowPlan], releases: dict[str, list[StageRelease]]) -> None:
+        """Pipeline parallelism: add this stage's counts (all its ranks') to the message down the pipeline; the last
+        stage chooses the blocks each request gives back from every stage's counts."""
         link = self.link
         message = link.receive()
         for plan in compacted:
-            lists = plan.state.pages
-            message.releases.setdefault(plan.req_id, []).append(
-                StageRelease(
-                    pages=lists.stage_pages(),
-                    block_ids=tuple(lists.blocks),
-                    live_pages=tuple(int(n) for n in lists.live_pages()),
-                )
-            )
+            message.releases.setdefault(plan.req_id, []).extend(releases[plan.req_id])
         if not link.is_last:
             message.failures.update(self.failures)  # only the last stage's output reaches the engine core
             self.failures.clear()
@@ -180,16 +208,15 @@ class WorkerRequests:
                 _mark_compacted(plan)
             return
         self.failures.update(message.failures)
+        workers = link.group.world_size * (self.ranks.size if self.ranks is not None else 1)
         for plan in compacted:
             stages = message.releases[plan.req_id]
-            if plan.req_id in self.failures or len(stages) != link.group.world_size:
+            if plan.req_id in self.failures or len(stages) != workers:
                 continue  # it failed on some stage: the engine core frees all its blocks
             if any(stage.block_ids != stages[-1].block_ids for stage in stages):
                 raise RuntimeError(f"kvserve: pipeline stages disagree on request {plan.req_id}'s blocks")
             released = blocks_to_release(
-                list(stages[-1].block_ids),
-                [(stage.pages.pages, stage.pages.pages_per_block, stage.live_pages) for stage in stages],
-                plan.state.pages.protected_ids(),
+                list(stages[-1].block_ids), [stage.counts for stage in stages], plan.state.pages.protected_ids()
             )
             copy_pages(self.pages, plan.state.pages.release(released))
             self._compacted(plan, [stage.pages for stage in stages], released)
@@ -201,16 +228,23 @@ class WorkerRequests:
             logical_tokens=plan.logical_len, stages=tuple(stages), released_block_ids=tuple(released)
         )
 
-    def _publish(self, plan: RowPlan) -> None:
-        """The step ended at a checkpoint: keep a copy of the lists if they fill whole blocks, and name their blocks
-        in the report; the engine core gives those blocks the checkpoint's hashes. The request itself must not write
-        them any more: they are protected from now on."""
-        lists = lists_of(plan.state)
-        if lists is None:
-            return
-        self.checkpoints[(plan.compaction.checkpoint, lists.blocks)] = lists
-        plan.state.pages.protected[:] = True
-        self.reports[plan.req_id] = dataclasses.replace(self.reports[plan.req_id], checkpoint_blocks=lists.blocks)
+    def _publish(self, plans: list[RowPlan]) -> None:
+        """The step ended at a checkpoint for `plans`: keep a copy of each one's lists if they fill whole blocks (on
+        every rank, under tensor parallelism), and name their blocks in the report; the engine core gives those
+        blocks the checkpoint's hashes. The request itself must not write them any more: they are protected from now
+        on."""
+        lists = {plan.req_id: found for plan in plans if (found := lists_of(plan.state)) is not None}
+        if self.ranks is not None and plans:
+            everywhere = self.ranks.agree(set(lists))
+            lists = {req_id: found for req_id, found in lists.items() if req_id in everywhere}
+        for plan in plans:
+            if plan.req_id not in lists:
+                continue
+            published = lists[plan.req_id]
+            self.checkpoints[(plan.compaction.checkpoint, published.blocks)] = published
+            plan.state.pages.protected[:] = True
+            report = self.reports[plan.req_id]
+            self.reports[plan.req_id] = dataclasses.replace(report, checkpoint_blocks=published.blocks)
 
     def report(self) -> StepReport:
         """What the engine core has not heard yet, once."""
@@ -225,6 +259,13 @@ def _take_new_blocks(pages: HeadPages, block_ids: list[int], req_id: str) -> Non
         raise RuntimeError(f"kvserve: request {req_id}'s blocks in vLLM and in its page lists differ")
     if len(block_ids) > held:
         pages.add_blocks(block_ids[held:])
+
+
+def _release(pages: HeadPages) -> StageRelease:
+    """What the other workers need of these lists to choose the blocks a request gives back."""
+    return StageRelease(
+        pages=pages.stage_pages(), block_ids=tuple(pages.blocks), live_pages=tuple(int(n) for n in pages.live_pages())
+    )
 
 
 def _mark_compacted(plan: RowPlan) -> None:
