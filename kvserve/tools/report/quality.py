@@ -21,6 +21,9 @@ PERPLEXITY = "suite/ppl.jsonl"
 GATE = ("gate/suite-ruler.jsonl", "gate/suite-tasks.jsonl")
 GATE_PERPLEXITY = "gate/ppl.jsonl"
 ALLOCATION = ("allocation/ppl.jsonl", "allocation/tasks.jsonl", "allocation/capacity.json")
+# the same suite on an fp8 cache (`--kv-cache-dtype fp8`), with `full` on the unquantised cache run beside it
+FP8 = ("fp8/ruler.jsonl", "fp8/tasks.jsonl")
+FP8_UNQUANTISED = ("fp8/bf16-ruler.jsonl", "fp8/bf16-tasks.jsonl")
 FLOOR = 0.5  # a task is judged where the full cache scores at least this
 CHECKPOINT = "/checkpoint"  # in a label: a kv_checkpoint setting (`kvserve.tools.eval.client.Setting.label`)
 
@@ -235,6 +238,44 @@ def gate_curve(rows: list[dict], path: Path) -> None:
     save(fig, path)
 
 
+def fp8_part(data: DataDir, suite: Suite, cells: list[Cell], labels: dict[str, str]) -> list[str]:
+    """The settings that ran on an fp8 cache: the table's columns for them (unquantised cache, shares of its `full`)
+    beside the same on fp8 (shares of fp8's `full`), and fp8's `full` against the unquantised one run beside it."""
+    fp8_ruler, fp8_tasks = (data.load(name) for name in FP8)
+    plain_ruler, plain_tasks = (data.load(name) for name in FP8_UNQUANTISED)
+    fp8 = Suite.from_rows(fp8_ruler.data + fp8_tasks.data)
+    plain = Suite.from_rows(plain_ruler.data + plain_tasks.data)
+    budgets = fp8.budgets()
+    fp8_full, plain_full = fp8.mean(("full", None), cells), plain.mean(("full", None), cells)
+    if fp8_full is None or plain_full is None:
+        raise ValueError("kvserve report: the fp8 runs must answer every judged cell with `full`")
+
+    def share(of: Suite, label: str, budget: int) -> str:
+        ratio, mean = of.ratio((label, budget), cells), of.mean((label, budget), cells)
+        return "-" if ratio is None else f"{ratio:.0%} ({mean[0]:.3f})"
+
+    rows = [["`full`", *["100%"] * len(budgets), *["100%"] * len(budgets)]]
+    for label in sorted(fp8.labels(), key=lambda lb: -sum(fp8.ratio((lb, b), cells) or 0 for b in budgets)):
+        policy = base_policy(label)
+        plain_label = labels.get(policy, label)  # the main table's row for this policy
+        shown = f"`{policy}` {label.removeprefix(policy).lstrip('/:')}".strip()
+        rows.append([shown, *(share(suite, plain_label, b) for b in budgets), *(share(fp8, label, b) for b in budgets)])
+    headers = ["setting", *(f"bf16 B={b}" for b in budgets), *(f"fp8 B={b}" for b in budgets)]
+    return [
+        "### On an fp8 KV cache",
+        "The same suite served with `--kv-cache-dtype fp8` (one byte per value: half the memory of every column "
+        "above). Each group is a share of its own cache's `full`: the bf16 group repeats the table above (that "
+        "policy's best setting there), the fp8 group ran the settings named. "
+        f"On the same machine and day, `full` answered {fp8_full[0]:.3f} of the judged cells on fp8 against "
+        f"{plain_full[0]:.3f} on bf16 ({fp8_full[0] / plain_full[0]:.0%}; n = {fp8_full[1]} answers each).",
+        table(headers, rows),
+        fp8_ruler.caption(),
+        fp8_tasks.caption(),
+        plain_ruler.caption(),
+        plain_tasks.caption(),
+    ]
+
+
 def allocation_part(data: DataDir) -> list[str]:
     """Each allocation against `uniform` at the same policy, span and budget, the summary first."""
     from kvserve.tools.report.throughput import capacity_table
@@ -304,6 +345,7 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             f"![share of full against B]({plot_link}/quality.png)",
             ruler.caption(),
             tasks.caption(),
+            *fp8_part(data, suite, cells, labels),
             "### Perplexity under eviction",
             "Two 2,048-token passages, eviction after every 256-token prefill chunk (lower is better).",
             perplexity_table(ppl.data, labels),

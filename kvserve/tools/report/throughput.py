@@ -16,6 +16,10 @@ DECODE_HEAVY = ("suite/capacity-duo.json", "capacity-decode-heavy.json")
 PREFILL_HEAVY = "capacity/prefill-heavy.json"
 CHAT = "chat/chat.json"
 HYBRID = "models/capacity-gemma3-tiny-3000.json"
+# the decode-heavy workload at equal KV bytes on a bf16 and an fp8 cache: two runs, each against its own vanilla
+FP8_CAPACITY = ("fp8/decode-heavy-bf16.json", "fp8/decode-heavy-fp8.json")
+# the same workload on the tiny Llama on one worker and on two tensor-parallel ranks, each against its own vanilla
+TENSOR_CAPACITY = ("tp/decode-heavy-tp1.json", "tp/decode-heavy-tp2.json")
 
 
 def setting_name(row: dict) -> str:
@@ -54,6 +58,33 @@ def capacity_table(source: Source) -> str:
         for row in results
     ]
     return table([*headers, "TTFT p50 s", "TPOT p50 s", "preemptions"], rows)
+
+
+def paired_capacity_table(column: str, runs: list[tuple[str, Source]]) -> str:
+    """Vanilla and kvserve in each of several runs that differ in one engine setting (`column`: its value per run):
+    each server against the first run's vanilla, and against the vanilla of its own run (measured beside it)."""
+    baseline = next(r for r in runs[0][1].data["results"] if r["server"] == "vanilla")
+    rows = []
+    for value, source in runs:
+        results = [r for r in source.data["results"] if r["server"] in ("vanilla", "kvserve")]
+        vanilla = next(r for r in results if r["server"] == "vanilla")
+        for row in results:
+            rows.append(
+                [
+                    setting_name(row),
+                    value,
+                    str(source.data["args"]["num_blocks"]),
+                    f"{row['peak_running']:.0f}",
+                    f"{row['output_tokens_per_s']:.1f}",
+                    ratio(row["output_tokens_per_s"], baseline["output_tokens_per_s"]),
+                    ratio(row["output_tokens_per_s"], vanilla["output_tokens_per_s"]),
+                    f"{row['tpot_p50']:.3f}",
+                    f"{row['preemptions']:.0f}",
+                ]
+            )
+    first = runs[0][0]
+    headers = ["setting", column, "pool, blocks", "peak running", "output tok/s", f"vs vanilla, {column} {first}"]
+    return table([*headers, "vs vanilla, same run", "TPOT p50 s", "preemptions"], rows)
 
 
 def workload(source: Source) -> str:
@@ -107,6 +138,8 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
     prefill = data.load(PREFILL_HEAVY)
     chat = data.load(CHAT)
     hybrid = data.load(HYBRID)
+    fp8_plain, fp8 = (data.load(name) for name in FP8_CAPACITY)
+    one_rank, two_ranks = (data.load(name) for name in TENSOR_CAPACITY)
     capacity_plot(sweep.data["results"], sweep.data["args"]["prompt_tokens"], str(plots / "decode-heavy.png"))
     chat_plot(chat.data["results"], str(plots / "chat.png"))
     args = chat.data["args"]
@@ -132,6 +165,21 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             capacity_table(sweep),
             f"![throughput and concurrency against compression]({plot_link}/decode-heavy.png)",
             sweep.caption(),
+            "### Decode-heavy at 8x on an fp8 cache",
+            "The same workload with `--kv-cache-dtype fp8` for vanilla and kvserve, at the bytes of the bf16 pool: an "
+            "fp8 block is half a bf16 block, so the fp8 pool has twice the blocks. "
+            + workload(fp8_plain).replace("a pool of", "the bf16 run's pool:"),
+            paired_capacity_table("cache", [("bf16", fp8_plain), ("fp8", fp8)]),
+            fp8_plain.caption(),
+            fp8.caption(),
+            "### Decode-heavy under tensor parallelism",
+            "Vanilla vLLM and kvserve with `--tensor-parallel-size 2` (a core per rank: "
+            "`VLLM_CPU_OMP_THREADS_BIND=0|1`) and on one worker. The default model's 3 KV heads do not split over 2 "
+            "ranks, so this is the tiny random-weight Llama (4 layers, 2 KV heads), whose compute is small beside "
+            "its vocabulary projection and vLLM's per-step costs: " + workload(one_rank),
+            paired_capacity_table("ranks", [("1", one_rank), ("2", two_ranks)]),
+            one_rank.caption(),
+            two_ranks.caption(),
             "### Prefill-heavy",
             workload(prefill),
             capacity_table(prefill),
