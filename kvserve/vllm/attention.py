@@ -56,7 +56,7 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
             kv_sharing_target_layer_name,
             sinks,
         )
-        self.paged = pages_this_layer(self, "KVSERVE_ATTENTION=vllm", kv_sharing_target_layer_name, reads_fp8=True)
+        self.paged = pages_this_layer(self, "KVSERVE_ATTENTION=vllm", kv_sharing_target_layer_name)
         self._layout: layouts.CachePages | None = None
 
     def do_kv_cache_update(

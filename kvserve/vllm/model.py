@@ -64,11 +64,11 @@ def layer_index(layer, layout: PageLayout) -> int:
     return layout.local_index(index)
 
 
-def pages_this_layer(impl, mode: str, kv_sharing_target_layer_name: str | None, reads_fp8: bool = False) -> bool:
+def pages_this_layer(impl, mode: str, kv_sharing_target_layer_name: str | None) -> bool:
     """Whether this attention layer's cache is head pages (read and written by kvserve) or stays vLLM's (a model
     that does not evict; a hybrid model's sliding-window layer). Read at model construction, where vLLM's config of
-    the engine being built is current. `reads_fp8`: the implementation reads an fp8 cache (vLLM's ops do; kvserve's
-    own kernels read the unquantised FlashAttention layout only)."""
+    the engine being built is current. (The cache layout and dtype are the metadata builder's to check:
+    `kvserve/vllm/backend.py`.)"""
     support = eviction_support(get_current_vllm_config().model_config)
     if not support.evicts or impl.sliding_window != -1:
         return False
@@ -77,7 +77,6 @@ def pages_this_layer(impl, mode: str, kv_sharing_target_layer_name: str | None, 
         "attention type other than decoder": impl.attn_type != AttentionType.DECODER,
         "ALiBi": impl.alibi_slopes is not None,
         "attention sinks": impl.sinks is not None,
-        "fp8 KV cache": impl.is_fp8_kv_cache and not reads_fp8,
         "KV sharing between layers": kv_sharing_target_layer_name is not None,
     }
     refused = [name for name, present in unsupported.items() if present]

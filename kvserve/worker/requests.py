@@ -174,11 +174,7 @@ class WorkerRequests:
             parts = releases[plan.req_id]
             if plan.req_id in self.failures:  # it failed on another rank: the engine core frees all its blocks
                 continue
-            released = blocks_to_release(
-                list(plan.state.pages.blocks), [part.counts for part in parts], plan.state.pages.protected_ids()
-            )
-            copy_pages(self.pages, plan.state.pages.release(released))
-            self._compacted(plan, [part.pages for part in parts], released)
+            self._give_back(plan, parts)
             if plan.compaction.checkpoint is not None:
                 publishing.append(plan)
         self._publish(publishing)
@@ -215,11 +211,15 @@ class WorkerRequests:
                 continue  # it failed on some stage: the engine core frees all its blocks
             if any(stage.block_ids != stages[-1].block_ids for stage in stages):
                 raise RuntimeError(f"kvserve: pipeline stages disagree on request {plan.req_id}'s blocks")
-            released = blocks_to_release(
-                list(stages[-1].block_ids), [stage.counts for stage in stages], plan.state.pages.protected_ids()
-            )
-            copy_pages(self.pages, plan.state.pages.release(released))
-            self._compacted(plan, [stage.pages for stage in stages], released)
+            self._give_back(plan, stages)
+
+    def _give_back(self, plan: RowPlan, workers: list[StageRelease]) -> None:
+        """The blocks a compacted request gives back, chosen from every worker's counts (`blocks_to_release`: the
+        same choice on every worker); this worker moves its live pages out of them."""
+        lists = plan.state.pages
+        released = blocks_to_release(list(lists.blocks), [worker.counts for worker in workers], lists.protected_ids())
+        copy_pages(self.pages, lists.release(released))
+        self._compacted(plan, [worker.pages for worker in workers], released)
 
     def _compacted(self, plan: RowPlan, stages: list[StagePages], released: list[int]) -> None:
         _mark_compacted(plan)

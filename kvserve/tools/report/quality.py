@@ -47,6 +47,12 @@ def best_labels(suite: Suite, cells: list[Cell]) -> dict[str, str]:
     return {policy: min(options, key=lambda o: (-o[0], -o[1], o[2]))[2] for policy, options in scored.items()}
 
 
+def share_cell(suite: Suite, label: str, budget: int, cells: list[Cell]) -> str:
+    """A setting's share of `full` at `budget` over `cells`, with its mean score: `92% (0.764)`, `-` if not run."""
+    ratio, mean = suite.ratio((label, budget), cells), suite.mean((label, budget), cells)
+    return "-" if ratio is None else f"{ratio:.0%} ({mean[0]:.3f})"
+
+
 def share_table(suite: Suite, cells: list[Cell], labels: dict[str, str]) -> str:
     budgets = suite.budgets()
     full_mean, full_n = suite.mean(("full", None), cells)
@@ -64,8 +70,7 @@ def share_table(suite: Suite, cells: list[Cell], labels: dict[str, str]) -> str:
         label = labels[policy]
         row = []
         for b in budgets:
-            ratio, mean = suite.ratio((label, b), cells), suite.mean((label, b), cells)
-            text = "-" if ratio is None else f"{ratio:.0%} ({mean[0]:.3f})"
+            ratio, text = suite.ratio((label, b), cells), share_cell(suite, label, b, cells)
             row.append(f"**{text}**" if ratio is not None and ratio == top[b] else text)
         setting = label.removeprefix(policy).lstrip("/:") or "uniform, span 1"
         lines.append(f"| `{policy}` | {setting} | " + " | ".join(row) + " |")
@@ -84,10 +89,7 @@ def checkpoint_table(suite: Suite, cells: list[Cell]) -> str:
         base, _, every = label.partition(CHECKPOINT)
         every = every.lstrip("-")
         for shown, name in ((base, f"`{base}`"), (label, f"`{base}`, `kv_checkpoint={every}`")):
-            row = []
-            for b in budgets:
-                ratio, mean = suite.ratio((shown, b), cells), suite.mean((shown, b), cells)
-                row.append("-" if ratio is None else f"{ratio:.0%} ({mean[0]:.3f})")
+            row = [share_cell(suite, shown, b, cells) for b in budgets]
             lines.append(f"| {name} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -250,16 +252,18 @@ def fp8_part(data: DataDir, suite: Suite, cells: list[Cell], labels: dict[str, s
     if fp8_full is None or plain_full is None:
         raise ValueError("kvserve report: the fp8 runs must answer every judged cell with `full`")
 
-    def share(of: Suite, label: str, budget: int) -> str:
-        ratio, mean = of.ratio((label, budget), cells), of.mean((label, budget), cells)
-        return "-" if ratio is None else f"{ratio:.0%} ({mean[0]:.3f})"
-
     rows = [["`full`", *["100%"] * len(budgets), *["100%"] * len(budgets)]]
     for label in sorted(fp8.labels(), key=lambda lb: -sum(fp8.ratio((lb, b), cells) or 0 for b in budgets)):
         policy = base_policy(label)
         plain_label = labels.get(policy, label)  # the main table's row for this policy
         shown = f"`{policy}` {label.removeprefix(policy).lstrip('/:')}".strip()
-        rows.append([shown, *(share(suite, plain_label, b) for b in budgets), *(share(fp8, label, b) for b in budgets)])
+        rows.append(
+            [
+                shown,
+                *(share_cell(suite, plain_label, b, cells) for b in budgets),
+                *(share_cell(fp8, label, b, cells) for b in budgets),
+            ]
+        )
     headers = ["setting", *(f"bf16 B={b}" for b in budgets), *(f"fp8 B={b}" for b in budgets)]
     return [
         "### On an fp8 KV cache",

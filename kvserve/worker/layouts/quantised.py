@@ -13,8 +13,8 @@ addresses the bytes, and this wrapper only converts entries:
   concerns entries kvserve writes itself (a merging policy's), never the ones it moves.
 
 Compaction and page moves never decode: they move the stored bytes through the wrapped layout, so a kept entry is
-bit for bit what vLLM wrote. Only new entries (a merging policy's rewritten ones, the kernels' own writes) are
-encoded, and only those: re-encoding a decoded entry need not give its byte back when the scale is not a power of 2.
+bit for bit what vLLM wrote. Only new entries (a merging policy's rewritten ones) are encoded, and only those:
+re-encoding a decoded entry need not give its byte back when the scale is not a power of 2.
 """
 
 from __future__ import annotations
