@@ -30,8 +30,9 @@ def test_task_cases_are_deterministic_sized_and_hold_their_answers(tokenizer, ta
     assert make_case(tokenizer, task, length, index=1).prompt != case.prompt
     # within 1% (+ passkey's one-line intro, which its budget does not count: kept so issue 2's prompts stay put)
     assert abs(len(tokenizer.encode(case.prompt)) - length) <= 0.01 * length + 20
+    before_question = case.prompt[: case.prompt.rindex("?")]  # every question ends with one; no value is in it
     for reference in case.references:  # every answer is findable in the text before the question
-        assert reference in case.prompt[: case.prompt.rindex("\n") if "\n" in case.prompt else None]
+        assert reference in before_question
     assert 0.0 <= case.depth <= 1.0
 
 
@@ -40,6 +41,23 @@ def test_multi_needle_tasks_plant_distractors(tokenizer):
     assert multiquery.prompt.count("One of the special magic numbers for") == 4 and len(multiquery.references) == 2
     multivalue = make_case(tokenizer, "niah_multivalue", 800, 0)
     assert len(set(multivalue.references)) == 4
+
+
+def test_fact_tasks_plant_every_fact_and_ask_for_the_right_ones(tokenizer):
+    one = make_case(tokenizer, "kv_one", 900, 0)
+    assert one.prompt.count("Remember it.") == 3 and len(one.references) == 1
+    asked = one.prompt[one.prompt.rindex("What is the pass key of ") :].split()[6].rstrip("?")
+    assert f"The pass key of {asked} is {one.references[0]}." in one.prompt  # the asked word's own value
+    two = make_case(tokenizer, "kv_two", 900, 0)
+    assert len(set(two.references)) == 2 and two.prompt.endswith("are")
+    values = make_case(tokenizer, "kv_values", 900, 0)
+    assert len(set(values.references)) == 2 and values.prompt.count("is a pass key of") == 2
+    chat = make_case(tokenizer, "chat_followup", 900, 0)
+    # the facts arrive in the first user turn, the question in the second, after the assistant's reply
+    turns = chat.prompt.split("<|im_start|>")
+    roles = [turn.split("\n", 1)[0] for turn in turns if turn]
+    assert roles[-4:] == ["user", "assistant", "user", "assistant"]
+    assert chat.references[0] in turns[-4] and chat.references[0] not in turns[-2] + turns[-3]
 
 
 def test_score_counts_the_references_found():
@@ -341,3 +359,35 @@ def test_matched_budgets_give_each_case_the_entries_the_matched_setting_kept_the
     assert {r["index"]: r["matched_budget"] for r in rows if r["policy"].startswith("snapkv")} == kept
     with pytest.raises(RuntimeError, match="no tova row"):
         quality.run([server], settings(["snapkv"], [], match="tova"), cases, str(out), progress=False)
+
+
+@pytest.mark.parametrize("successes,n", [(0, 12), (12, 12), (5, 12), (1, 3), (17, 40)])
+def test_wilson_interval_is_the_set_of_proportions_the_score_test_accepts(successes, n):
+    """Wilson's interval from its definition: every p with |p_hat - p| <= 1.96 sqrt(p (1 - p) / n), found on a fine
+    grid (no closed form used)."""
+    from kvserve.tools.eval.suite import wilson
+
+    p_hat = successes / n
+    accepted = [
+        p / 100000
+        for p in range(100001)
+        if abs(p_hat - p / 100000) <= 1.96 * math.sqrt(p / 100000 * (1 - p / 100000) / n)
+    ]
+    low, high = wilson(p_hat, n)
+    assert low == pytest.approx(min(accepted), abs=2e-5) and high == pytest.approx(max(accepted), abs=2e-5)
+
+
+def test_suite_prints_each_cell_and_share_with_its_interval():
+    from kvserve.tools.eval.suite import Suite, by_task, verdict, wilson
+
+    rows = [dict(policy="full", budget=None, task="passkey", length=1000, score=float(i < 9)) for i in range(12)]
+    rows += [dict(policy="snapkv", budget=256, task="passkey", length=1000, score=float(i < 6)) for i in range(12)]
+    suite = Suite.from_rows(rows)
+    low, high = wilson(0.5, 12)
+    assert f"0.50 [{low:.2f}-{high:.2f}] n=12" in by_task(suite, 256)
+    share, share_low, share_high = suite.share_interval(("snapkv", 256), suite.judged_cells(0.5))
+    spread = math.sqrt(0.5 * 0.5 / 12)  # one cell: the binomial spread of its mean, over full's mean
+    assert (share, share_low, share_high) == pytest.approx(
+        (0.5 / 0.75, (0.5 - 1.96 * spread) / 0.75, (0.5 + 1.96 * spread) / 0.75)
+    )
+    assert f"({share:.0%} [{share_low:.0%}-{share_high:.0%}], n=12)" in verdict(suite)

@@ -122,24 +122,32 @@ def test_every_number_the_readme_quotes_is_on_the_benchmarks_page():
 
 
 def test_the_summary_agrees_with_the_sections_it_summarises():
-    """The summary's share of full for each policy and budget is the quality table's, inside its own interval, and
-    its throughput and decode-cost cells are the capacity and overhead tables' ratios."""
+    """The summary's share of full and its interval for each policy and budget are the quality table's (the whole
+    suite's table, or the single-needle one for a policy that ran only that), and its throughput cells are the
+    capacity table's ratios."""
     page = PAGE.read_text()
     summary = page[page.index("## Summary") : page.index("## How much quality")]
-    quality = page[page.index("## How much quality") : page.index("### Perplexity")]
+    whole = page[page.index("## How much quality") : page.index("### The single-needle suite")]
+    single = page[page.index("### The single-needle suite") : page.index("### On an fp8")]
     rows = [line for line in summary.splitlines() if line.startswith("| `")]
     assert rows[0].startswith("| `snapkv` **(default)**")
+    assert {row.split("|")[3].strip() for row in rows} == {"all tasks", "single needle"}
     for row in rows:
         cells = [cell.strip() for cell in row.strip("|").split("|")]
-        policy = cells[0].split()[0]
-        quality_row = next(line for line in quality.splitlines() if line.startswith(f"| {policy} |"))
-        shares = [cell.split()[0] for cell in quality_row.strip("|").split("|")[3:6]]  # B=128, 256, 512
-        for share, cell in zip(shares, cells[2:5], strict=True):
+        policy, tasks = cells[0].split()[0], cells[2]
+        section = whole if tasks == "all tasks" else single
+        header = next(line for line in section.splitlines() if line.startswith("| policy | best setting |"))
+        columns = [cell.strip() for cell in header.strip("|").split("|")]
+        quality_row = next(line for line in section.splitlines() if line.startswith(f"| {policy} |"))
+        quality_cells = [cell.strip().strip("*") for cell in quality_row.strip("|").split("|")]
+        shares = [quality_cells[columns.index(f"B={budget}")] for budget in (128, 256, 512)]
+        for share, cell in zip(shares, cells[3:6], strict=True):
             if share == "-":
                 assert cell == "-"
                 continue
-            low, high = (float(bound.rstrip("%")) for bound in cell.split("(")[1].rstrip(")").split("-"))
-            assert cell.startswith(share.strip("*")) and low <= float(share.strip("*%")) <= high, (policy, cell)
+            # "92% [84-100%] (0.764)" on the quality table, "92% (84-100%)" in the summary
+            value, interval = share.split(" (")[0].split(" [")
+            assert cell == f"{value} ({interval.rstrip(']')})", (policy, cell, share)
     throughput = page[page.index("### Decode-heavy at 8x") : page.index("The same benchmark across budgets")]
     assert "| `snapkv` B=188 | 9 | 8 | 110.3 | 1.98x |" in throughput and "| 1.98x (B=188) |" in summary
 

@@ -14,6 +14,7 @@ from kvserve.policies.duo_attention import DuoAttention
 from kvserve.policies.ems import EMS
 from kvserve.policies.expected_attention import ExpectedAttention
 from kvserve.policies.h2o import H2O
+from kvserve.policies.keydiff import KeyDiff
 from kvserve.policies.knobs import Knob, knob
 from kvserve.policies.mat import MAT
 from kvserve.policies.snapkv import SnapKV
@@ -31,6 +32,7 @@ BASE_POLICIES: tuple[type[Policy], ...] = (
     EMS,
     AttentionGate,
     ExpectedAttention,
+    KeyDiff,
     DuoAttention,
 )
 
@@ -52,6 +54,7 @@ __all__ = [
     "EMS",
     "ExpectedAttention",
     "H2O",
+    "KeyDiff",
     "Knob",
     "LayerObservation",
     "MAT",

@@ -21,7 +21,14 @@ def test_window_attention_is_causal_and_normalised():
 
 
 @pytest.mark.parametrize(
-    "name,settings", [("tova", {}), ("snapkv", {"kv_window": 4}), ("streamingllm", {}), ("h2o", {"kv_recent": 4})]
+    "name,settings",
+    [
+        ("tova", {}),
+        ("snapkv", {"kv_window": 4}),
+        ("streamingllm", {}),
+        ("h2o", {"kv_recent": 4}),
+        ("keydiff", {"kv_window": 4}),
+    ],
 )
 def test_ragged_heads_keep_what_each_head_alone_would_keep(name, settings):
     """Heads holding different counts (padded to the longest, `lengths` given): each head keeps exactly what the same

@@ -7,7 +7,14 @@
   cache fails says nothing about eviction (on the 135M default model RULER's multi-key needles sit near 0);
 - per setting and budget, the mean over the judged tasks and lengths (each (task, length) cell weighs the same)
   and its ratio to `full`'s mean over the same cells;
-- the best setting per budget, against the goals given with `--goal B=ratio`.
+- the best setting per budget, against the goals given with `--goal B=ratio`;
+- with `--by-task`, every (task, length) cell with its 95% interval.
+
+Intervals: a cell's answers score 0 or 1 (a two-value task: 0, 1/2 or 1), so a cell's mean is a proportion and its
+95% interval is Wilson's score interval over its n answers ("Probable Inference, the Law of Succession, and
+Statistical Inference", Wilson 1927), which stays inside [0, 1] and does not collapse at 0 or 1 as the normal
+approximation does. A share of `full` over several cells adds the cells' binomial variances (normal
+approximation, `full`'s mean taken as fixed).
 
 Lengths are grouped by thousands (RULER's 1024 and the project's 1000-token tasks are both "1k").
 """
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,6 +34,15 @@ Cell = tuple[str, int]  # (task, length in thousands of tokens)
 def length_group(length: int) -> int:
     """1024 and 1000 -> 1, 2048 and 2000 -> 2, 4096 and 4000 -> 4."""
     return max(1, round(length / 1000))
+
+
+def wilson(mean: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% interval of a proportion `mean` seen over `n` answers (Wilson's score interval)."""
+    if n <= 0:
+        return 0.0, 1.0
+    centre = (mean + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(mean * (1 - mean) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(centre - half, 0.0), min(centre + half, 1.0)
 
 
 def load_rows(paths: Iterable[str]) -> list[dict]:
@@ -82,6 +99,18 @@ class Suite:
         mine, full = self.mean(setting, cells), self.mean(("full", None), cells)
         return None if mine is None or full is None or full[0] == 0 else mine[0] / full[0]
 
+    def share_interval(
+        self, setting: tuple[str, int | None], cells: list[Cell], z: float = 1.96
+    ) -> tuple[float, float, float] | None:
+        """(share of full, low, high) over `cells`: the setting's mean against full's, with a 95% interval from each
+        cell's answers (the binomial spread p(1 - p) / n per cell; full's mean taken as fixed); None if not run."""
+        have, full = self.cells.get(setting, {}), self.mean(("full", None), cells)
+        if full is None or full[0] == 0 or not cells or any(cell not in have for cell in cells):
+            return None
+        mean = sum(have[c][0] for c in cells) / len(cells)
+        spread = math.sqrt(sum(have[c][0] * (1 - have[c][0]) / have[c][1] for c in cells)) / len(cells)
+        return mean / full[0], max(mean - z * spread, 0) / full[0], (mean + z * spread) / full[0]
+
     def budgets(self) -> list[int]:
         return sorted({budget for _, budget in self.cells if budget is not None})
 
@@ -130,7 +159,8 @@ def verdict(suite: Suite, floor: float = 0.5, goals: dict[int, float] | None = N
             if mean is None:
                 row.append("-")
                 continue
-            text = f"{mean[0]:.3f} ({suite.ratio((label, budget), cells):.0%}, n={mean[1]})"
+            share, low, high = suite.share_interval((label, budget), cells)
+            text = f"{mean[0]:.3f} ({share:.0%} [{low:.0%}-{high:.0%}], n={mean[1]})"
             leaders = best[budget]
             row.append(f"**{text}**" if leaders and label in leaders[0] else text)
         lines.append(f"| {label} | " + " | ".join(row) + " |")
@@ -154,13 +184,19 @@ def verdict(suite: Suite, floor: float = 0.5, goals: dict[int, float] | None = N
     return "\n".join(lines)
 
 
+def cell_text(mean: float, n: int) -> str:
+    """`0.58 [0.32-0.81] n=12`: a cell's mean with its Wilson interval and answer count."""
+    low, high = wilson(mean, n)
+    return f"{mean:.2f} [{low:.2f}-{high:.2f}] n={n}"
+
+
 def by_task(suite: Suite, budget: int | None) -> str:
     """Every task and length (judged or not) at one budget (None: the settings with their own or matched counts),
-    `full` first: what the verdict's means are made of."""
+    `full` first, each cell with its 95% interval: what the verdict's means are made of."""
     cells = sorted({cell for by_cell in suite.cells.values() for cell in by_cell})
     labels = suite.labels() if budget is not None else suite.own_count_labels()
     lines = [
-        f"{'B=' + str(budget) if budget is not None else 'own count'} | "
+        f"| {'B=' + str(budget) if budget is not None else 'own count'} | "
         + " | ".join(f"{task} {k}k" for task, k in cells)
         + " |",
         "|---" * (len(cells) + 1) + "|",
@@ -169,7 +205,7 @@ def by_task(suite: Suite, budget: int | None) -> str:
         have = suite.cells.get(setting, {})
         if not have:
             continue
-        row = [f"{have[c][0]:.2f}" if c in have else "-" for c in cells]
+        row = [cell_text(*have[c]) if c in have else "-" for c in cells]
         lines.append(f"| {setting[0]} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -12,6 +12,16 @@ Tasks (names as the CLI takes them):
 - `passkey`: a 5-digit pass key repeated twice in one sentence pair (the classic test; same prompt as issue 2's).
 - `niah_multivalue`: four numbers for the same key word; all four are asked for.
 - `niah_multiquery`: four needles with different keys; two of them are asked for.
+- `kv_one` / `kv_two`: three words' pass keys (4-digit numbers, each stated twice in its sentence as the passkey's
+  is), one or two of them asked for.
+- `kv_values`: two pass keys of one word, both asked for.
+- `chat_followup`: three words' pass keys in a document the user shares in a first chat turn; the assistant
+  acknowledges it, and one word's key is asked for in a second turn (the model's chat template, sent as one prompt).
+
+On the 135M default model `full` scores about 0.7 on `chat_followup` and passkey, but 0.4 on `kv_one` and under 0.1
+on the tasks that ask for two values (`kv_two`, `kv_values`, `niah_multi*`): the model names one value, or none,
+whatever the format (plain, chat, an example in the instructions were tried); the quality suite judges only the
+tasks `full` passes (`kvserve eval suite`).
 """
 
 from __future__ import annotations
@@ -132,6 +142,82 @@ def _niah(
     return _embed(tokenizer, length, needles, depths, NIAH_INTRO, question, seed), references, depths[0]
 
 
+FACTS_INTRO = "There are pass keys hidden inside a lot of irrelevant text. Find them and memorize them.\n"
+
+
+def _fact(key: str, value: str) -> str:
+    # said twice, as the passkey is: a fact stated once in 4k tokens of prose is beyond the 135M default model
+    return f" The pass key of {key} is {value}. Remember it. {value} is the pass key of {key}. "
+
+
+def _facts(
+    rng: random.Random, num_keys: int, values_per_key: int
+) -> tuple[list[str], dict[str, list[str]], list[float]]:
+    """`num_keys` words with `values_per_key` distinct 4-digit codes each, at random depths. Returns (needles in key
+    order, codes by key in the same order, depths)."""
+    keys = rng.sample(KEY_WORDS, num_keys)
+    codes = {key: [str(code) for code in rng.sample(range(1000, 10000), values_per_key)] for key in keys}
+    needles = [_fact(key, code) for key in keys for code in codes[key]]
+    return needles, codes, [rng.uniform(0.05, 0.95) for _ in needles]
+
+
+def _names(keys: list[str]) -> str:
+    return keys[0] if len(keys) == 1 else ", ".join(keys[:-1]) + f" and {keys[-1]}"
+
+
+def _chat(tokenizer, turns: list[str], answer_start: str) -> str:
+    """User and assistant turns alternating, the user's first, rendered with the model's chat template, then the
+    start of the assistant's answer (so the answer's first tokens are the value, as in RULER's prompts)."""
+    roles = ["user", "assistant"]
+    messages = [{"role": roles[i % 2], "content": text} for i, text in enumerate(turns)]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + answer_start
+
+
+CHAT_TEMPLATE_TOKENS = 48  # what the chat template adds around the turns, left out of the haystack
+
+
+def _fact_document(tokenizer, length: int, needles: list[str], depths: list[float], question: str, seed: int) -> str:
+    return _embed(tokenizer, length - CHAT_TEMPLATE_TOKENS, needles, depths, FACTS_INTRO, question, seed)
+
+
+def _kv_facts(
+    tokenizer, length: int, rng: random.Random, seed: int, num_keys: int, asked: int
+) -> tuple[str, tuple[str, ...], float]:
+    """Several word -> code facts in the prose; the codes of the first `asked` words are asked for after it."""
+    needles, codes, depths = _facts(rng, num_keys, 1)
+    queried = list(codes)[:asked]
+    names = _names(queried)
+    question = f" What is the pass key of {names}?" if asked == 1 else f" What are the pass keys of {names}?"
+    answer = f"The pass key of {names} is" if asked == 1 else f"The pass keys of {names} are"
+    prompt = _embed(tokenizer, length, needles, depths, FACTS_INTRO, f"{question} {answer}", seed)
+    return prompt, tuple(codes[key][0] for key in queried), depths[0]
+
+
+def _kv_values(
+    tokenizer, length: int, rng: random.Random, seed: int, values_per_key: int
+) -> tuple[str, tuple[str, ...], float]:
+    """One word with several codes, given at different depths; all of them are asked for."""
+    _, codes, depths = _facts(rng, 1, values_per_key)
+    key, values = next(iter(codes.items()))
+    needles = [f" One pass key of {key} is {code}. Remember it. {code} is a pass key of {key}. " for code in values]
+    question = f" What are all the pass keys of {key}?"
+    prompt = _embed(tokenizer, length, needles, depths, FACTS_INTRO, f"{question} The pass keys of {key} are", seed)
+    return prompt, tuple(values), depths[0]
+
+
+def _chat_followup(
+    tokenizer, length: int, rng: random.Random, seed: int, num_keys: int
+) -> tuple[str, tuple[str, ...], float]:
+    """The facts come in a document the user shares in a first chat turn, the assistant acknowledges it, and the
+    user asks for one code in a second turn: the question is not in the turn that brought the facts."""
+    needles, codes, depths = _facts(rng, num_keys, 1)
+    key = next(iter(codes))
+    document = _fact_document(tokenizer, length, needles, depths, "", seed)
+    reply = "I have read the text and memorized the pass keys."
+    question = f"What is the pass key of {key}?"
+    return _chat(tokenizer, [document, reply, question], f"The pass key of {key} is"), (codes[key][0],), depths[0]
+
+
 def _passkey(tokenizer, length: int, rng: random.Random, seed: int) -> tuple[str, tuple[str, ...], float]:
     depth = round(rng.uniform(0.05, 0.95), 2)
     prompt, key = passkey_prompt(tokenizer, length, depth, seed)
@@ -143,6 +229,10 @@ TASKS: dict[str, tuple[Builder, int]] = {  # name -> (builder, max answer tokens
     "passkey": (_passkey, 12),
     "niah_multivalue": (lambda tok, n, rng, seed: _niah(tok, n, rng, seed, 1, 4, 1), 48),
     "niah_multiquery": (lambda tok, n, rng, seed: _niah(tok, n, rng, seed, 4, 1, 2), 32),
+    "kv_one": (lambda tok, n, rng, seed: _kv_facts(tok, n, rng, seed, 3, 1), 16),
+    "kv_two": (lambda tok, n, rng, seed: _kv_facts(tok, n, rng, seed, 3, 2), 24),
+    "kv_values": (lambda tok, n, rng, seed: _kv_values(tok, n, rng, seed, 2), 24),
+    "chat_followup": (lambda tok, n, rng, seed: _chat_followup(tok, n, rng, seed, 3), 16),
 }
 
 

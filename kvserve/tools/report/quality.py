@@ -1,6 +1,7 @@
-"""How much quality do I keep at 8x? The quality suite (RULER's single needle through lm-evaluation-harness and the
-passkey task, 1k / 2k / 4k tokens) per policy against the entries it keeps, perplexity, and Attention-Gate at its own
-keep ratio against the baselines at equal memory per case."""
+"""How much quality do I keep at 8x? The quality suite (RULER's single needle through lm-evaluation-harness, the
+passkey, one pass key among several, and pass keys asked in a follow-up chat turn; 1k / 2k / 4k tokens) per policy
+against the entries it keeps, with 95% intervals; the older single-needle suite, which every policy ran; perplexity;
+and Attention-Gate at its own keep ratio against the baselines at equal memory per case."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from kvserve.policies import POLICY_NAMES
 from kvserve.tools.eval.perplexity import perplexities
 from kvserve.tools.eval.quality import mean_scores
 from kvserve.tools.eval.report import allocation_table
-from kvserve.tools.eval.suite import Cell, Suite, length_group
+from kvserve.tools.eval.suite import Cell, Suite, cell_text, length_group
 from kvserve.tools.report.markdown import table
 from kvserve.tools.report.plots import pyplot, save
 from kvserve.tools.report.sources import DataDir
 
-SUITE = ("suite/ruler.jsonl", "suite/tasks.jsonl")
+SUITE = ("suite/ruler.jsonl", "suite/tasks.jsonl", "suite/broad.jsonl")
+# the tasks of the first suite, which every policy ran (the broader one adds multi-needle and chat tasks)
+SINGLE_NEEDLE = ("niah_single_1", "passkey")
 PERPLEXITY = "suite/ppl.jsonl"
 GATE = ("gate/suite-ruler.jsonl", "gate/suite-tasks.jsonl")
 GATE_PERPLEXITY = "gate/ppl.jsonl"
@@ -48,13 +51,25 @@ def best_labels(suite: Suite, cells: list[Cell]) -> dict[str, str]:
 
 
 def share_cell(suite: Suite, label: str, budget: int, cells: list[Cell]) -> str:
-    """A setting's share of `full` at `budget` over `cells`, with its mean score: `92% (0.764)`, `-` if not run."""
-    ratio, mean = suite.ratio((label, budget), cells), suite.mean((label, budget), cells)
-    return "-" if ratio is None else f"{ratio:.0%} ({mean[0]:.3f})"
+    """A setting's share of `full` at `budget` over `cells` with its 95% interval and mean score:
+    `92% [84-100%] (0.764)`, `-` if not run."""
+    found, mean = suite.share_interval((label, budget), cells), suite.mean((label, budget), cells)
+    if found is None or mean is None:
+        return "-"
+    return f"{found[0]:.0%} [{found[1]:.0%}-{found[2]:.0%}] ({mean[0]:.3f})"
+
+
+def single_needle_cells(cells: list[Cell]) -> list[Cell]:
+    return [cell for cell in cells if cell[0] in SINGLE_NEEDLE]
+
+
+def budgets_run(suite: Suite, cells: list[Cell], labels: list[str]) -> list[int]:
+    """The budgets at which at least one of `labels` answered every cell (the columns worth showing)."""
+    return [b for b in suite.budgets() if any(suite.ratio((label, b), cells) is not None for label in labels)]
 
 
 def share_table(suite: Suite, cells: list[Cell], labels: dict[str, str]) -> str:
-    budgets = suite.budgets()
+    budgets = budgets_run(suite, cells, list(labels.values()))
     full_mean, full_n = suite.mean(("full", None), cells)
     lines = [
         "| policy | best setting | " + " | ".join(f"B={b}" for b in budgets) + " |",
@@ -80,7 +95,7 @@ def share_table(suite: Suite, cells: list[Cell], labels: dict[str, str]) -> str:
 
 def checkpoint_table(suite: Suite, cells: list[Cell]) -> str:
     """Each `kv_checkpoint` setting that ran, beside the same setting without checkpoints."""
-    budgets = suite.budgets()
+    budgets = budgets_run(suite, cells, [label for label in suite.labels() if CHECKPOINT in label])
     lines = [
         "| setting | " + " | ".join(f"B={b}" for b in budgets) + " |",
         "| --- |" + " --- |" * len(budgets),
@@ -88,6 +103,8 @@ def checkpoint_table(suite: Suite, cells: list[Cell]) -> str:
     for label in sorted(lb for lb in suite.labels() if CHECKPOINT in lb):
         base, _, every = label.partition(CHECKPOINT)
         every = every.lstrip("-")
+        if all(suite.ratio((label, b), cells) is None for b in budgets):
+            continue  # ran on other tasks than these cells'
         for shown, name in ((base, f"`{base}`"), (label, f"`{base}`, `kv_checkpoint={every}`")):
             row = [share_cell(suite, shown, b, cells) for b in budgets]
             lines.append(f"| {name} | " + " | ".join(row) + " |")
@@ -112,7 +129,7 @@ def too_small_budgets(labels: dict[str, str], budgets: list[int], suite: Suite, 
     return " A `-` is an empty cell: " + "; ".join(reasons) + "." if reasons else ""
 
 
-def share_plot(suite: Suite, cells: list[Cell], labels: dict[str, str], path: Path) -> None:
+def share_plot(suite: Suite, cells: list[Cell], labels: dict[str, str], path: Path, title: str) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = plt.cm.tab20.colors
@@ -127,7 +144,7 @@ def share_plot(suite: Suite, cells: list[Cell], labels: dict[str, str], path: Pa
     ax.set_xticks(suite.budgets(), [str(b) for b in suite.budgets()])
     ax.set_xlabel("entries kept per layer and KV head (B)")
     ax.set_ylabel("share of the full cache's score, %")
-    ax.set_title("Quality suite: RULER niah_single_1 + passkey, 1k/2k/4k tokens")
+    ax.set_title(title)
     ax.legend(fontsize=7)
     fig.tight_layout()
     save(fig, path)
@@ -311,48 +328,88 @@ def allocation_part(data: DataDir) -> list[str]:
     return parts
 
 
+def per_task_table(suite: Suite, cells: list[Cell], labels: dict[str, str], budget: int) -> str:
+    """Every judged (task, length) cell at `budget` for the shown settings, `full` first, each with its mean, 95%
+    interval and answer count."""
+    rows = []
+    for name, setting in [("`full`", ("full", None))] + [(f"`{lb}`", (lb, budget)) for lb in sorted(labels.values())]:
+        have = suite.cells.get(setting, {})
+        if all(cell in have for cell in cells):
+            rows.append([name, *(cell_text(*have[cell]) for cell in cells)])
+    return table([f"B={budget}", *(f"{task} {k}k" for task, k in cells)], rows)
+
+
+def longest_table(suite: Suite, cells: list[Cell], labels: dict[str, str]) -> str:
+    """The shares at the longest prompts alone (the issue's goals are set at 4k tokens, where B=512 is 8x)."""
+    longest = max(k for _, k in cells)
+    at_longest = [cell for cell in cells if cell[1] == longest]
+    budgets = (256, 512)
+    rows = [
+        [f"`{label}`", *(share_cell(suite, label, b, at_longest) for b in budgets)]
+        for label in sorted(labels.values(), key=lambda lb: -(suite.ratio((lb, 512), at_longest) or 0))
+        if any(suite.ratio((label, b), at_longest) is not None for b in budgets)
+    ]
+    full_mean, full_n = suite.mean(("full", None), at_longest)
+    caption = f"At {longest}k tokens alone (`full` {full_mean:.3f}, n = {full_n}):"
+    return caption + "\n\n" + table(["setting", *(f"B={b} ({longest * 1024 // b}x)" for b in budgets)], rows)
+
+
 def section(data: DataDir, plots: Path, plot_link: str) -> str:
-    ruler, tasks = (data.load(name) for name in SUITE)
-    suite = Suite.from_rows(ruler.data + tasks.data)
+    sources = [data.load(name) for name in SUITE]
+    suite = Suite.from_rows([row for source in sources for row in source.data])
     cells = suite.judged_cells(FLOOR)
     labels = best_labels(suite, cells)
-    share_plot(suite, cells, labels, plots / "quality.png")
+    single = single_needle_cells(cells)
+    single_labels = best_labels(suite, single)
+    share_plot(suite, cells, labels, plots / "quality.png", "Quality suite, 1k/2k/4k tokens")
     ppl = data.load(PERPLEXITY)
     gate_ruler, gate_tasks = (data.load(name) for name in GATE)
     gate_rows = gate_ruler.data + gate_tasks.data
     gate_curve(gate_tasks.data, plots / "attention-gate.png")
     gate_ppl = data.load(GATE_PERPLEXITY)
     judged = ", ".join(sorted({task for task, _ in cells}))
-    unmeasured = [p for p in POLICY_NAMES if p not in labels and p not in ("full", "attention_gate")]
+    unjudged = sorted({task for task, _ in suite.full} - {task for task, _ in cells})
+    unmeasured = [p for p in POLICY_NAMES if p not in single_labels and p not in ("full", "attention_gate")]
     missing = (
         "Not in the suite yet (served, measured only on the older tasks in git history): "
         + ", ".join(f"`{p}`" for p in unmeasured)
         + "."
         if unmeasured
-        else "Every served policy is in the suite."
+        else "Every served policy is in the single-needle suite."
     )
     return "\n\n".join(
         [
             "## How much quality do I keep at 8x?",
             "Share of the full cache's score on the quality suite, by the entries each (layer, KV head) keeps (B); "
             "a 4k-token prompt at B=512 is 8x. Judged tasks are those where `full` scores at least "
-            f"{FLOOR} ({judged}); each (task, length) cell weighs the same. Each policy is shown with its best "
-            "measured setting (span, allocation, knobs); the bold cell leads its budget. Rebuild the verdict with "
-            f"`kvserve eval suite {' '.join(s.name for s in (ruler, tasks))} --by-task`.",
+            f"{FLOOR} ({judged}); each (task, length) cell weighs the same. Not judged, because `full` itself fails "
+            f"them on the default model: {', '.join(unjudged) or 'none'} (`kvserve/tools/eval/tasks.py` says how each "
+            "is built). Each policy is shown with its best measured setting (span, allocation, knobs); the bold cell "
+            "leads its budget; the bracket is a 95% interval (the cells' binomial spread). Rebuild the verdict with "
+            f"`kvserve eval suite {' '.join(s.name for s in sources)} --by-task`.",
             share_table(suite, cells, labels),
-            missing,
-            "Prompt checkpoints (`kv_checkpoint`, for chat turns that resume from compacted prefixes): "
+            longest_table(suite, cells, labels),
+            "Per task and length at B=256 and B=512 (mean [95% Wilson interval] and answers):",
+            per_task_table(suite, cells, labels, 256),
+            per_task_table(suite, cells, labels, 512),
+            "Prompt checkpoints (`kv_checkpoint`, for documents and chat turns that resume from compacted prefixes): "
             "`kv_checkpoint=turns` keeps on one prompt exactly what eager eviction keeps (tested), so the rows above "
-            "are its rows; `kv_checkpoint=C` compacts every C tokens with the queries before each checkpoint voting, "
-            "not once with the question's, and that costs:",
+            "are its rows; `kv_checkpoint=C` compacts every C tokens with only what came before each checkpoint "
+            "(the queries before it, or for `keydiff` the keys alone), not once with the question, and that costs:",
             checkpoint_table(suite, cells),
             f"![share of full against B]({plot_link}/quality.png)",
-            ruler.caption(),
-            tasks.caption(),
-            *fp8_part(data, suite, cells, labels),
+            *(source.caption() for source in sources),
+            "### The single-needle suite, every policy",
+            f"The first suite's tasks only ({', '.join(sorted({t for t, _ in single}))}), which every policy ran: "
+            "the broader suite above is the one that decides defaults, this one compares the policies not yet run "
+            "on it.",
+            share_table(suite, single, single_labels),
+            missing,
+            checkpoint_table(suite, single),
+            *fp8_part(data, suite, single, single_labels),
             "### Perplexity under eviction",
             "Two 2,048-token passages, eviction after every 256-token prefill chunk (lower is better).",
-            perplexity_table(ppl.data, labels),
+            perplexity_table(ppl.data, single_labels),
             ppl.caption(),
             "### Attention-Gate at its own keep ratio",
             "The gates decide per token and head what to keep, so they have no B. Each baseline "
