@@ -72,8 +72,9 @@ SERVES = """
 import subprocess, sys, time
 out = sys.argv[1]
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
-open(out + ".child", "w").write(str(child.pid))
-try:
+try:  # the pid is written inside: an interrupt that lands once the test can see it still kills the child
+    with open(out + ".child", "w") as pid_file:
+        pid_file.write(str(child.pid))
     time.sleep(600)
 finally:
     child.kill()

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     ruler.add_argument("--lengths", default="1024,2048,4096", help="RULER sequence lengths (prompt + answer)")
     ruler.add_argument("--samples", type=int, default=4, help="samples per task and length (the harness's limit)")
     ruler.add_argument("--concurrency", type=int, default=1, help="requests the harness keeps in flight")
-    tasks = commands.add_parser("tasks", help="multi-value, multi-query and passkey accuracy over pydoc prose")
+    tasks = commands.add_parser("tasks", help="passkey, fact, chat and multi-needle accuracy over pydoc prose")
     _common(tasks)
     tasks.add_argument("--tasks", default=",".join(TASKS), help=f"any of {', '.join(TASKS)}")
     tasks.add_argument("--lengths", default="1000,2000,4000", help="prompt lengths in tokens")
