@@ -150,14 +150,18 @@ def _fact(key: str, value: str) -> str:
     return f" The pass key of {key} is {value}. Remember it. {value} is the pass key of {key}. "
 
 
+def _one_of_facts(key: str, value: str) -> str:
+    return f" One pass key of {key} is {value}. Remember it. {value} is a pass key of {key}. "
+
+
 def _facts(
-    rng: random.Random, num_keys: int, values_per_key: int
+    rng: random.Random, num_keys: int, values_per_key: int, fact: Callable[[str, str], str] = _fact
 ) -> tuple[list[str], dict[str, list[str]], list[float]]:
-    """`num_keys` words with `values_per_key` distinct 4-digit codes each, at random depths. Returns (needles in key
-    order, codes by key in the same order, depths)."""
+    """`num_keys` words with `values_per_key` distinct 4-digit codes each, stated by `fact` at random depths.
+    Returns (needles in key order, codes by key in the same order, depths)."""
     keys = rng.sample(KEY_WORDS, num_keys)
     codes = {key: [str(code) for code in rng.sample(range(1000, 10000), values_per_key)] for key in keys}
-    needles = [_fact(key, code) for key in keys for code in codes[key]]
+    needles = [fact(key, code) for key in keys for code in codes[key]]
     return needles, codes, [rng.uniform(0.05, 0.95) for _ in needles]
 
 
@@ -174,10 +178,6 @@ def _chat(tokenizer, turns: list[str], answer_start: str) -> str:
 
 
 CHAT_TEMPLATE_TOKENS = 48  # what the chat template adds around the turns, left out of the haystack
-
-
-def _fact_document(tokenizer, length: int, needles: list[str], depths: list[float], question: str, seed: int) -> str:
-    return _embed(tokenizer, length - CHAT_TEMPLATE_TOKENS, needles, depths, FACTS_INTRO, question, seed)
 
 
 def _kv_facts(
@@ -197,9 +197,8 @@ def _kv_values(
     tokenizer, length: int, rng: random.Random, seed: int, values_per_key: int
 ) -> tuple[str, tuple[str, ...], float]:
     """One word with several codes, given at different depths; all of them are asked for."""
-    _, codes, depths = _facts(rng, 1, values_per_key)
+    needles, codes, depths = _facts(rng, 1, values_per_key, _one_of_facts)
     key, values = next(iter(codes.items()))
-    needles = [f" One pass key of {key} is {code}. Remember it. {code} is a pass key of {key}. " for code in values]
     question = f" What are all the pass keys of {key}?"
     prompt = _embed(tokenizer, length, needles, depths, FACTS_INTRO, f"{question} The pass keys of {key} are", seed)
     return prompt, tuple(values), depths[0]
@@ -212,7 +211,7 @@ def _chat_followup(
     user asks for one code in a second turn: the question is not in the turn that brought the facts."""
     needles, codes, depths = _facts(rng, num_keys, 1)
     key = next(iter(codes))
-    document = _fact_document(tokenizer, length, needles, depths, "", seed)
+    document = _embed(tokenizer, length - CHAT_TEMPLATE_TOKENS, needles, depths, FACTS_INTRO, "", seed)
     reply = "I have read the text and memorized the pass keys."
     question = f"What is the pass key of {key}?"
     return _chat(tokenizer, [document, reply, question], f"The pass key of {key} is"), (codes[key][0],), depths[0]

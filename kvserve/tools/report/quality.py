@@ -15,7 +15,7 @@ from kvserve.tools.eval.report import allocation_table
 from kvserve.tools.eval.suite import Cell, Suite, cell_text, length_group
 from kvserve.tools.report.markdown import table
 from kvserve.tools.report.plots import pyplot, save
-from kvserve.tools.report.sources import DataDir
+from kvserve.tools.report.sources import DataDir, Source
 
 SUITE = ("suite/ruler.jsonl", "suite/tasks.jsonl", "suite/broad.jsonl")
 # the tasks of the first suite, which every policy ran (the broader one adds multi-needle and chat tasks)
@@ -354,10 +354,16 @@ def longest_table(suite: Suite, cells: list[Cell], labels: dict[str, str]) -> st
     return caption + "\n\n" + table(["setting", *(f"B={b} ({longest * 1024 // b}x)" for b in budgets)], rows)
 
 
-def section(data: DataDir, plots: Path, plot_link: str) -> str:
+def load_suite(data: DataDir) -> tuple[list[Source], Suite, list[Cell]]:
+    """The quality suite's result files, their rows as one suite, and its judged cells (this section's and the
+    summary's)."""
     sources = [data.load(name) for name in SUITE]
     suite = Suite.from_rows([row for source in sources for row in source.data])
-    cells = suite.judged_cells(FLOOR)
+    return sources, suite, suite.judged_cells(FLOOR)
+
+
+def section(data: DataDir, plots: Path, plot_link: str) -> str:
+    sources, suite, cells = load_suite(data)
     labels = best_labels(suite, cells)
     single = single_needle_cells(cells)
     single_labels = best_labels(suite, single)

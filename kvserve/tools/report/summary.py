@@ -7,9 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvserve.config import BUILTIN_DEFAULTS, parse_kv_config
-from kvserve.tools.eval.suite import Suite
 from kvserve.tools.report.markdown import ratio, table
-from kvserve.tools.report.quality import FLOOR, SUITE, base_policy, best_labels, single_needle_cells
+from kvserve.tools.report.quality import base_policy, best_labels, load_suite, single_needle_cells
 from kvserve.tools.report.sources import DataDir
 from kvserve.tools.report.throughput import DECODE_HEAVY
 
@@ -28,14 +27,8 @@ def prefix_support(policy: str) -> str:
     return "publishes" if sharing.publishes else "neither"
 
 
-def share_at(suite: Suite, chosen: tuple[str, list, str], budget: int) -> float:
-    return suite.ratio((chosen[0], budget), chosen[1]) or 0.0
-
-
 def policy_table(data: DataDir) -> tuple[str, list]:
-    sources = [data.load(name) for name in SUITE]
-    suite = Suite.from_rows([row for source in sources for row in source.data])
-    cells = suite.judged_cells(FLOOR)
+    sources, suite, cells = load_suite(data)
     single = single_needle_cells(cells)
     # each policy on the whole suite where it ran there, else on the single-needle tasks every policy ran
     broad, on_single = best_labels(suite, cells), best_labels(suite, single)
