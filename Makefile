@@ -11,6 +11,8 @@ ARGS ?=
 
 setup: $(DEPS_STAMP)
 	@$(VENV)/bin/kvserve setup-model >/dev/null
+	@# kvserve's CPU attention kernel, compiled once for this machine (cached; the PyTorch path serves without it)
+	@$(PY) -c "from kvserve_kernels import cpu; cpu.available() or print('kvserve: CPU kernel not built:', cpu.build_error())"
 
 $(DEPS_STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

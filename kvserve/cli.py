@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
             "       kvserve bench crash ...          kill a server's engine: time to failing /health and exit\n"
             "       kvserve bench soak ...           engine memory over long evicting requests, per allocator\n"
             "       kvserve bench layouts ...        cache operations per CPU cache layout (vec, AMX), one process\n"
+            "       kvserve bench kernel ...         kvserve's CPU kernel against vLLM's attention op, one process\n"
             "       kvserve report [DATA] -o PAGE    rebuild the benchmarks page and its plots from the result files\n"
             "       kvserve setup-model            convert the default model once and print its folder"
         )

@@ -248,10 +248,34 @@ def test_layouts_bench_times_the_same_work_in_every_layout(tmp_path, monkeypatch
     rows = json.loads((tmp_path / "layouts.json").read_text())["results"]
     assert len(rows) == 4 and all(row[f"{name}_ms"] > 0 for row in rows for name in ("vec", "amx", "amx staged"))
     assert "| compaction |" in capsys.readouterr().out
-    product = AmxPages.page_logits
-    monkeypatch.setattr(AmxPages, "page_logits", lambda self, *args: product(self, *args) * 1.01)
+    keys = AmxPages.key_pages  # a wrong AMX decoder
+    monkeypatch.setattr(AmxPages, "key_pages", lambda self, ids: keys(self, ids) * 1.01)
     with pytest.raises(AssertionError, match="disagree"):
         layouts.main([*tiny, "--repeats", "1"])
+
+
+def test_kernel_bench_times_the_kernel_only_where_it_gives_vllms_output(tmp_path, monkeypatch, capsys):
+    """`kvserve bench kernel` checks the kernel's output against vLLM's op on the same rows before it times them: a
+    wrong kernel stops it instead of timing different work."""
+    import json
+
+    from kvserve_kernels import cpu as cpu_kernel
+
+    from kvserve.tools.bench import kernel
+
+    if not cpu_kernel.available():
+        pytest.skip(f"the CPU kernel did not build: {cpu_kernel.build_error()}")
+    kernel.main(["--tokens", "64", "--repeats", "1", "--out", str(tmp_path / "kernel.json")])
+    rows = json.loads((tmp_path / "kernel.json").read_text())["results"]
+    names = ("vllm", "kernel", "kernel_sums", "pytorch_sums")
+    assert len(rows) == 3 and all(row[f"{name}_ms"] > 0 for row in rows for name in names)
+    assert "| prefill, 64 queries of 1 request |" in capsys.readouterr().out
+    right = cpu_kernel.paged_attention
+    monkeypatch.setattr(
+        cpu_kernel, "paged_attention", lambda *a, **k: tuple(None if t is None else t * 1.1 for t in right(*a, **k))
+    )
+    with pytest.raises(AssertionError, match="not close"):
+        kernel.main(["--tokens", "64", "--repeats", "1"])
 
 
 def test_each_setting_runs_on_its_own_prefix_cache_salt(monkeypatch):

@@ -402,6 +402,39 @@ def test_one_product_for_all_decoding_requests_equals_each_request_alone(layout)
                 torch.testing.assert_close(got, want, **PROB_TOL)
 
 
+@pytest.mark.parametrize("layout", ["vec", "amx"])
+def test_folding_the_pass_statistics_equals_the_policys_own_update(layout, monkeypatch):
+    """A decode step of H2O, EMS or MAT adds the pass's numbers to the running statistic without building an
+    observation (`fold_pass_statistics`); the statistics are those `update_stats` computes through one."""
+    from kvserve.worker import eviction
+    from kvserve.worker.step import StepContext
+
+    folds = []
+    fold = eviction.fold_pass_statistics
+    monkeypatch.setattr(eviction, "fold_pass_statistics", lambda *args: folds.append(args) or fold(*args))
+
+    def run_step() -> list:
+        torch.manual_seed(7)
+        plans, cache, query = decoding_plans(layout)
+        for plan in plans:  # what earlier steps left: one entry short of this step's lists
+            width = int(plan.state.pages.lens[0].max()) - 1
+            plan.state.layer(0).stats = {name: torch.rand(3, width) for name in plan.state.policy.stat_names}
+        tables = {plan.req_id: plan.table(0) for plan in plans}
+        step = StepContext(pages=None, rows=plans)
+        eviction.after_attention(step, 0, query, cache, tables, DIM**-0.5, torch.empty_like(query))
+        return plans
+
+    folded = run_step()
+    assert len(folds) == 3
+    monkeypatch.setattr(eviction, "fold_pass_statistics", lambda *args: None)
+    observed = run_step()
+    for with_fold, without in zip(folded, observed, strict=True):
+        want, got = without.state.layer(0).stats, with_fold.state.layer(0).stats
+        assert want.keys() == got.keys() and want
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], **PROB_TOL)
+
+
 @pytest.mark.parametrize("cache", sorted(FP8_FORMATS))
 def test_the_fp8_codec_stores_what_vllms_writer_stores(cache):
     """Encoding is vLLM's writer's (rounding toward zero, saturating), decoding gives the value times the scale;

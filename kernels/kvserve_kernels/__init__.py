@@ -1,4 +1,4 @@
-"""kvserve's GPU kernels (Triton), each with a PyTorch reference: `kvserve_kernels` (the folder is `kernels/`).
+"""kvserve's kernels, each with a PyTorch reference: `kvserve_kernels` (the folder is `kernels/`). Triton for GPUs:
 
 - `decode_attention.decode_attention_with_scores`: paged decode attention that also accumulates H2O scores, writes
   TOVA's last-query probabilities and MAT's first-key logits in the same pass.
@@ -8,6 +8,8 @@
   statistics rows.
 - `reference`: the PyTorch versions (also kvserve's CPU path); `layout`: the vLLM cache layout targeted.
 - `bench`: `python -m kvserve_kernels.bench` on a GPU.
+- `cpu`: the CPU kernel (C++, built on first use): paged attention over kvserve's page lists in vLLM's CPU cache
+  formats with the statistics (column sums, first logits, a gain, Attention-Gate's mask) from the same logits.
 
 Importing this package does not import Triton; the kernel modules do.
 """

@@ -12,7 +12,6 @@ prefill (`past` carries its K'/V').
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -72,10 +71,13 @@ class LayerGate(nn.Module):
         if past is not None:
             k = torch.cat([past.keys, k], dim=2)
             v = torch.cat([past.values, v], dim=2)
-        seen = k.shape[2] - n
-        visible = torch.arange(k.shape[2])[None, :] <= torch.arange(n)[:, None] + seen  # causal, after the past
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(dim)
-        mixed = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
+        # causal, after the past; PyTorch's fused attention (1/sqrt(dim) scaling) never stores the [n, n] scores
+        if past is None:
+            mixed = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            seen = k.shape[2] - n
+            visible = torch.arange(k.shape[2])[None, :] <= torch.arange(n)[:, None] + seen
+            mixed = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
         logits = self.out(mixed.transpose(1, 2).reshape(batch, n, heads * dim))
         return logits, GatePast(k, v)
 

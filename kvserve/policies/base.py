@@ -164,6 +164,13 @@ class Policy:
 
     name: ClassVar[str]
     stat_names: ClassVar[tuple[str, ...]] = ()  # running statistics this policy keeps (see update_stats)
+    # the statistic that is each entry's attention summed over every query so far (H2O's accumulated attention):
+    # update_stats adds the step's column sums to it, which the engine may do from the attention pass's own sums
+    # without building an observation
+    running_sum: ClassVar[str | None] = None
+    # the statistic that holds, per entry, the logit of that entry's own query to entry 0, averaged over the KV head's
+    # query heads (MAT's anchor logit): update_stats writes the step's first logits into the newest entries
+    first_logit_mean: ClassVar[str | None] = None
     # True: the policy decides each head's count itself (heads keep different counts: "ragged"); kv_budget, then
     # optional, only caps the counts
     ragged: ClassVar[bool] = False
@@ -208,7 +215,14 @@ class Policy:
         self, obs: LayerObservation, queries: torch.Tensor, query_positions: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         """Fold one step's queries [q, H*G, D] into the statistics; `obs.stats` are zero-padded to n entries."""
-        return obs.stats
+        stats = dict(obs.stats)
+        if self.running_sum is not None:
+            stats[self.running_sum] = stats[self.running_sum] + obs.step_column_sums(queries, query_positions)
+        if self.first_logit_mean is not None:
+            stats[self.first_logit_mean] = newest_first_logits(
+                stats[self.first_logit_mean].clone(), obs.step_first_logits(queries), obs.num_heads
+            )
+        return stats
 
     def keep_indices(self, obs: LayerObservation, budget: int) -> torch.Tensor:
         """Cache indices to keep, [H, budget], ascending per head."""
@@ -289,3 +303,11 @@ class ScoredPolicy(Policy):
         if padding is not None:
             protected = protected & ~padding
         return top_with_protected(self.score(obs), protected, budget, padding)
+
+
+def newest_first_logits(stat: torch.Tensor, first_logits: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """A `first_logit_mean` statistic [H, n] (zero-padded to the lists' longest length) with its newest q entries
+    set, in place, from this step's first logits [q, H*G] averaged over each KV head's query heads."""
+    count = first_logits.shape[0]
+    stat[:, stat.shape[1] - count :] = first_logits.reshape(count, num_heads, -1).mean(dim=-1).T
+    return stat

@@ -31,6 +31,7 @@ class EMS(Policy):
     tau: float = knob(0.6, "merge threshold on R", minimum=0.0, maximum=1.0)
     gamma: float = knob(4.0, "(B + N_tbm) / B: how many tokens are considered for merging", minimum=1.0)
     stat_names = ("attention_sum",)
+    running_sum = "attention_sum"
     pass_statistics = ("column_sums", "window_sums")
 
     def protected_tokens(self) -> int:
@@ -38,9 +39,6 @@ class EMS(Policy):
 
     def window_size(self) -> int:
         return self.window
-
-    def update_stats(self, obs: LayerObservation, queries: torch.Tensor, query_positions: torch.Tensor):
-        return {"attention_sum": obs.stats["attention_sum"] + obs.step_column_sums(queries, query_positions)}
 
     def global_local(self, obs: LayerObservation) -> tuple[torch.Tensor, torch.Tensor]:
         s_glo = obs.stats["attention_sum"].float()

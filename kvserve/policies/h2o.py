@@ -16,13 +16,11 @@ class H2O(ScoredPolicy):
     name = "h2o"
     recent: int = knob(32, "most recent tokens always kept", minimum=0)
     stat_names = ("attention_sum",)
+    running_sum = "attention_sum"
     pass_statistics = ("column_sums",)
 
     def protected_tokens(self) -> int:
         return self.recent
-
-    def update_stats(self, obs: LayerObservation, queries: torch.Tensor, query_positions: torch.Tensor):
-        return {"attention_sum": obs.stats["attention_sum"] + obs.step_column_sums(queries, query_positions)}
 
     def protected_mask(self, obs: LayerObservation) -> torch.Tensor:
         return recent_mask(obs, self.recent)

@@ -27,17 +27,11 @@ class MAT(Policy):
         0.25, "beta / budget: share of the budget for anchors in deep layers", minimum=0.0, maximum=1.0
     )
     stat_names = ("anchor_logit",)
+    first_logit_mean = "anchor_logit"  # entry 0 is token 0 (always kept)
     pass_statistics = ("first_logits",)
 
     def protected_tokens(self) -> int:
         return self.sink_tokens
-
-    def update_stats(self, obs: LayerObservation, queries: torch.Tensor, query_positions: torch.Tensor):
-        # entry 0 is token 0 (always kept); average each KV head's query heads: [H, q]
-        logits = obs.step_first_logits(queries).reshape(queries.shape[0], obs.num_heads, -1).mean(dim=-1).T
-        stats = obs.stats["anchor_logit"].clone()
-        stats[:, obs.num_tokens - queries.shape[0] :] = logits  # this step's tokens are the newest entries
-        return {"anchor_logit": stats}
 
     def anchors(self, budget: int) -> int:
         return max(1, int(budget * self.anchor_fraction))

@@ -7,15 +7,20 @@ request), one KV head, the G query heads of that KV head (`kvserve/worker/step.p
 bit-identical to the normal one for requests that do not evict (`tests/test_head_pages.py`), and lets each
 (layer, head) of an evicting request keep its own count in its own pages.
 
-The stock kernel returns no probabilities, so the statistics a policy needs are computed right after it from the
-pages the kernel just read (only for evicting requests, only the rows a policy needs). Compaction happens here too,
-after this layer's attention for the step is done, so the step's output is unaffected and the next step reads the
+The stock kernel returns no probabilities. The rows of requests whose policy reads statistics of every step's
+queries (H2O and EMS their column sums, MAT its first logits) are therefore computed by kvserve's CPU kernel instead
+(`kvserve_kernels.cpu`, routed by `kvserve/worker/fused.py`): output and statistics from one pass over their pages,
+while vLLM's op computes the other rows. Statistics needed only at a compaction (SnapKV's and AhaKV's windows, TOVA's
+last query) are measured right after, from the pages the step just read, by the same kernel without the output (or
+page-wise PyTorch where the kernel does not read the cache: fp8, or no compiler). Compaction happens here too, after
+this layer's attention for the step is done, so the step's output is unaffected and the next step reads the
 compacted lists.
 """
 
 from __future__ import annotations
 
 import torch
+from kvserve_kernels import cpu as cpu_kernel
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.v1.attention.backend import AttentionType
@@ -23,7 +28,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
 from kvserve import phases
 from kvserve.vllm.model import layer_index, pages_this_layer
-from kvserve.worker import layouts
+from kvserve.worker import fused, layouts
 from kvserve.worker.eviction import after_attention, pseudo_queries, relocate_protected
 from kvserve.worker.step import StepPages, current_step
 
@@ -58,6 +63,8 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         )
         self.paged = pages_this_layer(self, "KVSERVE_ATTENTION=vllm", kv_sharing_target_layer_name)
         self._layout: layouts.CachePages | None = None
+        if self.paged and cpu_kernel.enabled():
+            cpu_kernel.load()  # built or loaded at start-up (once per process), not at the first request that needs it
 
     def do_kv_cache_update(
         self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -94,42 +101,87 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         pages = step.pages
         layer_idx = layer_index(layer, pages.layout)
         tokens = pages.num_tokens
+        cache = self._cache_pages(pages.pages, layer) if step.rows else None
+        measured = None
         with phases.timed("attention"):
             rows = pseudo_queries(query[:tokens], self.num_kv_heads)
             out_rows = torch.empty_like(rows)
-            page_keys, page_values = split_pages(pages)
-            ops.cpu_attention_with_kv_cache(
-                query=rows,
-                key_cache=page_keys,
-                value_cache=page_values,
-                output=out_rows,
-                query_start_loc=pages.query_start_loc,
-                seq_lens=pages.seq_lens[layer_idx],
-                scale=self.scale,
-                causal=True,
-                alibi_slopes=None,
-                sliding_window=-1,
-                block_table=pages.tables[layer_idx],
-                softcap=self.logits_soft_cap,
-                scheduler_metadata=pages.metadata(layer_idx, self._metadata_builder(layer, query, pages)),
-                s_aux=None,
-                dynamic_causal=None,
-                k_scale=layer._k_scale_float,
-                v_scale=layer._v_scale_float,
-                kv_cache_dtype=self.kv_cache_dtype,
-            )
+            split = step.memo("fused", lambda: fused.plan_split(step, self.num_kv_heads)) if cache else None
+            if split is not None and cache.uses_kernel():  # these rows' attention and statistics in one pass
+                measured = split.run(
+                    layer_idx,
+                    query[:tokens],
+                    rows,
+                    out_rows,
+                    cache,
+                    self.scale,
+                    lambda *part: self._vllm_attention(layer, query, pages, layer_idx, *part, part="unfused"),
+                )
+            else:
+                self._vllm_attention(
+                    layer,
+                    query,
+                    pages,
+                    layer_idx,
+                    rows,
+                    out_rows,
+                    pages.query_start_loc,
+                    pages.seq_lens[layer_idx],
+                    pages.tables[layer_idx],
+                )
             output[:tokens] = (
                 out_rows.view(self.num_kv_heads, tokens, -1, self.head_size)
                 .transpose(0, 1)
                 .reshape(output[:tokens].shape)
             )
         if step.rows:
-            self._evict(step, layer, layer_idx, query, output)
+            self._evict(step, layer, layer_idx, query, output, cache, measured)
         return output
 
-    def _metadata_builder(self, layer, query: torch.Tensor, pages: StepPages):
+    def _vllm_attention(
+        self,
+        layer,
+        query: torch.Tensor,
+        pages: StepPages,
+        layer_idx: int,
+        rows: torch.Tensor,
+        out_rows: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        part: str = "all",
+    ) -> None:
+        """vLLM's CPU attention op on pseudo rows (`part` names which, for the work partition it reuses)."""
+        page_keys, page_values = split_pages(pages)
+        metadata = pages.metadata(
+            layer_idx,
+            self._metadata_builder(layer, query, query_start_loc),
+            seq_lens=None if part == "all" else seq_lens,
+            part=part,
+        )
+        ops.cpu_attention_with_kv_cache(
+            query=rows,
+            key_cache=page_keys,
+            value_cache=page_values,
+            output=out_rows,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            scale=self.scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=block_table,
+            softcap=self.logits_soft_cap,
+            scheduler_metadata=metadata,
+            s_aux=None,
+            dynamic_causal=None,
+            k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+
+    def _metadata_builder(self, layer, query: torch.Tensor, query_start_loc: torch.Tensor):
         group = self.num_heads // self.num_kv_heads
-        rows_start = pages.query_start_loc
 
         def build(seq_lens: torch.Tensor):
             return ops.cpu_attn_get_scheduler_metadata(
@@ -139,7 +191,7 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
                 head_dim=self.head_size,
                 seq_lens=seq_lens,
                 dtype=query.dtype,
-                query_start_loc=rows_start,
+                query_start_loc=query_start_loc,
                 causal=True,
                 sliding_window_size=-1,
                 isa=layer.isa,
@@ -149,11 +201,10 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
 
         return build
 
-    def _evict(self, step, layer, layer_idx: int, query: torch.Tensor, output: torch.Tensor) -> None:
-        cache = self._cache_pages(step.pages.pages, layer)
+    def _evict(self, step, layer, layer_idx: int, query: torch.Tensor, output: torch.Tensor, cache, measured) -> None:
         relocate_protected(step, layer_idx, cache)
         tables = {plan.req_id: plan.table(layer_idx) for plan in step.rows}
-        after_attention(step, layer_idx, query, cache, tables, self.scale, output)
+        after_attention(step, layer_idx, query, cache, tables, self.scale, output, measured=measured)
 
     def _cache_pages(self, pages: torch.Tensor, layer) -> layouts.CachePages:
         """The page view in the layout vLLM picked for this layer (its ISA, fixed at engine start), read through

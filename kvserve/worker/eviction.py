@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from kvserve import phases
 from kvserve.metrics import metrics
 from kvserve.policies import LayerObservation, Policy, Selection
-from kvserve.policies.base import PassStatistics
+from kvserve.policies.base import PassStatistics, newest_first_logits
 from kvserve.worker import allocated
 from kvserve.worker.gated import gated_layer_step
 from kvserve.worker.layouts import CachePages
@@ -125,6 +125,11 @@ def _evict(
         _record_window(layer, queries, plan, window)
     if not policy.stat_names and plan.compaction is None:
         return
+    if plan.compaction is None and given is not None:  # a decode step of H2O, EMS or MAT: one operation
+        folded = fold_pass_statistics(policy, layer.stats, given, int(plan.state.pages.lens[layer_idx].max()))
+        if folded is not None:
+            layer.stats = folded
+            return
     lengths = plan.lengths(layer_idx)
     obs = _observe(plan, layer, layer_idx, cache, lengths, scale)
     obs.measured = measure_pass(
@@ -227,6 +232,24 @@ def _move(
     counts = counts.long().cpu()
     layer.kept_counts = None if bool((counts == width).all()) else counts
     plan.state.pages.shrink(layer_idx, counts.numpy())
+
+
+def fold_pass_statistics(
+    policy: Policy, stats: dict[str, torch.Tensor], given: PassStatistics, width: int
+) -> dict[str, torch.Tensor] | None:
+    """`update_stats` without an observation, for a policy whose one statistic the attention pass's numbers update
+    directly (`running_sum`: plus the column sums; `first_logit_mean`: the newest entries' first logits), with the
+    lists' longest length `width`. None when the policy's statistics need the observation."""
+    (name,) = policy.stat_names if len(policy.stat_names) == 1 else (None,)
+    if name is None:
+        return None
+    old = stats.get(name)
+    padded = torch.zeros(0, 0) if old is None else F.pad(old, (0, width - old.shape[1]))
+    if name == policy.running_sum and given.column_sums is not None:
+        return {name: given.column_sums.float().clone() if old is None else padded + given.column_sums}
+    if name == policy.first_logit_mean and given.first_logits is not None and old is not None:
+        return {name: newest_first_logits(padded, given.first_logits, padded.shape[0])}
+    return None
 
 
 def _reads_entries(policy: Policy, measured: PassStatistics) -> bool:

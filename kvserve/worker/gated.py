@@ -5,12 +5,16 @@ Each (layer, KV head) list holds only what its gate kept, so vLLM's kernel alrea
 except within the prompt, where a token the gate flagged out is hidden from every later query at once (Eq. 4/7 of
 "In-context KV-Cache Eviction for LLMs via Attention-Gate", arXiv:2410.12876) but stays in the list until the
 prompt's compaction. Only then are the request's output rows recomputed here with the mask: a query sees an entry if
-it is its own token, or an earlier token that is valid for that KV head.
+it is its own token, or an earlier token that is valid for that KV head (kvserve's CPU kernel applies the mask to its
+logits in one pass over the pages; `masked_attention` is the PyTorch path where the kernel does not read the cache).
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
+from kvserve_kernels import cpu as cpu_kernel
 
 from kvserve.metrics import metrics
 from kvserve.worker.layouts import CachePages
@@ -70,10 +74,56 @@ def gated_layer_step(
     table: torch.Tensor,
     scale: float,
 ) -> None:
+    """After the layer's attention: gate a prompt chunk and recompute its output with the mask (unless the attention
+    pass did both, `prompt_attention`), then compact at the planned compaction."""
+    lengths = plan.lengths(layer_idx).long()
+    if layer_idx not in plan.gated_layers:
+        valid = gate_chunk(plan, layer, layer_idx, queries, lengths)
+        inside = torch.arange(valid.shape[1])[None, :] < lengths[:, None]
+        if not bool(valid[inside].all()):  # every entry visible: the pass's output is already the masked attention
+            attended = attend(plan, layer, queries, cache, table, scale, lengths, valid)
+            output[plan.query_start : plan.query_end] = attended.to(output.dtype)
+    if plan.compaction is None:
+        return
+    state = plan.state
+    valid = valid_mask(layer, lengths)
+    positions = layer.positions(lengths, state.since)
+    keep, counts = state.policy.ragged_keep(valid, plan.compaction.keep_tokens)
+    cache.compact(table, keep, counts)
+    kept_here = torch.arange(keep.shape[1])[None, :] < counts[:, None]
+    layer.kept_positions = positions.gather(1, keep).masked_fill(~kept_here, -1)
+    layer.kept_counts = counts.long()
+    layer.valid = None  # what is left was kept: all valid
+    state.pages.shrink(layer_idx, counts.numpy())
+
+
+def in_prompt_chunk(plan) -> bool:
+    """This step's queries start inside the prompt: the gate judges them."""
+    return plan.state.gate is not None and plan.logical_len - (plan.query_end - plan.query_start) < (
+        plan.state.gate.prompt_len
+    )
+
+
+def prompt_attention(
+    plan, layer, layer_idx: int, queries: torch.Tensor, cache: CachePages, table: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """In the attention pass, instead of vLLM's op: gate the prompt chunk (the gate's time counts as the request's
+    eviction work) and attend with the mask, one kernel pass. Returns the output rows [q, Hq, D]; the eviction step
+    after the pass then only compacts."""
+    lengths = plan.lengths(layer_idx).long()
+    start = time.perf_counter()
+    valid = gate_chunk(plan, layer, layer_idx, queries, lengths)
+    plan.eviction_seconds += time.perf_counter() - start
+    plan.gated_layers.add(layer_idx)
+    return attend(plan, layer, queries, cache, table, scale, lengths, valid)
+
+
+def gate_chunk(plan, layer, layer_idx: int, queries: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The layer's validity [H, max(lengths)] after this step: a prompt chunk's tokens as its gate flags them
+    (stored in `layer.valid`), otherwise as it was."""
     state = plan.state
     runtime = state.gate
     query_positions = plan.query_positions()
-    lengths = plan.lengths(layer_idx).long()
     valid = valid_mask(layer, lengths)
     in_prompt = query_positions < runtime.prompt_len
     recent = runtime.gates.hyper.recent
@@ -91,21 +141,35 @@ def gated_layer_step(
         layer.valid = valid
         if not bool(in_prompt[-1]) or int(query_positions[-1]) + 1 == runtime.prompt_len:
             layer.gate_past = None  # the gate does not run in decode
-    positions = layer.positions(lengths, state.since)
-    inside = torch.arange(valid.shape[1])[None, :] < lengths[:, None]
-    if not bool(valid[inside].all()):  # every entry visible: vLLM's output is already the masked attention
+    return valid
+
+
+def attend(
+    plan,
+    layer,
+    queries: torch.Tensor,
+    cache: CachePages,
+    table: torch.Tensor,
+    scale: float,
+    lengths: torch.Tensor,
+    valid: torch.Tensor,
+) -> torch.Tensor:
+    """The step's queries [q, Hq, D] attending with the per-head mask `valid`: [q, Hq, D] in float32 or the queries'
+    dtype."""
+    query_positions = plan.query_positions()
+    positions = layer.positions(lengths, plan.state.since)
+    recent = plan.state.gate.gates.hyper.recent
+    if not cache.uses_kernel():
         keys, values = cache.read_lists(table, lengths)
-        attended = masked_attention(queries, query_positions, keys, values, positions, valid, scale, recent)
-        output[plan.query_start : plan.query_end] = attended.to(output.dtype)
-    if plan.compaction is None:
-        return
-    keep, counts = state.policy.ragged_keep(valid, plan.compaction.keep_tokens)
-    cache.compact(table, keep, counts)
-    kept_here = torch.arange(keep.shape[1])[None, :] < counts[:, None]
-    layer.kept_positions = positions.gather(1, keep).masked_fill(~kept_here, -1)
-    layer.kept_counts = counts.long()
-    layer.valid = None  # what is left was kept: all valid
-    state.pages.shrink(layer_idx, counts.numpy())
+        return masked_attention(queries, query_positions, keys, values, positions, valid, scale, recent)
+    num_heads, count = lengths.shape[0], queries.shape[0]
+    rows = queries.view(count, num_heads, -1, queries.shape[-1]).transpose(0, 1)  # [H, q, G, D]
+    attended, _, _ = cpu_kernel.paged_attention(
+        rows, cache.pages, cache.kernel_format, table, lengths, scale,
+        valid=valid, key_positions=positions, query_positions=query_positions.expand(num_heads, -1),
+        recent=recent, sums=False,
+    )  # fmt: skip
+    return attended.transpose(0, 1).reshape(count, -1, queries.shape[-1])
 
 
 def _count_gate_decisions(model_layer: int, flags: torch.Tensor) -> None:

@@ -33,14 +33,15 @@ class StepPages:
     query_start_loc: torch.Tensor  # [H * R + 1] int32 (the same for every layer)
     slots: torch.Tensor  # [L, T * H] int64 page-view slot of each (token, head) this step writes, -1: none
     same_lens: bool  # every layer has the same seq_lens: one scheduler metadata serves all layers
-    _metadata: dict[int, object] = field(default_factory=dict)
+    _metadata: dict[tuple[str, int], object] = field(default_factory=dict)
 
-    def metadata(self, layer_idx: int, build) -> object:
-        """vLLM's attention work partition for this layer's pseudo rows (it embeds the lengths, so layers whose
-        lists differ need their own); `build(seq_lens)` makes one."""
-        key = 0 if self.same_lens else layer_idx
+    def metadata(self, layer_idx: int, build, seq_lens: torch.Tensor | None = None, part: str = "all") -> object:
+        """vLLM's attention work partition for this layer's pseudo rows, or for the `part` of them whose lengths are
+        `seq_lens` (it embeds the lengths, so layers whose lists differ need their own); `build(seq_lens)` makes
+        one."""
+        key = (part, 0 if self.same_lens else layer_idx)
         if key not in self._metadata:
-            self._metadata[key] = build(self.seq_lens[layer_idx])
+            self._metadata[key] = build(self.seq_lens[layer_idx] if seq_lens is None else seq_lens)
         return self._metadata[key]
 
 
@@ -59,6 +60,8 @@ class RowPlan:
     failure: str | None = None  # the policy raised: the request fails, the rest of the batch goes on
     # kv_allocation=global: this step's layers waiting for the last one, which ranks them all together
     deferred: list = field(default_factory=list)
+    # attention_gate: layers whose prompt chunk the attention pass already gated and attended with the mask
+    gated_layers: set[int] = field(default_factory=set)
 
     def lengths(self, layer_idx: int) -> torch.Tensor:
         """[H] entries of each of the layer's lists after this step's writes."""
@@ -77,6 +80,13 @@ class RowPlan:
 class StepContext:
     pages: StepPages
     rows: list[RowPlan]
+    _memo: dict[str, object] = field(default_factory=dict)
+
+    def memo(self, key: str, make):
+        """What `make()` returns, computed once per step (the first layer that asks) and shared by all layers."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def compacts(self) -> bool:
         return any(plan.compaction is not None and plan.failure is None for plan in self.rows)

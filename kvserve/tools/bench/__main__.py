@@ -1,5 +1,5 @@
-"""`python -m kvserve.tools.bench {capacity,overhead}` (also `kvserve bench ...`; `chat`, `load`, `soak`, `crash` and
-`layouts` have modules and options of their own): kvserve against vanilla vLLM, one run.
+"""`python -m kvserve.tools.bench {capacity,overhead}` (also `kvserve bench ...`; `chat`, `load`, `soak`, `crash`,
+`layouts` and `kernel` have modules and options of their own): kvserve against vanilla vLLM, one run.
 
 The benchmark starts each server itself with the same engine flags (vanilla with vLLM's plugins off), sends the same
 workload (N prompts of haystack text at once, streamed, `ignore_eos` so every request makes exactly --max-tokens),
@@ -227,6 +227,10 @@ def main(argv: list[str] | None = None) -> None:
         from kvserve.tools.bench.layouts import main as layouts_main
 
         return layouts_main(argv[1:])
+    if argv[:1] == ["kernel"]:  # kvserve/tools/bench/kernel.py: one process, no server
+        from kvserve.tools.bench.kernel import main as kernel_main
+
+        return kernel_main(argv[1:])
     if argv[:1] == ["crash"]:  # kvserve/tools/bench/crash.py
         from kvserve.tools.bench.crash import main as crash_main
 
@@ -261,6 +265,12 @@ def main(argv: list[str] | None = None) -> None:
         default="vllm",
         help="kvserve's attention mode (KVSERVE_ATTENTION): vLLM's CPU kernel then kvserve's "
         "statistics, or kvserve's own kernel operations for both",
+    )
+    parser.add_argument(
+        "--cpu-kernel",
+        choices=("on", "off"),
+        default="on",
+        help="kvserve's C++ attention-and-statistics kernel (KVSERVE_CPU_KERNEL), or the PyTorch path it replaces",
     )
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument(
@@ -319,7 +329,11 @@ def main(argv: list[str] | None = None) -> None:
         "max_tokens": args.max_tokens,
     }
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as log_dir:
-        env = {"VLLM_CPU_KVCACHE_SPACE": args.kv_space_gib, "KVSERVE_ATTENTION": args.attention}  # vanilla: no plugin
+        env = {  # vanilla has no plugin: only the cache space applies to it
+            "VLLM_CPU_KVCACHE_SPACE": args.kv_space_gib,
+            "KVSERVE_ATTENTION": args.attention,
+            "KVSERVE_CPU_KERNEL": "1" if args.cpu_kernel == "on" else "0",
+        }
         servers = [("vanilla", "vanilla", engine_args, [Setting("full", None)])]
         if args.command == "capacity" and args.ceiling:
             unlimited = args.prompts * -(-(args.prompt_tokens + args.max_tokens) // args.block_size)

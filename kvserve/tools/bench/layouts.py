@@ -45,7 +45,8 @@ class StagedAmx:
         self.amx.store_pages(self.source, self.cache.key_pages(ids), self.cache.value_pages(ids))
 
 
-def _timed(run: Callable[[], object], repeats: int) -> float:
+def timed(run: Callable[[], object], repeats: int) -> float:
+    """Seconds per call of `run`, over `repeats` calls after one warm-up call."""
     run()  # warm-up
     start = time.perf_counter()
     for _ in range(repeats):
@@ -123,9 +124,9 @@ def measure(
             raise AssertionError(f"{op}: the layouts disagree; the timings would compare different work")
         vec_pages, amx_copy = vec.pages.clone(), amx_pages.clone()
         times = {
-            "vec": _timed(lambda op=op, pages=vec_pages: on_layout(VecPages(pages), op, tables), repeats),
-            "amx": _timed(lambda op=op, pages=amx_copy: on_layout(AmxPages(pages), op, tables), repeats),
-            "amx staged": _timed(lambda op=op, pages=amx_copy: staged(op, pages), repeats),
+            "vec": timed(lambda op=op, pages=vec_pages: on_layout(VecPages(pages), op, tables), repeats),
+            "amx": timed(lambda op=op, pages=amx_copy: on_layout(AmxPages(pages), op, tables), repeats),
+            "amx staged": timed(lambda op=op, pages=amx_copy: staged(op, pages), repeats),
         }
         results.append({"operation": op, **{f"{name}_ms": 1000 * seconds for name, seconds in times.items()}})
     return results

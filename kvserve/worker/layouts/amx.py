@@ -22,6 +22,7 @@ TILE_PRODUCT_MAX_QUERIES = 16
 
 class AmxPages(CachePages):
     name = "amx"
+    kernel_format = "amx"
 
     def __init__(self, pages: torch.Tensor) -> None:
         super().__init__(pages)

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
+from kvserve_kernels import cpu as cpu_kernel
 
 from kvserve.worker.pages import copy_pages
 
@@ -28,11 +29,25 @@ class CachePages(ABC):
     """One page view and the operations on its page lists. Construction is cheap (views only)."""
 
     name: str  # the layout, as logs and tests call it
+    kernel_format: str | None = None  # how kvserve's CPU kernel names this page format (None: it does not read it)
 
     def __init__(self, pages: torch.Tensor) -> None:
         self.pages = pages  # [P, 1, bs, 2 * D] in this layout's format
         self.block_size = pages.shape[2]
         self.head_size = pages.shape[3] // 2
+        self._kernel: bool | None = None
+
+    def uses_kernel(self) -> bool:
+        """Whether kvserve's CPU kernel (`kvserve_kernels.cpu`) reads these pages: attention and statistics in one
+        C++ pass instead of the page-wise PyTorch below. Decided once per view (it builds the kernel if needed)."""
+        if self._kernel is None:
+            self._kernel = self.kernel_format is not None and cpu_kernel.supports(self.pages, self.kernel_format)
+        return self._kernel
+
+    def pytorch_only(self) -> CachePages:
+        """These pages read by the page-wise PyTorch path alone (what the kernel replaced: benchmarks compare them)."""
+        self._kernel = False
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -97,6 +112,20 @@ class CachePages(ABC):
         list index lengths[r] - Q + i and sees entries up to it). `logit_scale` [R, Q] multiplies a query's logits
         (AhaKV's step gain). With `first_logits`, also each query's logit to entry 0: [R, Q * G] (query-major).
         """
+        if self.uses_kernel():
+            float_queries = queries.to(self.device).float()  # the statistics read fp32 queries, as below
+            _, sums, firsts = cpu_kernel.paged_attention(
+                float_queries,
+                self.pages,
+                self.kernel_format,
+                tables,
+                lengths,
+                scale,
+                gain=logit_scale,
+                output=False,
+                first_logits=first_logits,
+            )
+            return sums, firsts
         num_rows, num_queries, group, dim = queries.shape
         width = int(lengths.max())
         ids = self.page_ids(tables, width)

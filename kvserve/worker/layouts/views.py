@@ -74,6 +74,7 @@ class VecPages(ViewPages):
     """vLLM's CPU layout with ISA "vec" (every CPU dtype except bf16 on a CPU with AMX tiles)."""
 
     name = "vec"
+    kernel_format = "vec"
 
     def __init__(self, pages: torch.Tensor) -> None:
         super().__init__(pages, cpu_views(pages))
