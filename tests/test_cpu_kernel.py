@@ -10,8 +10,8 @@ import torch
 from cache_writers import write
 from kvserve_kernels import cpu as cpu_kernel
 from kvserve_kernels.reference import decode_attention_reference, prefill_attention_reference
-from vllm import _custom_ops as ops
 
+from kvserve.tools.bench.kernel import vllm_attention
 from kvserve.worker.gated import masked_attention
 from kvserve.worker.layouts import AmxPages, VecPages
 
@@ -92,21 +92,7 @@ def test_output_matches_vllms_attention_op(dtype, num_queries):
     pages, tables, _ = pool("vec", dtype, block, lengths, seed=4)
     queries = torch.randn(len(lengths), num_queries, group, DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
     out, _, _ = cpu_kernel.paged_attention(queries, pages, "vec", tables, lengths, SCALE, sums=False)
-    starts = torch.arange(len(lengths) + 1, dtype=torch.int32) * num_queries
-    seq_lens = lengths.to(torch.int32)
-    metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=len(lengths), num_heads=group, num_kv_heads=1, head_dim=DIM, seq_lens=seq_lens, dtype=dtype,
-        query_start_loc=starts, causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False,
-        kv_cache_dtype="auto",
-    )  # fmt: skip
-    key_pages, value_pages = pages.view(pages.shape[0], 1, 2 * block, DIM).chunk(2, dim=2)
-    want = torch.empty(len(lengths) * num_queries, group, DIM, dtype=dtype)
-    ops.cpu_attention_with_kv_cache(
-        query=queries.reshape(-1, group, DIM), key_cache=key_pages, value_cache=value_pages, output=want,
-        query_start_loc=starts, seq_lens=seq_lens, scale=SCALE, causal=True, alibi_slopes=None, sliding_window=-1,
-        block_table=tables.int(), softcap=0.0, scheduler_metadata=metadata, s_aux=None, dynamic_causal=None,
-        k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
-    )  # fmt: skip
+    want = vllm_attention(queries, pages, tables, lengths)()  # vLLM's op as kvserve's backend calls it
     if dtype == torch.bfloat16 and num_queries == 1:
         assert torch.equal(out.reshape_as(want), want)
     torch.testing.assert_close(out.reshape_as(want).float(), want.float(), **OUT_TOL[dtype])

@@ -215,13 +215,29 @@ class Policy:
         self, obs: LayerObservation, queries: torch.Tensor, query_positions: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         """Fold one step's queries [q, H*G, D] into the statistics; `obs.stats` are zero-padded to n entries."""
-        stats = dict(obs.stats)
+        column_sums = obs.step_column_sums(queries, query_positions) if self.running_sum is not None else None
+        first_logits = obs.step_first_logits(queries) if self.first_logit_mean is not None else None
+        return self.fold_step(obs.stats, column_sums, first_logits, obs.num_heads)
+
+    def fold_step(
+        self,
+        stats: dict[str, torch.Tensor],
+        column_sums: torch.Tensor | None,
+        first_logits: torch.Tensor | None,
+        num_heads: int,
+    ) -> dict[str, torch.Tensor]:
+        """The `running_sum` and `first_logit_mean` statistics ([H, n], zero-padded to the lists' longest length)
+        with one step folded in: plus the step's column sums [H, n]; the newest q entries set from its first logits
+        [q, H*G] averaged over each KV head's query heads. New tensors; the engine calls this with the attention
+        pass's own numbers, without an observation."""
+        stats = dict(stats)
         if self.running_sum is not None:
-            stats[self.running_sum] = stats[self.running_sum] + obs.step_column_sums(queries, query_positions)
+            stats[self.running_sum] = stats[self.running_sum] + column_sums
         if self.first_logit_mean is not None:
-            stats[self.first_logit_mean] = newest_first_logits(
-                stats[self.first_logit_mean].clone(), obs.step_first_logits(queries), obs.num_heads
-            )
+            count = first_logits.shape[0]
+            newest = stats[self.first_logit_mean].clone()
+            newest[:, newest.shape[1] - count :] = first_logits.reshape(count, num_heads, -1).mean(dim=-1).T
+            stats[self.first_logit_mean] = newest
         return stats
 
     def keep_indices(self, obs: LayerObservation, budget: int) -> torch.Tensor:
@@ -303,11 +319,3 @@ class ScoredPolicy(Policy):
         if padding is not None:
             protected = protected & ~padding
         return top_with_protected(self.score(obs), protected, budget, padding)
-
-
-def newest_first_logits(stat: torch.Tensor, first_logits: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """A `first_logit_mean` statistic [H, n] (zero-padded to the lists' longest length) with its newest q entries
-    set, in place, from this step's first logits [q, H*G] averaged over each KV head's query heads."""
-    count = first_logits.shape[0]
-    stat[:, stat.shape[1] - count :] = first_logits.reshape(count, num_heads, -1).mean(dim=-1).T
-    return stat

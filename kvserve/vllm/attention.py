@@ -153,12 +153,7 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
     ) -> None:
         """vLLM's CPU attention op on pseudo rows (`part` names which, for the work partition it reuses)."""
         page_keys, page_values = split_pages(pages)
-        metadata = pages.metadata(
-            layer_idx,
-            self._metadata_builder(layer, query, query_start_loc),
-            seq_lens=None if part == "all" else seq_lens,
-            part=part,
-        )
+        metadata = pages.metadata(layer_idx, part, seq_lens, self._metadata_builder(layer, query, query_start_loc))
         ops.cpu_attention_with_kv_cache(
             query=rows,
             key_cache=page_keys,

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from kvserve import phases
 from kvserve.metrics import metrics
 from kvserve.policies import LayerObservation, Policy, Selection
-from kvserve.policies.base import PassStatistics, newest_first_logits
+from kvserve.policies.base import PassStatistics
 from kvserve.worker import allocated
 from kvserve.worker.gated import gated_layer_step
 from kvserve.worker.layouts import CachePages
@@ -237,19 +237,15 @@ def _move(
 def fold_pass_statistics(
     policy: Policy, stats: dict[str, torch.Tensor], given: PassStatistics, width: int
 ) -> dict[str, torch.Tensor] | None:
-    """`update_stats` without an observation, for a policy whose one statistic the attention pass's numbers update
-    directly (`running_sum`: plus the column sums; `first_logit_mean`: the newest entries' first logits), with the
-    lists' longest length `width`. None when the policy's statistics need the observation."""
-    (name,) = policy.stat_names if len(policy.stat_names) == 1 else (None,)
-    if name is None:
+    """`update_stats` without an observation (`Policy.fold_step`), for a policy whose statistics are all ones the
+    attention pass's numbers update directly (`running_sum`, `first_logit_mean`), its earlier statistics padded to
+    the lists' longest length `width`. None when the policy's statistics need the observation."""
+    folded = {policy.running_sum: given.column_sums, policy.first_logit_mean: given.first_logits}
+    if not policy.stat_names or any(folded.get(name) is None or name not in stats for name in policy.stat_names):
         return None
-    old = stats.get(name)
-    padded = torch.zeros(0, 0) if old is None else F.pad(old, (0, width - old.shape[1]))
-    if name == policy.running_sum and given.column_sums is not None:
-        return {name: given.column_sums.float().clone() if old is None else padded + given.column_sums}
-    if name == policy.first_logit_mean and given.first_logits is not None and old is not None:
-        return {name: newest_first_logits(padded, given.first_logits, padded.shape[0])}
-    return None
+    padded = {name: F.pad(stats[name], (0, width - stats[name].shape[1])) for name in policy.stat_names}
+    num_heads = stats[policy.stat_names[0]].shape[0]
+    return policy.fold_step(padded, given.column_sums, given.first_logits, num_heads)
 
 
 def _reads_entries(policy: Policy, measured: PassStatistics) -> bool:

@@ -145,14 +145,16 @@ def plan_split(step: StepContext, num_heads: int) -> FusedSplit | None:
         by_queries.setdefault(plan.query_end - plan.query_start, []).append(plan)
     groups = []
     kernel_rows = torch.zeros(num_heads * num_reqs, dtype=torch.bool)
+
+    def pseudo_rows(plan: RowPlan) -> torch.Tensor:  # [H] the request's rows h * R + r
+        return heads * num_reqs + plan.row
+
+    def pseudo_tokens(plan: RowPlan) -> torch.Tensor:  # [H * Q] its queries' tokens h * T + t, head by head
+        return (heads[:, None] * num_tokens + torch.arange(plan.query_start, plan.query_end)[None, :]).reshape(-1)
+
     for num_queries, plans in sorted(by_queries.items()):
-        rows = torch.cat([heads * num_reqs + plan.row for plan in plans])
-        tokens = torch.cat(
-            [
-                (heads[:, None] * num_tokens + torch.arange(plan.query_start, plan.query_end)[None, :]).reshape(-1)
-                for plan in plans
-            ]
-        )
+        rows = torch.cat([pseudo_rows(plan) for plan in plans])
+        tokens = torch.cat([pseudo_tokens(plan) for plan in plans])
         kernel_rows[rows] = True
         lengths = pages.seq_lens[:, rows].long()
         widths = lengths.view(num_layers, len(plans), num_heads).amax(dim=2).tolist()
@@ -170,11 +172,8 @@ def plan_split(step: StepContext, num_heads: int) -> FusedSplit | None:
                 first_logits="first_logits" in wanted,
             )
         )
-    gated_tokens = []
     for plan in gated:
-        kernel_rows[heads * num_reqs + plan.row] = True
-        queries = torch.arange(plan.query_start, plan.query_end)
-        gated_tokens.append((plan, (heads[:, None] * num_tokens + queries[None, :]).reshape(-1)))
+        kernel_rows[pseudo_rows(plan)] = True
     vllm_rows = torch.nonzero(~kernel_rows).flatten()
     starts = pages.query_start_loc.long()
     vllm_counts = (starts[1:] - starts[:-1]).index_select(0, vllm_rows)
@@ -183,7 +182,7 @@ def plan_split(step: StepContext, num_heads: int) -> FusedSplit | None:
     vllm_tokens += torch.arange(vllm_tokens.shape[0])
     return FusedSplit(
         groups=tuple(groups),
-        gated=tuple(gated_tokens),
+        gated=tuple((plan, pseudo_tokens(plan)) for plan in gated),
         vllm_tokens=vllm_tokens,
         vllm_query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long), vllm_counts.cumsum(0)]).to(torch.int32),
         vllm_tables=pages.tables[:, vllm_rows].contiguous(),

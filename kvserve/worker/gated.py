@@ -127,7 +127,7 @@ def gate_chunk(plan, layer, layer_idx: int, queries: torch.Tensor, lengths: torc
     valid = valid_mask(layer, lengths)
     in_prompt = query_positions < runtime.prompt_len
     recent = runtime.gates.hyper.recent
-    if bool(in_prompt[0]):  # a prompt chunk: the gate judges its tokens (every list got them appended)
+    if in_prompt_chunk(plan):  # the gate judges its tokens (every list got them appended)
         model_layer = state.pages.layout.model_layer(layer_idx)  # the gates are trained per model layer
         flags, layer.gate_past = state.policy.gate_flags(
             runtime.gates[model_layer], queries, query_positions, state.rotary[layer_idx], layer.gate_past

@@ -35,13 +35,12 @@ class StepPages:
     same_lens: bool  # every layer has the same seq_lens: one scheduler metadata serves all layers
     _metadata: dict[tuple[str, int], object] = field(default_factory=dict)
 
-    def metadata(self, layer_idx: int, build, seq_lens: torch.Tensor | None = None, part: str = "all") -> object:
-        """vLLM's attention work partition for this layer's pseudo rows, or for the `part` of them whose lengths are
-        `seq_lens` (it embeds the lengths, so layers whose lists differ need their own); `build(seq_lens)` makes
-        one."""
+    def metadata(self, layer_idx: int, part: str, seq_lens: torch.Tensor, build) -> object:
+        """vLLM's attention work partition for the `part` of this layer's pseudo rows whose lengths are `seq_lens`
+        (it embeds the lengths, so layers whose lists differ need their own); `build(seq_lens)` makes one."""
         key = (part, 0 if self.same_lens else layer_idx)
         if key not in self._metadata:
-            self._metadata[key] = build(self.seq_lens[layer_idx] if seq_lens is None else seq_lens)
+            self._metadata[key] = build(seq_lens)
         return self._metadata[key]
 
 

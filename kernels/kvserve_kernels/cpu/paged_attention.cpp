@@ -54,42 +54,23 @@ inline float to_float(c10::BFloat16 value) { return bf16_to_float(value.x); }
 // a degree-5 polynomial, the power of two built in the exponent bits (`exp_approx` below, 16 lanes at once).
 // Relative error about 1e-7; inputs below -87 are clamped (exp(-87) ~ 1.6e-38, zero to float32 sums).
 
-// One page's keys as float32 [D, bs] (key-major rows: dimension d of every slot).
+// One half of a page as float32 [rows, cols]: its keys as [D, bs], its values as [bs, D]. "vec" stores each half
+// so; "amx" as [cols / 16 tiles][rows / 2 row pairs][16 columns][2 pair members] (keys: 16-token tiles of dimension
+// pairs; values: 16-dimension tiles of token pairs).
 template <typename T>
-void decode_keys(const T* page, int64_t layout, int64_t bs, int64_t dim, float* out) {
-  if (layout == kVec) {  // stored [D, bs] already
-    for (int64_t i = 0; i < dim * bs; ++i) out[i] = to_float(page[i]);
+void decode_half(const T* half, int64_t layout, int64_t rows, int64_t cols, float* out) {
+  if (layout == kVec) {
+    for (int64_t i = 0; i < rows * cols; ++i) out[i] = to_float(half[i]);
     return;
   }
-  // amx: [bs/16 token tiles][D/2 dimension pairs][16 tokens][2 pair members]
-  for (int64_t tile = 0; tile < bs / kTile; ++tile)
-    for (int64_t pair = 0; pair < dim / 2; ++pair) {
-      const T* src = page + (tile * (dim / 2) + pair) * 2 * kTile;
-      float* even = out + (2 * pair) * bs + tile * kTile;
-      float* odd = even + bs;
-      for (int64_t t = 0; t < kTile; ++t) {
-        even[t] = to_float(src[2 * t]);
-        odd[t] = to_float(src[2 * t + 1]);
-      }
-    }
-}
-
-// One page's values as float32 [bs, D].
-template <typename T>
-void decode_values(const T* page, int64_t layout, int64_t bs, int64_t dim, float* out) {
-  if (layout == kVec) {  // stored [bs, D] already
-    for (int64_t i = 0; i < dim * bs; ++i) out[i] = to_float(page[i]);
-    return;
-  }
-  // amx: [D/16 dimension tiles][bs/2 token pairs][16 dimensions][2 pair members]
-  for (int64_t tile = 0; tile < dim / kTile; ++tile)
-    for (int64_t pair = 0; pair < bs / 2; ++pair) {
-      const T* src = page + (tile * (bs / 2) + pair) * 2 * kTile;
-      float* even = out + (2 * pair) * dim + tile * kTile;
-      float* odd = even + dim;
-      for (int64_t d = 0; d < kTile; ++d) {
-        even[d] = to_float(src[2 * d]);
-        odd[d] = to_float(src[2 * d + 1]);
+  for (int64_t tile = 0; tile < cols / kTile; ++tile)
+    for (int64_t pair = 0; pair < rows / 2; ++pair) {
+      const T* src = half + (tile * (rows / 2) + pair) * 2 * kTile;
+      float* even = out + (2 * pair) * cols + tile * kTile;
+      float* odd = even + cols;
+      for (int64_t i = 0; i < kTile; ++i) {
+        even[i] = to_float(src[2 * i]);
+        odd[i] = to_float(src[2 * i + 1]);
       }
     }
 }
@@ -305,7 +286,7 @@ void run(const at::Tensor& query, const at::Tensor& pages, int64_t layout, const
         if (layout == kVec && m_rows <= kDecodeRows) {  // keys stored [D, bs]: multiplied where they lie
           product(s.queries.data(), dim, page, bs, dim, bs, m_rows, s.logits.data() + p * bs, stride, false);
         } else {
-          decode_keys(page, layout, bs, dim, s.keys.data());
+          decode_half(page, layout, dim, bs, s.keys.data());
           product(s.queries.data(), dim, s.keys.data(), bs, dim, bs, m_rows, s.logits.data() + p * bs, stride, false);
         }
       }
@@ -341,7 +322,7 @@ void run(const at::Tensor& query, const at::Tensor& pages, int64_t layout, const
         if (layout == kVec && m_rows <= kDecodeRows) {  // values stored [bs, D]
           product(probs, stride, page, dim, bs, dim, m_rows, s.outputs.data(), dim, true);
         } else {
-          decode_values(page, layout, bs, dim, s.values.data());
+          decode_half(page, layout, bs, dim, s.values.data());
           product(probs, stride, s.values.data(), dim, bs, dim, m_rows, s.outputs.data(), dim, true);
         }
       }

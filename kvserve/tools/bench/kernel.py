@@ -27,26 +27,27 @@ SCALE = DIM**-0.5
 
 
 def vllm_attention(queries: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor):
-    """vLLM's CPU op on [R, Q, G, D] pseudo rows, as kvserve's backend calls it: returns a function producing the
-    output [R * Q, G, D]."""
+    """vLLM's CPU op on [R, Q, G, D] pseudo rows over `vec` pages [P, 1, bs, 2 * D], as kvserve's backend calls it
+    (scale 1/sqrt(D)): returns a function producing the output [R * Q, G, D]."""
     from vllm import _custom_ops as ops
 
-    rows, count = queries.shape[:2]
+    rows, count, group, dim = queries.shape
+    block = pages.shape[2]
     starts = torch.arange(rows + 1, dtype=torch.int32) * count
     seq_lens, block_table = lengths.to(torch.int32), tables.to(torch.int32)
-    packed = queries.reshape(rows * count, GROUP, DIM)
+    packed = queries.reshape(rows * count, group, dim)
     metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=rows, num_heads=GROUP, num_kv_heads=1, head_dim=DIM, seq_lens=seq_lens, dtype=queries.dtype,
+        num_reqs=rows, num_heads=group, num_kv_heads=1, head_dim=dim, seq_lens=seq_lens, dtype=queries.dtype,
         query_start_loc=starts, causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False,
         kv_cache_dtype="auto",
     )  # fmt: skip
-    key_pages, value_pages = pages.view(pages.shape[0], 1, 2 * BLOCK, DIM).chunk(2, dim=2)
+    key_pages, value_pages = pages.view(pages.shape[0], 1, 2 * block, dim).chunk(2, dim=2)
 
     def run() -> torch.Tensor:
         out = torch.empty_like(packed)
         ops.cpu_attention_with_kv_cache(
             query=packed, key_cache=key_pages, value_cache=value_pages, output=out, query_start_loc=starts,
-            seq_lens=seq_lens, scale=SCALE, causal=True, alibi_slopes=None, sliding_window=-1,
+            seq_lens=seq_lens, scale=dim**-0.5, causal=True, alibi_slopes=None, sliding_window=-1,
             block_table=block_table, softcap=0.0, scheduler_metadata=metadata, s_aux=None, dynamic_causal=None,
             k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
         )  # fmt: skip
