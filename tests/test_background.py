@@ -6,11 +6,11 @@ included, which the run stops on its way out)."""
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from background import Background, Run
+from waiting import wait_until
 
 # sleeps in a function of its own, so the stack names it; hangs on the first attempt only (a marker file says which),
 # or on every attempt ("always"), after starting a child process that would sleep on (its pid in OUT.child)
@@ -31,8 +31,11 @@ open(out, "w").write("{}")
 
 
 def _run(how: str) -> tuple[Background, Run]:
+    """The probe under a timeout that each hanging attempt waits out in full, yet long enough for a busy machine to
+    start Python and reach wait_forever (or, on the attempt that passes, write its result): at 3 s either could be
+    late, and then the stack lacks wait_forever or the passing attempt times out too."""
     background = Background()
-    run = Run("probe", [sys.executable, "-c", HANGS, "{out}", how], timeout_s=3, bind_cpu=False)
+    run = Run("probe", [sys.executable, "-c", HANGS, "{out}", how], timeout_s=20, bind_cpu=False)
     background.start([run])
     return background, run
 
@@ -50,21 +53,21 @@ def test_a_hang_that_returns_fails_with_both_attempts_stacks_and_leaves_no_proce
     with pytest.raises(RuntimeError) as failure:
         background.results("probe")
     assert str(failure.value).count("wait_forever") >= 2 and "first attempt" in str(failure.value)
-    assert _ends(Path(f"/proc/{Path(f'{run.out}.child').read_text()}/stat"))
+    _assert_ends(Path(f"/proc/{Path(f'{run.out}.child').read_text()}/stat"))
 
 
-def _ends(stat: Path, within_s: float = 5.0) -> bool:
-    """The process is gone, or a zombie its new parent has not reaped yet (state Z), within `within_s` (SIGKILL
-    lands asynchronously)."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
+def _assert_ends(stat: Path) -> None:
+    """The process ends: gone, or a zombie its new parent has not reaped yet (state Z). SIGKILL lands
+    asynchronously, and on a busy machine it was seen still running 5 s later: 60 s, which a process that was never
+    killed still misses."""
+
+    def ended() -> bool:
         try:
-            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return True
+            return stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
         except FileNotFoundError:
             return True
-        time.sleep(0.1)
-    return False
+
+    wait_until(ended, 60, f"the process of {stat} ending")
 
 
 # starts a child in a session of its own (as a bench command starts its servers) and stops it on its way out
@@ -86,8 +89,6 @@ def test_a_session_that_ends_during_a_run_leaves_nothing_the_run_started():
     run = Run("probe", [sys.executable, "-c", SERVES, "{out}"], timeout_s=600, bind_cpu=False)
     background.start([run])
     child = Path(f"{run.out}.child")
-    deadline = time.monotonic() + 60
-    while not (child.exists() and child.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    pid = wait_until(lambda: child.exists() and child.read_text(), 60, f"the run's child's pid in {child}")
     background.stop()
-    assert _ends(Path(f"/proc/{child.read_text()}/stat"))
+    _assert_ends(Path(f"/proc/{pid}/stat"))

@@ -309,19 +309,26 @@ def test_the_running_peak_is_read_when_a_request_streams_its_first_token(monkeyp
     from kvserve.tools.bench import workload
     from kvserve.tools.eval.client import Setting
 
-    running, real_client = [0], httpx.AsyncClient
+    running, scrapes, real_client = [0], [0], httpx.AsyncClient
 
     def metrics(request: httpx.Request) -> httpx.Response:
+        scrapes[0] += 1
         return httpx.Response(200, text=f'vllm:num_requests_running{{engine="0"}} {running[0]}\n')
 
     def mock_client(**kwargs) -> httpx.AsyncClient:
         return real_client(transport=httpx.MockTransport(metrics), **kwargs)
 
     async def one_short_request(client, url, path, body, setting):
-        await asyncio.sleep(0.05)  # after the first periodic scrape
+        while scrapes[0] < 2:  # after the first periodic scrape (the first scrape is the workload's "before")
+            await asyncio.sleep(0.01)
         running[0] += 1
+        scraped = scrapes[0]
         yield {"choices": [{"text": "x"}]}
-        await asyncio.sleep(0.3)
+        # running until a scrape after the first token, or 10 s: no fixed window a busy machine could miss, yet far
+        # below the next periodic scrape (60 s), so a sampler that the first token does not wake still reads 0
+        deadline = time.monotonic() + 10
+        while scrapes[0] == scraped and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         running[0] -= 1
         yield {"choices": [{"text": "y"}], "usage": {"completion_tokens": 2}}
 

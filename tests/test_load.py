@@ -102,8 +102,10 @@ def test_invalid_cases_are_invalid_for_the_servers_parser():
 
 
 def test_reduced_load_leaves_the_server_healthy_with_its_pool_full(server):
+    # limits only a hung server reaches: a busy machine serves this load several times slower (the settle returns as
+    # soon as the server is idle, the run as soon as every request was answered)
     report = run_load(
-        server, str(ensure_default_model()), REDUCED, concurrency=16, max_seconds=240, request_timeout=180, settle_s=30
+        server, str(ensure_default_model()), REDUCED, concurrency=16, max_seconds=900, request_timeout=600, settle_s=120
     )
     print(render(report))
     cases = plan(REDUCED, MAX_MODEL_LEN)
@@ -125,8 +127,8 @@ def test_reduced_load_leaves_the_server_healthy_with_its_pool_full(server):
     assert all(end["checks"].values()), end
     assert end["evictions"] > 0 and end["tokens_evicted"] > 0
     # and independently of the report's own scrape: healthy, pool full, nothing held
-    assert httpx.get(server + "/health").status_code == 200
-    text = httpx.get(server + "/metrics").text
+    assert httpx.get(server + "/health", timeout=120).status_code == 200
+    text = httpx.get(server + "/metrics", timeout=120).text
     assert metric_sum(text, "vllm:kv_cache_usage_perc") == 0.0
     assert metric_sum(text, "kvserve:requests_with_evicted_cache") == 0.0
     assert report["passed"]

@@ -31,8 +31,8 @@ def vanilla_text(client, long_prompt):
 
 def test_models_health_and_metrics(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(server + "/health").status_code == 200
-    assert "vllm:num_requests_running" in httpx.get(server + "/metrics").text
+    assert httpx.get(server + "/health", timeout=120).status_code == 200
+    assert "vllm:num_requests_running" in httpx.get(server + "/metrics", timeout=120).text
 
 
 @pytest.mark.parametrize("how", ["headers", "vllm_xargs", "none"])

@@ -9,7 +9,6 @@ import math
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -17,6 +16,7 @@ import httpx
 import pytest
 import yaml
 from engine_settings import SERVED_MODEL
+from waiting import wait_until
 
 from kvserve.tools.bench.servers import free_port
 
@@ -68,7 +68,7 @@ def prometheus(server, tmp_path_factory):
         stderr=subprocess.STDOUT,
     )
     try:
-        _wait(lambda: _ready(base), 60, "Prometheus did not start: " + str(folder / "prometheus.log"))
+        wait_until(lambda: _ready(base), 60, "Prometheus ready (its log: " + str(folder / "prometheus.log") + ")")
         yield base
     finally:
         proc.terminate()
@@ -81,14 +81,6 @@ def _ready(base: str) -> bool:
         return httpx.get(base + "/-/ready", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _wait(condition, seconds: float, message: str) -> None:
-    deadline = time.time() + seconds
-    while not condition():
-        if time.time() > deadline:
-            raise AssertionError(message)
-        time.sleep(0.5)
 
 
 def query(base: str, expr: str) -> dict:
@@ -127,22 +119,25 @@ def mixed_workload(server: str, long_prompt: str) -> None:
 
 
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(server, prometheus, long_prompt):
-    _wait(lambda: _values(query(prometheus, 'up{job="kvserve"}')) == [1.0], 60, "Prometheus never scraped kvserve")
+    wait_until(lambda: _values(query(prometheus, 'up{job="kvserve"}')) == [1.0], 60, "Prometheus scraping kvserve")
     # Twice: a series a request creates is first scraped at its value after the request, and rate() counts no
     # increase from a series' first sample; the second round moves every series Prometheus already holds.
     for _ in range(2):
         mixed_workload(server, long_prompt)
-        served = httpx.get(server + "/metrics").text
+        served = httpx.get(server + "/metrics", timeout=120).text
         evictions = sum(float(v) for v in re.findall(r"^kvserve:evictions_total\{[^}]*\} (\S+)$", served, re.M))
-        _wait(
+        wait_until(
             lambda want=evictions: sum(_values(query(prometheus, "kvserve:evictions_total"))) == want,
             60,
-            "Prometheus did not scrape the workload's evictions",
+            "Prometheus scraping the workload's evictions",
         )
-    time.sleep(2 * SCRAPE_SECONDS)
     queries = dashboard_queries()
     assert queries
-    for title, expr in queries:
-        values = _values(query(prometheus, expr))
-        assert values, f"{title}: no data for {expr}"
-        assert any(math.isfinite(value) for value in values), f"{title}: only NaN for {expr}: {values}"
+
+    def lacking() -> list[str]:
+        """The queries without a finite value (yet: a series' later samples land a scrape or two on, later still on
+        a busy machine, so this is polled rather than read after a fixed pause)."""
+        found = {(title, expr): _values(query(prometheus, expr)) for title, expr in queries}
+        return [f"{title}: {expr} gave {v}" for (title, expr), v in found.items() if not any(map(math.isfinite, v))]
+
+    wait_until(lambda: not lacking(), 60, lambda: "data from every dashboard query; none from: " + "; ".join(lacking()))

@@ -109,4 +109,4 @@ def test_seeded_request_on_a_chunked_server_is_reproducible(server, long_prompt,
     assert other.status_code == 200
     choice = other.json()["choices"][0]
     assert (choice.get("text") or choice["message"]["content"]) != texts[0]  # the seed is not ignored
-    assert httpx.get(server + "/health").status_code == 200
+    assert httpx.get(server + "/health", timeout=120).status_code == 200

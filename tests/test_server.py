@@ -15,7 +15,7 @@ from kvserve.model import ensure_default_model
 
 def metric(base: str, name: str, labels: str = "", missing: float | None = None) -> float:
     """A sample's value from /metrics; a series that does not exist (yet) is an error unless `missing` is given."""
-    text = httpx.get(base + "/metrics").text
+    text = httpx.get(base + "/metrics", timeout=120).text
     pattern = rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$"
     found = re.findall(pattern, text, flags=re.M)
     if not found:
@@ -143,12 +143,12 @@ def test_invalid_settings_get_400_naming_the_field(server, headers, body, field)
 def test_duplicate_header_is_rejected(server):
     payload = b'{"model": SERVED_MODEL, "prompt": "Hi", "max_tokens": 2}'
     headers = [("content-type", "application/json"), ("x-kv-budget", "64"), ("x-kv-budget", "128")]
-    response = httpx.post(server + "/v1/completions", content=payload, headers=headers)
+    response = httpx.post(server + "/v1/completions", content=payload, headers=headers, timeout=120)
     assert response.status_code == 400 and response.json()["error"]["param"] == "x-kv-budget"
 
 
 def test_pool_is_full_again_after_all_requests(server):
-    assert httpx.get(server + "/health").status_code == 200
+    assert httpx.get(server + "/health", timeout=120).status_code == 200
     assert metric(server, "vllm:kv_cache_usage_perc", f'{{engine="0",model_name="{SERVED_MODEL}"}}') == 0.0
     assert metric(server, "kvserve:requests_with_evicted_cache") == 0.0
 
@@ -183,7 +183,8 @@ def test_every_dashboard_query_names_a_served_series(server, long_prompt):
     for headers in ({"x-kv-policy": "snapkv", "x-kv-budget": "64"}, {"x-kv-policy": "attention_gate"}):
         response = complete(server, long_prompt, headers)
         assert response.status_code == 200, response.text
-    served = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{| )", httpx.get(server + "/metrics").text, re.M))
+    text = httpx.get(server + "/metrics", timeout=120).text
+    served = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{| )", text, re.M))
     dashboards = sorted((Path(__file__).parent.parent / "deploy" / "grafana" / "dashboards").glob("*.json"))
     assert dashboards
     queried = set()

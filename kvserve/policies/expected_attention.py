@@ -70,5 +70,5 @@ class ExpectedAttention(ScoredPolicy):
         mean = queries.mean(dim=0)
         centred = queries - mean
         covariance = torch.einsum("whgd,whge->hgde", centred, centred) / count
-        rotation = obs.rotary.mean_matrix(int(positions.max()) + 1, self.future, dim)
+        rotation = obs.rotary.mean_matrix(int(positions.max()) + 1, self.future, dim).to(queries.device)
         return mean @ rotation.T, rotation @ covariance @ rotation.T

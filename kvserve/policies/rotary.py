@@ -52,16 +52,21 @@ class Rotary:
             out = torch.stack([new_first, new_second], dim=-1).flatten(-2)
         return torch.cat([out, rest], dim=-1)
 
+    def _table_at(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at `positions`, on `device` (the table stays where it was built; x may be on a GPU)."""
+        positions = positions.to(self.cos.device)
+        return self.cos[positions].to(device), self.sin[positions].to(device)
+
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [n, ..., D] rotated to `positions` [n], as the model rotates its queries and keys (float32)."""
-        cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin = self._table_at(positions, x.device)
         shape = (positions.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
         return self.apply(x, cos.view(shape), sin.view(shape))
 
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [n, ..., D] rotated at `positions` [n] back to its unrotated form. A scaled table (YaRN multiplies cos and
         sin by a constant) is inverted too: the inverse of m * Rot(a) is Rot(-a) / m."""
-        cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin = self._table_at(positions, x.device)
         norm = cos.square() + sin.square()
         shape = (positions.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
         return self.apply(x, (cos / norm).view(shape), (-sin / norm).view(shape))

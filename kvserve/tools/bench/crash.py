@@ -40,10 +40,14 @@ def engine_process(server_pid: int) -> psutil.Process:
     raise RuntimeError(f"no {ENGINE_PROCESS} process under server pid {server_pid}")
 
 
-def _send_in_flight(base: str, model: str, count: int, results: list[Any]) -> list[threading.Thread]:
-    """`count` long streamed completions, each in a thread; each appends what became of it."""
+def _send_in_flight(
+    base: str, model: str, count: int, results: list[Any]
+) -> tuple[list[threading.Thread], list[threading.Event]]:
+    """`count` long streamed completions, each in a thread; each appends what became of it. The events: each is set
+    once its stream has a first line (the request is decoding) or it ended without one."""
+    streaming = [threading.Event() for _ in range(count)]
 
-    def one() -> None:
+    def one(streams: threading.Event) -> None:
         body = {
             "model": model,
             "prompt": "Count: one, two, three,",
@@ -53,7 +57,10 @@ def _send_in_flight(base: str, model: str, count: int, results: list[Any]) -> li
         }
         try:
             with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as response:
-                lines = list(response.iter_lines())
+                lines = []
+                for line in response.iter_lines():
+                    lines.append(line)
+                    streams.set()
                 error_event = any(x.startswith("data: {") and '"error"' in x for x in lines)
                 results.append(
                     {
@@ -64,18 +71,29 @@ def _send_in_flight(base: str, model: str, count: int, results: list[Any]) -> li
                 )
         except httpx.HTTPError as error:
             results.append({"status": None, "transport_error": type(error).__name__})
+        finally:
+            streams.set()
 
-    threads = [threading.Thread(target=one, daemon=True) for _ in range(count)]
+    threads = [threading.Thread(target=one, args=(event,), daemon=True) for event in streaming]
     for thread in threads:
         thread.start()
-    return threads
+    return threads, streaming
 
 
-def _health(base: str) -> int | None:
+def _health(base: str, timeout: float = 2) -> int | None:
     try:
-        return httpx.get(base + "/health", timeout=2).status_code
+        return httpx.get(base + "/health", timeout=timeout).status_code
     except httpx.HTTPError:
         return None
+
+
+def _first(probe, good, limit_s: float):
+    """`probe()` until `good` of it or `limit_s` passed (then its last value): a busy machine can be slow to answer
+    a server that is healthy, so what is measured before the kill is not one try against a short timeout."""
+    deadline = time.monotonic() + limit_s
+    while not good(value := probe()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return value
 
 
 def kill_engine_and_measure(
@@ -83,12 +101,14 @@ def kill_engine_and_measure(
 ) -> dict[str, Any]:
     """Kill the engine of the running server (`proc`, its API server process) with requests in flight; times are
     seconds from the kill. `healthcheck`: a command run before the kill and after /health failed (its exit codes)."""
-    report: dict[str, Any] = {"health_before": _health(base)}
+    report: dict[str, Any] = {"health_before": _first(lambda: _health(base, timeout=30), lambda c: c == 200, limit_s)}
     if healthcheck:
-        report["healthcheck_exit_before"] = _run_healthcheck(healthcheck)
+        report["healthcheck_exit_before"] = _first(lambda: _run_healthcheck(healthcheck), lambda c: c == 0, limit_s)
     results: list[Any] = []
-    threads = _send_in_flight(base, model, in_flight, results)
-    time.sleep(3)  # let them start decoding
+    threads, streaming = _send_in_flight(base, model, in_flight, results)
+    started = time.monotonic()
+    for event in streaming:  # they are decoding (under load, that can take far longer than the few seconds it takes)
+        event.wait(timeout=max(0.0, limit_s - (time.monotonic() - started)))
     engine = engine_process(proc.pid)
     report["engine_pid"] = engine.pid
     killed = time.monotonic()

@@ -33,7 +33,9 @@ def server_command(kind: str, model: str | None, port: int, args: list[str]) -> 
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *common]
     if kind == "kvserve":
         return [sys.executable, "-m", "kvserve.cli", "serve", *common]
-    raise ValueError(f"server kind must be vanilla or kvserve, not {kind!r}")
+    if kind == "vllm-cli":  # vLLM's own `vllm serve`: kvserve's plugin active, none of `kvserve serve`'s defaults
+        return [str(Path(sys.executable).with_name("vllm")), "serve", *common]
+    raise ValueError(f"server kind must be vanilla, kvserve or vllm-cli, not {kind!r}")
 
 
 @contextmanager

@@ -9,7 +9,7 @@ from pathlib import Path
 from kvserve.tools.report.markdown import table
 from kvserve.tools.report.sources import DataDir, Source
 
-RUNS = ("kernels/h100-bf16.json", "kernels/h100-fp16.json")
+RUNS = ("kernels/h100-bf16.json", "kernels/h100-fp16.json", "kernels/h200-bf16.json", "kernels/h200-fp16.json")
 
 
 def _cell(values: list, fmt: str) -> str:
@@ -51,7 +51,7 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
         if tests:
             parts.append(
                 f"Kernel tests compiled on this device: {tests['passed']} passed in {tests['seconds']} s "
-                f"(`{tests['command']}`)."
+                f"(`{tests['command']}`)." + (f" {tests['note']}" if "note" in tests else "")
             )
         parts.append(source.caption())
     return "\n\n".join(parts)

@@ -14,6 +14,20 @@ from pathlib import Path
 from kvserve.provenance import describe_machine
 from kvserve.tools.eval.__main__ import runs_file
 
+# Modules that moved since a result file recorded its command: (as recorded, as run today). The page shows the
+# command a reader can copy; the file keeps what was run.
+MOVED_COMMANDS = (
+    ("python -m kvserve.bench ", "kvserve bench "),
+    ("python -m kvserve.eval ", "kvserve eval "),
+)
+
+
+def as_run_today(command: str) -> str:
+    """A recorded command as it is run today (see MOVED_COMMANDS); unchanged where nothing it names moved."""
+    for recorded, today in MOVED_COMMANDS:
+        command = command.replace(recorded, today)
+    return command
+
 
 @dataclass(frozen=True)
 class Source:
@@ -31,7 +45,9 @@ class Source:
         notes = []
         for run in self.runs:
             key = (describe_machine(run["machine"]), run["date"])
-            by_machine.setdefault(key, []).append(run["command"])
+            by_machine.setdefault(key, []).append(as_run_today(run["command"]))
+            if as_run_today(run["command"]) != run["command"]:
+                notes.append("Recorded under a module's old name (kvserve.bench, kvserve.eval); shown as run now.")
             if run.get("note"):
                 notes.append(run["note"])
         for (machine, date), commands in by_machine.items():

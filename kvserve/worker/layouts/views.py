@@ -60,14 +60,14 @@ class ViewPages(CachePages):
 
     def store_pages(self, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         ids = ids.to(self.device).long()
-        self._keys.index_copy_(0, ids, keys.to(self.dtype))
-        self._values.index_copy_(0, ids, values.to(self.dtype))
+        self._keys.index_copy_(0, ids, keys.to(self.device, self.dtype))
+        self._values.index_copy_(0, ids, values.to(self.device, self.dtype))
 
     def write_slots(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         slots = slots.to(self.device).long()
         pages, offsets = slots // self.block_size, slots % self.block_size
-        self.views.keys[pages, offsets, 0] = keys.to(self.dtype)
-        self.views.values[pages, offsets, 0] = values.to(self.dtype)
+        self.views.keys[pages, offsets, 0] = keys.to(self.device, self.dtype)  # the pages may live on a GPU
+        self.views.values[pages, offsets, 0] = values.to(self.device, self.dtype)
 
 
 class VecPages(ViewPages):

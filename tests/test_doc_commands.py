@@ -1,0 +1,174 @@
+"""Every command the docs print runs as printed: the README, docs/*.md and the benchmarks page's folded commands.
+
+Each command line in a shell code block, and each inline code span that starts with a program, is checked against
+what is installed today: `kvserve SUB [SUB2]`, `vllm SUB [SUB2]`, `python -m MODULE [SUB]` and `make TARGET` must
+exist (a module must import as a spec, a subcommand must answer `--help`), and every `--flag` must be one that
+command's `--help` lists (for `kvserve serve`, kvserve's flags and vLLM's, which it passes on). Other programs
+(curl, docker, seq) are not checked. A module that moves, a subcommand renamed or a flag dropped then fails here,
+naming the page and the command, instead of failing a user who copied it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BIN = Path(sys.executable).parent
+SHELL_FENCES = {"", "bash", "sh", "shell", "console"}
+CHECKED = ("kvserve", "vllm", "python", "python3", "make")
+SUBCOMMANDS = {  # program -> the commands with subcommands of their own
+    "kvserve": {"eval", "bench"},
+    "vllm": {"bench"},
+    "kvserve.tools.eval": set(),
+    "kvserve.tools.bench": set(),
+}
+WORD = re.compile(r"^[a-z][a-z0-9_-]*$")
+FLAG = re.compile(r"^--[a-z0-9][a-z0-9-]*(=.*)?$")
+
+
+def doc_commands(text: str) -> list[str]:
+    """Command lines of a markdown page: shell code blocks' lines (continuations joined) and inline code spans that
+    start with a checked program (after any VAR=value)."""
+    commands = []
+    fenced = r"^[ \t]*```(\w*)[^\n]*\n(.*?)^[ \t]*```"
+    for fence, body in re.findall(fenced, text, flags=re.S | re.M):
+        if fence in SHELL_FENCES:
+            commands += [line.strip() for line in body.replace("\\\n", " ").splitlines()]
+    prose = re.sub(fenced, "", text, flags=re.S | re.M)
+    program = r"(?:\w+=\S+ )*(?:\.venv/bin/)?(?:kvserve|vllm|python3?|make)\b"
+    commands += re.findall(rf"^ {{4}}({program}.*)$", prose, flags=re.M)  # indented code blocks (the README's top)
+    commands += re.findall(rf"`({program} [^`\n]+)`", prose)
+    return [line for line in commands if line and not line.startswith("#")]
+
+
+def segments(line: str) -> list[list[str]]:
+    """The simple commands of a line (split at |, &&, ;), each without leading VAR=value and `.venv/bin/`, and
+    without a trailing comment; [] where the shell could not parse it (a fragment of a longer line)."""
+    try:
+        lexer = shlex.shlex(line, posix=True, punctuation_chars="|&;")
+        lexer.whitespace_split = True
+        lexer.commenters = "#"
+        tokens = list(lexer)
+    except ValueError:
+        return []
+    found, current = [], []
+    for token in [*tokens, ";"]:
+        if token in ("|", "||", "&&", ";", "&"):
+            while current and re.match(r"^\w+=", current[0]):
+                current.pop(0)
+            if current:
+                current[0] = current[0].removeprefix(".venv/bin/").removeprefix("$(PY)")
+                found.append(current)
+            current = []
+        else:
+            current.append(token)
+    return [command for command in found if command[0] in CHECKED]
+
+
+class Dead(Exception):
+    """A command that would not run as printed: what is missing."""
+
+
+@functools.cache
+def help_text(*argv: str) -> tuple[int, str]:
+    """(exit status, stdout + stderr) of `argv --help` (vLLM's CLI lists every flag only under --help=all)."""
+    flag = "--help=all" if argv[0].endswith("vllm") else "--help"
+    done = subprocess.run([*argv, flag], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    return done.returncode, done.stdout + done.stderr
+
+
+def flags_of(argv: tuple[str, ...]) -> str:
+    """The help text that lists the flags `argv` accepts."""
+    status, text = help_text(*argv)
+    if status != 0:
+        raise Dead(f"`{' '.join(argv)} --help` failed:\n{text[-2000:]}")
+    if argv[1:2] == ("serve",) and argv[0].endswith("kvserve"):  # every flag kvserve does not own goes to vLLM
+        text += flags_of((str(BIN / "vllm"), "serve"))
+    if argv[1:] == ("-m", "kvserve.server.launch"):
+        text = flags_of((str(BIN / "vllm"), "serve"))
+    return text
+
+
+def resolve(command: list[str]) -> tuple[tuple[str, ...], list[str]]:
+    """(the argv whose --help describes the command, the rest of its words); Dead where the program,
+    module, subcommand or target does not exist."""
+    program, *words = command
+    if program == "make":
+        targets = re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M)
+        missing = [word for word in words if WORD.match(word) and word not in targets]
+        if missing:
+            raise Dead(f"no make target {missing}")
+        return (), []
+    if program in ("python", "python3"):
+        if words[:1] != ["-m"]:
+            return (), []  # only `python -m MODULE` is checked
+        module, *words = words[1:]
+        if importlib.util.find_spec(module) is None:
+            raise Dead(f"no module {module}")
+        argv, key = (sys.executable, "-m", module), module
+    else:
+        argv, key = (str(BIN / program),), program
+    if words and WORD.match(words[0]) and (key in SUBCOMMANDS or program == "vllm"):
+        argv, words = (*argv, words[0]), words[1:]
+        if argv[-1] in SUBCOMMANDS.get(key, ()) and words and WORD.match(words[0]):
+            argv, words = (*argv, words[0]), words[1:]
+        status, text = help_text(*argv)
+        if status != 0:
+            raise Dead(f"`{' '.join(argv[len(argv) - 2 :])}` is not a command:\n{text[-1500:]}")
+    return argv, words
+
+
+def problems(line: str) -> list[str]:
+    found = []
+    for command in segments(line):
+        try:
+            argv, words = resolve(command)
+            if not argv:
+                continue
+            flags = {word.split("=")[0] for word in words if FLAG.match(word)}  # not "--x y" (a quoted value)
+            listed = flags_of(argv) if flags else ""
+            unknown = sorted(flag for flag in flags if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", listed))
+            if unknown:
+                found.append(f"{' '.join(command[:3])}: no flag {', '.join(unknown)}")
+        except Dead as error:
+            found.append(f"{' '.join(command[:3])}: {error}")
+    return found
+
+
+def test_the_pages_print_commands_at_all():
+    """The extraction finds what the pages hold (a broken fence pattern would make the next test pass vacuously)."""
+    found = {str(page.relative_to(ROOT)): doc_commands(page.read_text()) for page in PAGES}
+    assert any(line.startswith("make serve") for line in found["README.md"]), found["README.md"]
+    assert sum("kvserve bench" in line for line in found["docs/benchmarks.md"]) >= 10
+    assert any("vllm bench serve" in line for line in found["docs/tools.md"]), found["docs/tools.md"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_every_command_a_page_prints_exists_as_printed(page):
+    lines = doc_commands(page.read_text())
+    failures = [f"{line[:120]}\n    -> {problem}" for line in lines for problem in problems(line)]
+    assert not failures, f"{page.relative_to(ROOT)}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ("python -m kvserve.bench capacity --prompts 4", "no module kvserve.bench"),
+        ("kvserve bench capacity --no-such-flag 1", "no flag --no-such-flag"),
+        ("kvserve eval nosuchtask --url x", "is not a command"),
+        ("make nosuchtarget", "no make target"),
+        ("kvserve serve --kv-policy snapkv --max-model-len 4096 --no-such-vllm-flag", "no flag --no-such-vllm-flag"),
+    ],
+)
+def test_the_check_fails_a_dead_command(line, problem):
+    """The checker can fail: each kind of dead command is caught (and a live one passes, in the page tests)."""
+    assert any(problem in found for found in problems(line)), problems(line)
