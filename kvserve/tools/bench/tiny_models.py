@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 from pathlib import Path
 
 from kvserve.model import cache_dir, ensure_default_model
@@ -68,14 +70,19 @@ def build(architecture: str, folder: Path) -> Path:
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    partial = folder.with_name(folder.name + ".partial")
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")  # two test sessions may build it at once
     model.save_pretrained(partial, safe_serialization=True)
     tokenizer.save_pretrained(partial)
     config_path = partial / "config.json"
     written = json.loads(config_path.read_text())
     written["torch_dtype"] = "float32"
     config_path.write_text(json.dumps(written, indent=2))
-    partial.rename(folder)  # complete or absent, never half-written
+    try:
+        partial.rename(folder)  # complete or absent, never half-written
+    except OSError:  # another process renamed its complete copy there first: use that one
+        shutil.rmtree(partial, ignore_errors=True)
+        if not (folder / "model.safetensors").exists():
+            raise
     return folder
 
 
