@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,15 @@ from pathlib import Path
 # engine process), so on a 2-CPU machine the in-process engine and a background engine ran 4 busy threads on 2 CPUs
 # and each became 4-20x slower: tests/kernel_attention_run.py outlived its timeout that way here (likely on CI too).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# SIGINT is how the session stops a background run, so that its `finally` blocks stop what it started
+# (tests/background.py).
+# A shell starts a command it runs in the background (`make test &`, nohup, some CI runners) with SIGINT ignored, and
+# every process inherits that: Python then installs no KeyboardInterrupt handler, the interrupt does nothing, and the
+# run's own children outlive it (two suites started with `&` each failed test_background's session test that way).
+# A handler set here is reset to the default by exec, so every process the tests start can be interrupted again.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest  # noqa: E402
 
