@@ -11,10 +11,10 @@ import sys
 import tomllib
 from pathlib import Path
 
-import httpx
 import pytest
 from background import Run
 from engine_settings import SERVED_MODEL
+from test_server import metric
 
 from kvserve import REQUIRED_VLLM_VERSION
 from kvserve.model import ensure_default_model
@@ -71,10 +71,7 @@ def test_vllm_serve_serves_with_the_plugin_active(vllm_serve):
 
 def _evicted(base: str) -> float:
     """kvserve:tokens_evicted_total for streamingllm on the test server (0 before any such request)."""
-    text = httpx.get(base + "/metrics", timeout=120).text
-    series = 'kvserve:tokens_evicted_total{policy="streamingllm"} '
-    values = [float(line.removeprefix(series)) for line in text.splitlines() if line.startswith(series)]
-    return values[0] if values else 0.0
+    return metric(base, "kvserve:tokens_evicted_total", '{policy="streamingllm"}', missing=0.0)
 
 
 @pytest.mark.parametrize("how", ["extra-body", "header"])

@@ -45,8 +45,9 @@ class Source:
         notes = []
         for run in self.runs:
             key = (describe_machine(run["machine"]), run["date"])
-            by_machine.setdefault(key, []).append(as_run_today(run["command"]))
-            if as_run_today(run["command"]) != run["command"]:
+            command = as_run_today(run["command"])
+            by_machine.setdefault(key, []).append(command)
+            if command != run["command"]:
                 notes.append("Recorded under a module's old name (kvserve.bench, kvserve.eval); shown as run now.")
             if run.get("note"):
                 notes.append(run["note"])
