@@ -78,6 +78,20 @@ def _serve_parser() -> argparse.ArgumentParser:
         "decode rule after it) or a token count C (compact at every multiple of C, a multiple of the block size); "
         "the compacted lists enter the prefix cache, so the next chat turn resumes from them",
     )
+    profile = parser.add_argument_group("the model's profile (kvserve calibrate MODEL)")
+    profile.add_argument(
+        "--kv-profile",
+        dest="profile_choice",
+        default="auto",
+        help="the profile to use: auto (default: kvserve's cache, if calibrated), a file, or none",
+    )
+    profile.add_argument(
+        "--kv-target",
+        dest="profile_target",
+        type=float,
+        default=None,
+        help="share of full whose recommended setting becomes the default (default 0.95; any --kv-* default wins)",
+    )
     knobs = parser.add_argument_group("policy settings (each applies to the policies that declare it)")
     for key, help_text in sorted(_knob_help().items()):
         knobs.add_argument("--" + key.replace("_", "-"), dest=key, default=None, help=help_text)
@@ -111,7 +125,7 @@ def defaults_from_args(args: argparse.Namespace) -> dict:
         if not isinstance(loaded, dict):
             raise SystemExit(f"kvserve: {args.kv_config} must hold a mapping of kv_* keys")
         defaults.update(loaded)
-    flags = {k: v for k, v in vars(args).items() if k.startswith("kv_") and k != "kv_config" and v is not None}
+    flags = given_flags(args)
     defaults.update(flags)
     if "kv_policy" not in defaults:  # knobs alone (`--kv-window 64`) tune the built-in policy, not `full`
         defaults = {**BUILTIN_DEFAULTS, **defaults}
@@ -122,6 +136,11 @@ def defaults_from_args(args: argparse.Namespace) -> dict:
     except InvalidSetting as exc:
         raise SystemExit(f"kvserve: invalid server default {exc}") from exc
     return defaults
+
+
+def given_flags(args: argparse.Namespace) -> dict:
+    """The kv_* settings the command line gives as flags."""
+    return {k: v for k, v in vars(args).items() if k.startswith("kv_") and k != "kv_config" and v is not None}
 
 
 def _sections(defaults: dict) -> dict[str, dict]:
@@ -234,6 +253,13 @@ def serve(argv: list[str]) -> None:
         env[key] = value
         print(f"kvserve: {key}={value} (one CPU group per worker)", file=sys.stderr, flush=True)
     env[DEFAULTS_ENV] = json.dumps(defaults)
+    from kvserve.server.profile import CHOICE_ENV, TARGET_ENV, USER_DEFAULTS_ENV
+
+    # the server process applies the model's profile once it knows the model (kvserve/server/profile.py)
+    env[CHOICE_ENV] = args.profile_choice
+    env[USER_DEFAULTS_ENV] = "1" if args.kv_config is not None or given_flags(args) else "0"
+    if args.profile_target is not None:
+        env[TARGET_ENV] = str(args.profile_target)
     # kvserve's metrics live in the engine-core process; multiprocess mode brings them to the API server's /metrics.
     env.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="kvserve-prom-"))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -257,6 +283,24 @@ def serve(argv: list[str]) -> None:
     os.execve(sys.executable, command + vllm_args, env)
 
 
+def setup_model_command(argv: list[str]) -> None:
+    """`kvserve setup-model [NAME]`: print the folder of a model kvserve knows by name, fetched once."""
+    from kvserve.catalog import DEFAULT_NAME, describe, setup_model
+
+    parser = argparse.ArgumentParser(
+        prog="kvserve setup-model",
+        description="Fetch, check (SHA-256) and convert a model once (cached in $KVSERVE_CACHE or ~/.cache/kvserve) "
+        "and print its folder. Models:\n" + describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("name", nargs="?", default=DEFAULT_NAME, help=f"the model (default {DEFAULT_NAME})")
+    args = parser.parse_args(argv)
+    try:
+        print(setup_model(args.name))
+    except RuntimeError as exc:  # a checksum refusal or a failed download: the reason, not a traceback
+        raise SystemExit(str(exc)) from exc
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -271,7 +315,8 @@ def main(argv: list[str] | None = None) -> None:
             "       kvserve bench layouts ...        cache operations per CPU cache layout (vec, AMX), one process\n"
             "       kvserve bench kernel ...         kvserve's CPU kernel against vLLM's attention op, one process\n"
             "       kvserve report [DATA] -o PAGE    rebuild the benchmarks page and its plots from the result files\n"
-            "       kvserve setup-model            convert the default model once and print its folder"
+            "       kvserve setup-model [NAME]       fetch and convert a model once (default: the default model)\n"
+            "       kvserve calibrate [MODEL]        a model's own head roles and recommended setting (its profile)"
         )
         return
     if argv[0] == "--version":
@@ -295,16 +340,13 @@ def main(argv: list[str] | None = None) -> None:
 
         report_main(rest)
     elif command == "setup-model":
-        if rest:  # it takes nothing: `--help` (or a typo) must not start a conversion
-            print("usage: kvserve setup-model\n\nConvert the default model once (cached) and print its folder.")
-            if rest[0] in ("-h", "--help"):
-                return
-            raise SystemExit(f"kvserve setup-model: unexpected argument {rest[0]!r}")
-        from kvserve.model import ensure_default_model
+        setup_model_command(rest)
+    elif command == "calibrate":
+        from kvserve.tools.calibrate.command import main as calibrate_main
 
-        print(ensure_default_model())
+        calibrate_main(rest)
     else:
-        raise SystemExit(f"kvserve: unknown command {command!r} (serve, eval, bench, report, setup-model)")
+        raise SystemExit(f"kvserve: unknown command {command!r} (serve, eval, bench, report, setup-model, calibrate)")
 
 
 if __name__ == "__main__":

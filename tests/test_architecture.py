@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "kvserve.provenance",
         "kvserve.model",
     ),
-    ("kvserve.policies", "kvserve.gates", "kvserve.duo"),
+    ("kvserve.policies", "kvserve.gates", "kvserve.duo", "kvserve.profile"),
     ("kvserve.config", "kvserve.model_support", "kvserve.messages"),
     ("kvserve.core", "kvserve.worker"),
     ("kvserve.server",),

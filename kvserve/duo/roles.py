@@ -3,12 +3,15 @@ the streaming window (sinks, recent) it was trained for. A request's retrieval f
 the largest gates retrieval heads; the rest are streaming heads.
 
 Files live in `kvserve/duo/roles/<model name>.json` (the served model's directory name, as the gates registry names
-models) and record how they were trained, without machine paths.
+models) and record how they were trained, without machine paths. Any other model gets its roles from its profile
+(`kvserve calibrate MODEL`, `kvserve/profile.py`), which `kvserve serve` finds by itself; a profile's roles
+win over shipped ones.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -51,20 +54,26 @@ class HeadRoles:
 
     @classmethod
     def for_model(cls, model_name: str, num_kv_heads: int) -> HeadRoles:
-        """The shipped roles of a model (by its directory name), checked against its KV heads; a clear error when
-        there are none."""
+        """The roles of a model (by its directory name): its served profile's, else the shipped ones, checked against
+        its KV heads; a clear error when there are none."""
+        from kvserve.profile import PROFILE_ENV, served_profile
+
+        profile = served_profile(model_name) if model_name else None
         path = ROLES_DIR / f"{Path(model_name).name}.json"
-        if not model_name or not path.exists():
+        if profile is not None:
+            measured = profile.roles
+            roles = cls(profile.model, measured.gates, measured.sink_tokens, measured.recent)
+            source = os.environ[PROFILE_ENV]
+        elif model_name and path.exists():
+            roles, source = cls.load(path), path.name
+        else:
             known = ", ".join(sorted(p.stem for p in ROLES_DIR.glob("*.json"))) or "none"
             raise ValueError(
-                f"no DuoAttention head roles for model {Path(model_name).name!r} (trained: {known}); "
-                "train them with `python -m kvserve.tools.training.roles --model MODEL_DIR`"
+                f"no DuoAttention head roles for model {Path(model_name).name!r} (shipped: {known}); measure them "
+                "with `kvserve calibrate MODEL_DIR` (minutes; `kvserve serve` then finds them)"
             )
-        roles = cls.load(path)
         if roles.gates.shape[1] != num_kv_heads:
-            raise ValueError(
-                f"{path.name} holds roles for {roles.gates.shape[1]} KV heads, the model has {num_kv_heads}"
-            )
+            raise ValueError(f"{source} holds roles for {roles.gates.shape[1]} KV heads, the model has {num_kv_heads}")
         return roles
 
 

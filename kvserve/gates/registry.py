@@ -50,14 +50,21 @@ def _parse_registry(path: Path, modified: int) -> dict[str, GateEntry]:
 
 
 def gate_entry(model: str) -> GateEntry:
-    """The registry entry for vLLM's `--model` value; NoGateError names the models that have gates."""
-    entries = _entries()
+    """The gate file for vLLM's `--model` value: the served profile's (`kvserve calibrate --gates`), else the
+    registry's; NoGateError names the models that have gates."""
+    from kvserve.profile import PROFILE_ENV, served_profile
+
     name = Path(str(model).rstrip("/")).name
+    profile = served_profile(name)
+    if profile is not None and profile.gates:
+        beside = Path(os.environ[PROFILE_ENV]).parent
+        return GateEntry(name, (beside / profile.gates["file"]).resolve(), profile.gates["sha256"])
+    entries = _entries()
     if name not in entries:
         raise NoGateError(
             f"no trained Attention-Gate for model {name!r} (gates exist for: "
             f"{', '.join(sorted(entries)) or 'none'}; registry {registry_path()}); train one with "
-            "`python -m kvserve.tools.training.gates` and add it there"
+            "`kvserve calibrate MODEL_DIR --gates` (hours on a CPU for a 0.5B model; `kvserve serve` then finds it)"
         )
     return entries[name]
 

@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     from kvserve import REQUIRED_VLLM_VERSION, __version__
 
     print(f"kvserve {__version__} (vLLM {REQUIRED_VLLM_VERSION}): serving {args.model}", file=sys.stderr, flush=True)
+    from kvserve.server.profile import apply_profile
+
+    apply_profile(args.model)  # before vLLM starts its engine: the engine's processes inherit what it sets
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
     uvloop.run(entry.run_server(args))

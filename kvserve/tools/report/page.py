@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvserve.tools.report import costs, kernels, quality, reliability, summary, throughput
+from kvserve.tools.report import costs, kernels, models, quality, reliability, summary, throughput
 from kvserve.tools.report.sources import DataDir
 
-SECTIONS = (summary, quality, throughput, costs, kernels, reliability)
+SECTIONS = (summary, quality, models, throughput, costs, kernels, reliability)
 
 INTRO = """# Benchmarks
 
@@ -19,11 +19,13 @@ are comparable only within one table: the machines differ (Intel Xeon with AMX, 
 with AVX2 only), so every benchmark compares against vanilla vLLM measured in the same run. Older numbers are in git
 history.
 
-The default model is SmolLM2-135M-Instruct (30 layers, 3 KV heads of 64 dimensions); B is the number of entries each
+The default model is SmolLM2-135M-Instruct (30 layers, 3 KV heads of 64 dimensions); the second,
+Qwen2.5-Coder-0.5B-Instruct (24 layers, 2 KV heads of 64), has a section of its own. B is the number of entries each
 (layer, KV head) keeps.
 
 - [Summary: which policy, how much memory, at what cost](#summary-which-policy-how-much-memory-at-what-cost)
 - [How much quality do I keep at 8x?](#how-much-quality-do-i-keep-at-8x)
+- [A second model: Qwen2.5-Coder-0.5B-Instruct](#a-second-model-qwen25-coder-05b-instruct)
 - [How much faster is it at the same memory?](#how-much-faster-is-it-at-the-same-memory)
 - [What does each policy cost?](#what-does-each-policy-cost)
 - [The kernels on a GPU](#the-kernels-on-a-gpu)

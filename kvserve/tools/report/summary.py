@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvserve.config import BUILTIN_DEFAULTS, parse_kv_config
+from kvserve.tools.report import models
 from kvserve.tools.report.markdown import ratio, table
 from kvserve.tools.report.quality import base_policy, best_labels, load_suite, single_needle_cells
 from kvserve.tools.report.sources import DataDir
@@ -122,6 +123,7 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             policies,
             "Data: " + ", ".join(f"`{source.name}`" for source in sources) + " (machines and commands in the sections "
             "below).",
+            *models.summary_part(data),
             "What a request holds, computed from the default model's shape (30 layers x 3 KV heads x 64 dimensions, "
             f"bf16: {2 * LAYERS * KV_HEADS * HEAD_DIM * BYTES:,} bytes a token) with {OUTPUT_TOKENS} output tokens "
             f"and blocks of {BLOCK_SIZE}: every token's entries without eviction, at most B + one block per layer "

@@ -1,4 +1,5 @@
-"""A plain PyTorch Llama forward over a Hugging Face checkpoint, with Attention-Gates: training and the offline
+"""A plain PyTorch Llama forward (and Qwen2's: Llama with query/key/value biases) over a Hugging Face checkpoint,
+with Attention-Gates: training and the offline
 reference for the served `attention_gate` policy. No vLLM, no transformers model code: every operation is here.
 
 Attention follows "In-context KV-Cache Eviction for LLMs via Attention-Gate", Zeng et al. 2024, arXiv:2410.12876, Eq.
@@ -79,6 +80,12 @@ class PlainLlama(torch.nn.Module):
     def _w(self, layer: int, name: str) -> torch.Tensor:
         return self.weights[f"layers.{layer}.{name}.weight"]
 
+    def _project(self, x: torch.Tensor, layer: int, name: str) -> torch.Tensor:
+        """x @ W^T, plus the bias where the checkpoint has one (Qwen2's query, key and value projections)."""
+        bias = self.weights.get(f"layers.{layer}.{name}.bias")
+        out = x @ self._w(layer, name).T
+        return out if bias is None else out + bias
+
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.shape.rms_eps) * weight
 
@@ -91,12 +98,15 @@ class PlainLlama(torch.nn.Module):
         visible: list[torch.Tensor] | None = None,
         head_mix: torch.Tensor | None = None,
         streaming: tuple[int, int] = (0, 0),
+        observe=None,
     ) -> GatedOutput:
         """input_ids [B, n]. Without gates: the plain causal model. `forced_keep` [n] (bool): positions always kept
         regardless of the gate (decode-time tokens, which the gate does not judge). `visible`, without gates: per
         layer [H_kv, n (query), n (key)] bool, which keys each query of each KV head sees (any keep rule, per head).
         `head_mix` [L, H_kv] in [0, 1] (DuoAttention's gates): each KV head's attention is head_mix x full causal
-        attention + (1 - head_mix) x streaming attention over `streaming` = (sinks, recent) keys."""
+        attention + (1 - head_mix) x streaming attention over `streaming` = (sinks, recent) keys.
+        `observe(layer, attention, values, hidden)`, if given, sees each layer's attention weights [B, Hq, n, n],
+        values [B, n, Hq, D] (repeated per query head) and the residual stream entering the layer [B, n, hidden]."""
         s = self.shape
         batch, n = input_ids.shape
         positions = torch.arange(n)
@@ -105,9 +115,9 @@ class PlainLlama(torch.nn.Module):
         probabilities, all_flags = [], []
         for layer in range(s.num_layers):
             x = self._rms(hidden, self.weights[f"layers.{layer}.input_layernorm.weight"])
-            q = (x @ self._w(layer, "self_attn.q_proj").T).view(batch, n, s.num_heads, s.head_dim)
-            k = (x @ self._w(layer, "self_attn.k_proj").T).view(batch, n, s.num_kv_heads, s.head_dim)
-            v = (x @ self._w(layer, "self_attn.v_proj").T).view(batch, n, s.num_kv_heads, s.head_dim)
+            q = self._project(x, layer, "self_attn.q_proj").view(batch, n, s.num_heads, s.head_dim)
+            k = self._project(x, layer, "self_attn.k_proj").view(batch, n, s.num_kv_heads, s.head_dim)
+            v = self._project(x, layer, "self_attn.v_proj").view(batch, n, s.num_kv_heads, s.head_dim)
             if gates is None:
                 flags = torch.ones(batch, n, s.num_kv_heads)
             else:
@@ -139,7 +149,10 @@ class PlainLlama(torch.nn.Module):
                 mix = head_mix[layer].repeat_interleave(group)[None, :, None, None]
                 stream = masked_softmax(scores, streaming_keep_matrix(n, *streaming))
                 attention = mix * attention + (1 - mix) * stream
-            mixed = torch.einsum("bhqk,bkhd->bqhd", attention, v.repeat_interleave(group, dim=2))
+            values = v.repeat_interleave(group, dim=2)
+            if observe is not None:
+                observe(layer, attention, values, hidden)
+            mixed = torch.einsum("bhqk,bkhd->bqhd", attention, values)
             hidden = hidden + mixed.reshape(batch, n, -1) @ self._w(layer, "self_attn.o_proj").T
             x = self._rms(hidden, self.weights[f"layers.{layer}.post_attention_layernorm.weight"])
             gated = F.silu(x @ self._w(layer, "mlp.gate_proj").T) * (x @ self._w(layer, "mlp.up_proj").T)

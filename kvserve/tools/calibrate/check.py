@@ -1,0 +1,174 @@
+"""The profile's quality check: a short run of the judged tasks through the model's own server, and per target share
+of the full cache's score the setting that needs the least memory.
+
+The full cache answers every case first; only the cases it answers right are kept (a case the full cache misses says
+nothing about eviction), and a setting's share is the fraction of those it still answers right. Settings run in
+order of memory, smallest budget first for each policy: a setting stops as soon as its misses leave the lowest target
+out of reach, and a policy's larger budgets are skipped once a smaller one keeps the highest target (a larger budget
+keeps a superset of the same scores' choices). Rows are appended as answers arrive, so an interrupted check resumes.
+
+The recommendation for a target is the smallest budget whose share reaches it (ties: the higher share, then the
+order of `policies`), as kv_* settings a server takes as its defaults.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvserve.tools.eval.client import Server, Setting, settings
+from kvserve.tools.eval.quality import answer
+from kvserve.tools.eval.suite import wilson
+from kvserve.tools.eval.tasks import Case, make_cases
+
+FULL = Setting("full", None)
+
+
+@dataclass(frozen=True)
+class CheckPlan:
+    tasks: tuple[str, ...] = ("passkey", "kv_one", "chat_followup", "niah_multiquery")
+    lengths: tuple[int, ...] = (2000,)
+    samples: int = 3
+    policies: tuple[str, ...] = (
+        "snapkv",
+        "duoattention",
+        "tova",
+        "ahakv",
+        "keydiff",
+        "expected_attention",
+        "snapkv+caote",
+        "ems",
+        "mat",
+        "h2o",
+        "streamingllm",
+    )
+    budgets: tuple[int, ...] = (128, 256, 512)
+    spans: tuple[int, ...] = (8,)
+    targets: tuple[float, ...] = (0.9, 0.95)
+    seed: int = 0
+
+    def settings(self) -> list[Setting]:
+        """Every policy at every budget and span it can use (spans apply to score-based policies; the others run at
+        span 1), each policy's budgets ascending, in the order of `policies`."""
+        chosen = []
+        for policy in self.policies:
+            spans = self.spans if _takes_spans(policy) else (1,)
+            chosen += sorted(settings([policy], list(self.budgets), spans=spans), key=lambda s: (s.span, s.budget))
+        return chosen
+
+    def cases(self, tokenizer) -> list[Case]:
+        return make_cases(tokenizer, list(self.tasks), list(self.lengths), self.samples, self.seed)
+
+    def requests(self) -> int:
+        """The most requests the check sends (early stops send fewer)."""
+        return (1 + len(self.settings())) * len(self.tasks) * len(self.lengths) * self.samples
+
+
+def _takes_spans(policy: str) -> bool:
+    from kvserve.policies import POLICIES, ScoredPolicy
+
+    return issubclass(POLICIES[policy.split(":")[0]], ScoredPolicy)
+
+
+@dataclass
+class SettingResult:
+    label: str
+    policy: str
+    budget: int
+    span: int
+    knobs: dict
+    answered: int  # of the cases the full cache answers right
+    correct: float
+    complete: bool  # False: stopped early, its share can no longer reach the lowest target
+    share: float = field(init=False)
+    low: float = field(init=False)
+    high: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.share = round(self.correct / self.answered, 4) if self.answered else 0.0
+        low, high = wilson(self.share, self.answered)
+        self.low, self.high = round(low, 4), round(high, 4)
+
+    def kv_settings(self) -> dict:
+        return {"kv_policy": self.policy, "kv_budget": self.budget, "kv_span": self.span, **self.knobs}
+
+
+def recommend(results: list[SettingResult], targets: tuple[float, ...], order: list[str]) -> dict[str, dict | None]:
+    """Per target: the least-memory setting whose share reaches it (complete runs only)."""
+    chosen: dict[str, dict | None] = {}
+    for target in targets:
+        passing = [r for r in results if r.complete and r.share >= target]
+        passing.sort(key=lambda r: (r.budget, -r.share, order.index(r.label.split("/")[0])))
+        chosen[f"{target:g}"] = (
+            {**passing[0].kv_settings(), "share": passing[0].share, "interval": [passing[0].low, passing[0].high]}
+            if passing
+            else None
+        )
+    return chosen
+
+
+def _load(path: Path) -> dict[tuple, dict]:
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {(r["policy"], r["budget"], r["task"], r["length"], r["index"], r["seed"]): r for r in rows}
+
+
+def run_check(
+    server: Server, plan: CheckPlan, tokenizer, rows_path: Path, tick: Callable[[int], None] = lambda n: None
+) -> dict:
+    """Run the check (resuming from `rows_path`) and return the profile's `check` record. `tick(n)` is called with
+    the number of requests each step accounts for (answered, or skipped by an early stop)."""
+    done = _load(rows_path)
+
+    def answered(setting: Setting, case: Case) -> dict:
+        key = (setting.label, setting.budget, *case.key)
+        if key not in done:
+            done[key] = answer(server, setting, case)
+            with rows_path.open("a") as out:
+                out.write(json.dumps(done[key]) + "\n")
+        tick(1)
+        return done[key]
+
+    cases = plan.cases(tokenizer)
+    kept = [case for case in cases if answered(FULL, case)["score"] >= 1.0]
+    record: dict = {"plan": {**asdict(plan)}, "cases": len(cases), "full_answers": len(kept)}
+    results: list[SettingResult] = []
+    reached: set[str] = set()  # policies (label without budget) whose smaller budget kept the highest target
+    for setting in plan.settings():
+        family = setting.label
+        if family in reached or not kept:
+            tick(len(cases))
+            continue
+        allowed_misses = len(kept) * (1 - min(plan.targets))
+        correct = missed = 0.0
+        for number, case in enumerate(kept):
+            score = answered(setting, case)["score"]
+            correct, missed = correct + score, missed + (1 - score)
+            if missed > allowed_misses + 1e-9:
+                tick(len(cases) - number - 1)
+                break
+        else:
+            tick(len(cases) - len(kept))
+        complete = missed <= allowed_misses + 1e-9
+        result = SettingResult(
+            setting.label,
+            setting.policy,
+            setting.budget,
+            setting.span,
+            {f"kv_{k}": v for k, v in setting.knobs},
+            answered=len(kept) if complete else number + 1,
+            correct=correct,
+            complete=complete,
+        )
+        results.append(result)
+        if complete and result.share >= max(plan.targets):
+            reached.add(family)
+    order = list(plan.policies)
+    record["results"] = [asdict(r) for r in results]
+    record["recommended"] = recommend(results, plan.targets, order) if kept else {f"{t:g}": None for t in plan.targets}
+    if not kept:
+        record["why_none"] = f"the full cache answers none of the {len(cases)} check cases: nothing to keep a share of"
+    return record

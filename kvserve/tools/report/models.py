@@ -1,0 +1,165 @@
+"""Does it carry to another model? The quality suite on Qwen2.5-Coder-0.5B-Instruct beside the default model's, what
+`kvserve calibrate` recommends for it and how long that took, and the measured head roles against the trained ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvserve.tools.eval.suite import Cell, Suite
+from kvserve.tools.report.markdown import table
+from kvserve.tools.report.quality import FLOOR, best_labels, load_suite, per_task_table, share_cell, share_table
+from kvserve.tools.report.sources import DataDir
+
+QWEN = "qwen05/tasks.jsonl"
+CALIBRATION = "qwen05/calibrate.json"
+ROLES = "duo/measured-vs-trained.json"
+TITLE = "## A second model: Qwen2.5-Coder-0.5B-Instruct"
+
+
+def at_length(cells: list[Cell], thousands: int) -> list[Cell]:
+    return [cell for cell in cells if cell[1] == thousands]
+
+
+def side_by_side(default: tuple[Suite, list[Cell]], qwen: tuple[Suite, list[Cell]], budget: int) -> str:
+    """Each policy's share of full at `budget` on each model's judged 4k-token cells, its best setting on each."""
+    rows = []
+    default_labels, qwen_labels = (best_labels(suite, cells) for suite, cells in (default, qwen))
+    for policy in sorted(
+        set(default_labels) | set(qwen_labels),
+        key=lambda p: -(qwen[0].ratio((qwen_labels.get(p, ""), budget), qwen[1]) or 0),
+    ):
+        cells_text = []
+        for (suite, cells), labels in ((default, default_labels), (qwen, qwen_labels)):
+            label = labels.get(policy)
+            shown = share_cell(suite, label, budget, cells) if label else "-"
+            cells_text.append(f"{shown} `{label}`" if shown != "-" else "-")
+        if any(text != "-" for text in cells_text):
+            rows.append([f"`{policy}`", *cells_text])
+    return table(["policy", f"SmolLM2-135M, B={budget}", f"Qwen2.5-Coder-0.5B, B={budget}"], rows)
+
+
+def calibration_part(data: DataDir, suite: Suite, cells: list[Cell]) -> list[str]:
+    source = data.load(CALIBRATION)
+    record = source.data
+    check = record["check"]
+    plan = check["plan"]
+    lines = [
+        f"`kvserve calibrate qwen2.5-coder-0.5b` took {check['seconds'] / 60:.1f} min on 2 cores (estimated "
+        f"before it started: {check['estimated_seconds'] / 60:.0f} min): head roles from {check['roles_samples']} "
+        f"retrieval samples, then a check of {len(plan['tasks'])} tasks ({', '.join(plan['tasks'])}) at "
+        f"{plan['lengths']} tokens, "
+        f"{plan['samples']} cases each, {len(plan['policies'])} policies at B = "
+        f"{'/'.join(map(str, plan['budgets']))}; the full cache answered {check['full_answers']} of {check['cases']} "
+        "cases. What it recommends, and where that setting stands on the suite above (4k tokens):",
+    ]
+    rows = []
+    for target, setting in check["recommended"].items():
+        if setting is None:
+            rows.append([f"{float(target):.0%}", "none", "-", "-"])
+            continue
+        label = f"{setting['kv_policy']}/span{setting['kv_span']}" if setting["kv_span"] > 1 else setting["kv_policy"]
+        on_suite = (
+            share_cell(suite, label, setting["kv_budget"], cells)
+            if suite.ratio((label, setting["kv_budget"]), cells) is not None
+            else "not run"
+        )
+        best = max(
+            ((lb, r) for lb in suite.labels() if (r := suite.ratio((lb, setting["kv_budget"]), cells)) is not None),
+            key=lambda item: item[1],
+            default=None,
+        )
+        best_text = f"`{best[0]}` {best[1]:.0%}" if best else "-"
+        rows.append(
+            [
+                f"{float(target):.0%}",
+                f"`{label}` B={setting['kv_budget']}: {setting['share']:.0%} [{setting['interval'][0]:.0%}-"
+                f"{setting['interval'][1]:.0%}] of the check's cases",
+                on_suite,
+                best_text,
+            ]
+        )
+    lines.append(
+        table(
+            ["target share of full", "recommended (on the check)", "on the suite, 4k", "best on the suite at that B"],
+            rows,
+        )
+    )
+    lines.append(source.caption())
+    return lines
+
+
+def roles_part(data: DataDir) -> list[str]:
+    source = data.load(ROLES)
+    record = source.data
+    rows = [
+        [
+            f"{row['retrieval_fraction']:g}",
+            f"{row['trained_roles']:.4f}",
+            f"{row['measured_roles']:.4f}",
+            f"{row['random_roles']:.4f}",
+            f"{row['heads_in_common']} of {row['retrieval_heads']}",
+        ]
+        for row in record["held_out"]
+    ]
+    return [
+        "### Head roles measured, not trained",
+        f"DuoAttention's roles for {record['model']}: the paper's training (gradient descent on the gates, "
+        f"{record['trained_seconds']:.0f} s on 2 cores) against `kvserve calibrate`'s measurement (one forward pass "
+        f"per sample, {record['measured_samples']} samples, {record['measured_seconds']:.0f} s). Held-out distillation "
+        "error (the paper's loss: the last hidden states' squared distance to the full model's at the answer "
+        "positions, relative; lower is better) with each route's top fraction as retrieval heads and the rest "
+        f"streaming; rank correlation of the two gate tables {record['gate_rank_correlation']:.2f}.",
+        table(
+            ["retrieval fraction", "trained roles", "measured roles", "random roles", "retrieval heads in common"], rows
+        ),
+        source.caption(),
+    ]
+
+
+def qwen_suite(data: DataDir):
+    source = data.load(QWEN)
+    suite = Suite.from_rows(source.data)
+    cells = suite.judged_cells(FLOOR)
+    return source, suite, cells, best_labels(suite, cells)
+
+
+def summary_part(data: DataDir) -> list[str]:
+    """The summary's table for the second model: each policy's share of full at its best setting."""
+    source, suite, cells, labels = qwen_suite(data)
+    answers = suite.mean(("full", None), cells)[1]
+    return [
+        f"On the second model, Qwen2.5-Coder-0.5B-Instruct: the suite's {len({t for t, _ in cells})} judged tasks at "
+        f"{max(k for _, k in cells)}k tokens ({answers} answers a setting; `duoattention` with the head roles "
+        "`kvserve calibrate` measured for it; [details](#a-second-model-qwen25-coder-05b-instruct)):",
+        share_table(suite, cells, labels),
+        f"Data: `{source.name}`.",
+    ]
+
+
+def section(data: DataDir, plots: Path, plot_link: str) -> str:
+    source, suite, cells, labels = qwen_suite(data)
+    _, default_suite, default_cells = load_suite(data)
+    longest = max(k for _, k in cells)
+    full_mean, full_n = suite.mean(("full", None), cells)
+    return "\n\n".join(
+        [
+            TITLE,
+            "The same suite on a larger model of another family: Qwen2.5-Coder-0.5B-Instruct (Qwen2: 24 layers, 14 "
+            "query / 2 KV heads of 64; `kvserve setup-model qwen2.5-coder-0.5b`, the 4-bit GGUF de-quantised, so its "
+            f"quality is the 4-bit file's). Judged tasks: every task where `full` scores at least {FLOOR} "
+            f"({', '.join(sorted({t for t, _ in cells}))}), at {longest}k tokens, where B=256 is 16x. `full` answers "
+            f"{full_mean:.3f} of them (n = {full_n}). `duoattention` serves with the head roles `kvserve calibrate` "
+            "measured for this model (no training).",
+            share_table(suite, cells, labels),
+            "Per task at B=256 (mean [95% Wilson interval] and answers):",
+            per_task_table(suite, cells, labels, 256),
+            source.caption(),
+            "### Side by side with the default model",
+            f"Each policy's best setting on each model's {longest}k-token judged cells (the default model's suite "
+            "at 4k: chat_followup, niah_single_1, passkey; 12 answers a cell):",
+            side_by_side((default_suite, at_length(default_cells, longest)), (suite, cells), 256),
+            "### What `kvserve calibrate` recommends for it",
+            *calibration_part(data, suite, cells),
+            *roles_part(data),
+        ]
+    )
