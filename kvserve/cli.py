@@ -259,6 +259,10 @@ def serve(argv: list[str]) -> None:
     env[CHOICE_ENV] = args.profile_choice
     env[USER_DEFAULTS_ENV] = "1" if args.kv_config is not None or given_flags(args) else "0"
     if args.profile_target is not None:
+        if not 0 < args.profile_target <= 1:
+            raise SystemExit(
+                f"kvserve: --kv-target is a share of the full cache's score in (0, 1], not {args.profile_target}"
+            )
         env[TARGET_ENV] = str(args.profile_target)
     # kvserve's metrics live in the engine-core process; multiprocess mode brings them to the API server's /metrics.
     env.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="kvserve-prom-"))

@@ -166,6 +166,7 @@ def test_a_bad_profile_is_refused_naming_the_file_and_the_reason(tmp_path, monke
             read_profile(path)
 
 
+@pytest.mark.timeout(1800)  # two server starts and a calibration; a busy 2-core machine took 16 min
 def test_calibrate_end_to_end_on_a_tiny_model_and_serve_uses_its_profile(tmp_path, model_dir):
     """The command on the tiny Qwen2 model (query/key/value biases): measured roles of the model's shape, the check's
     rows through its own server, the profile in the profiles folder; then `kvserve serve` finds it by itself,
@@ -215,3 +216,31 @@ def test_calibrate_end_to_end_on_a_tiny_model_and_serve_uses_its_profile(tmp_pat
         gated = httpx.post(url + "/v1/completions", json=body, headers={"x-kv-policy": "attention_gate"}, timeout=300)
         assert gated.status_code == 200, gated.text  # the profile's gates (the registry has none for this model)
         assert gated.headers["x-kv-policy-applied"] == "attention_gate"
+
+
+def test_calibrate_refuses_an_architecture_its_reference_model_does_not_run(tmp_path):
+    phi3 = tiny_model("phi3")  # fused projections, another RoPE: not what the reference model implements
+    env = dict(os.environ, **{PROFILES_ENV: str(tmp_path)})
+    done = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "calibrate", str(phi3), "--quiet"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode != 0
+    assert "runs Llama and Qwen2 checkpoints, not 'phi3'" in done.stderr
+    assert not (tmp_path / "phi3.json").exists()
+
+
+def test_calibrate_refuses_an_unknown_policy_before_anything_runs(tmp_path, model_dir):
+    env = dict(os.environ, **{PROFILES_ENV: str(tmp_path)})
+    done = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "calibrate", str(model_dir), "--policies", "snapkv,nosuch"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode != 0 and "unknown policy 'nosuch'" in done.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvserve.tools.eval.client import Server, Setting, settings
+from kvserve.policies import POLICIES, ScoredPolicy
+from kvserve.tools.eval.client import Server, Setting, parse_policy, settings
 from kvserve.tools.eval.quality import answer
 from kvserve.tools.eval.suite import wilson
 from kvserve.tools.eval.tasks import Case, make_cases
@@ -54,7 +55,10 @@ class CheckPlan:
         span 1), each policy's budgets ascending, in the order of `policies`."""
         chosen = []
         for policy in self.policies:
-            spans = self.spans if _takes_spans(policy) else (1,)
+            name, _ = parse_policy(policy)  # ValueError naming an unknown policy or knob
+            if name == "full" or POLICIES[name].ragged:
+                raise ValueError(f"{policy}: the check compares policies at budgets; {name} has none")
+            spans = self.spans if issubclass(POLICIES[name], ScoredPolicy) else (1,)
             chosen += sorted(settings([policy], list(self.budgets), spans=spans), key=lambda s: (s.span, s.budget))
         return chosen
 
@@ -64,12 +68,6 @@ class CheckPlan:
     def requests(self) -> int:
         """The most requests the check sends (early stops send fewer)."""
         return (1 + len(self.settings())) * len(self.tasks) * len(self.lengths) * self.samples
-
-
-def _takes_spans(policy: str) -> bool:
-    from kvserve.policies import POLICIES, ScoredPolicy
-
-    return issubclass(POLICIES[policy.split(":")[0]], ScoredPolicy)
 
 
 @dataclass

@@ -68,7 +68,11 @@ class PlainLlama(torch.nn.Module):
     def __init__(self, model_dir: str | Path) -> None:
         super().__init__()
         model_dir = Path(model_dir)
-        self.shape = LlamaShape.from_config(json.loads((model_dir / "config.json").read_text()))
+        config = json.loads((model_dir / "config.json").read_text())
+        model_type = config.get("model_type", "llama")
+        if model_type not in ("llama", "qwen2"):  # what every operation below implements
+            raise ValueError(f"the reference model runs Llama and Qwen2 checkpoints, not {model_type!r}")
+        self.shape = LlamaShape.from_config(config)
         weights: dict[str, torch.Tensor] = {}
         for path in sorted(model_dir.glob("*.safetensors")):
             weights.update(load_file(path))
