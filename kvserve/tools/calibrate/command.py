@@ -43,11 +43,13 @@ def resolve_model(name: str | None) -> Path:
     return folder.resolve()
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module's text as written, and each flag's default."""
+
+
 def parser() -> argparse.ArgumentParser:
     plan = CheckPlan()
-    p = argparse.ArgumentParser(
-        prog="kvserve calibrate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(prog="kvserve calibrate", description=__doc__, formatter_class=_Help)
     p.add_argument("model", nargs="?", default=None, help="model folder or known name (default: the default model)")
     p.add_argument("--out", type=Path, default=None, help="profile file (default: kvserve's cache, where serve looks)")
     p.add_argument("--roles-samples", type=int, default=8, help="retrieval samples the head roles are measured on")
