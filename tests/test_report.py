@@ -126,7 +126,7 @@ def test_the_summary_agrees_with_the_sections_it_summarises():
     suite's table, or the single-needle one for a policy that ran only that), and its throughput cells are the
     capacity table's ratios."""
     page = PAGE.read_text()
-    summary = page[page.index("## Summary") : page.index("## How much quality")]
+    summary = page[page.index("## Summary") : page.index("On the second model")]
     whole = page[page.index("## How much quality") : page.index("### The single-needle suite")]
     single = page[page.index("### The single-needle suite") : page.index("### On an fp8")]
     rows = [line for line in summary.splitlines() if line.startswith("| `")]
@@ -148,6 +148,11 @@ def test_the_summary_agrees_with_the_sections_it_summarises():
             # "92% [84-100%] (0.764)" on the quality table, "92% (84-100%)" in the summary
             value, interval = share.split(" (")[0].split(" [")
             assert cell == f"{value} ({interval.rstrip(']')})", (policy, cell, share)
+    # the second model's table in the summary is its section's
+    second = page[page.index("On the second model") : page.index("What a request holds")]
+    section = page[page.index("## A second model") : page.index("### Side by side with the default model")]
+    table = [line for line in second.splitlines() if line.startswith("| ")]
+    assert len(table) > 3 and all(line in section.splitlines() for line in table)
     throughput = page[page.index("### Decode-heavy at 8x") : page.index("The same benchmark across budgets")]
     assert "| `snapkv` B=188 | 9 | 8 | 110.3 | 1.98x |" in throughput and "| 1.98x (B=188) |" in summary
 

@@ -24,10 +24,11 @@ def side_by_side(default: tuple[Suite, list[Cell]], qwen: tuple[Suite, list[Cell
     """Each policy's share of full at `budget` on each model's judged 4k-token cells, its best setting on each."""
     rows = []
     default_labels, qwen_labels = (best_labels(suite, cells) for suite, cells in (default, qwen))
-    for policy in sorted(
-        set(default_labels) | set(qwen_labels),
-        key=lambda p: -(qwen[0].ratio((qwen_labels.get(p, ""), budget), qwen[1]) or 0),
-    ):
+
+    def order(policy: str) -> tuple[float, str]:  # best on the second model first; ties by name (a set has no order)
+        return -(qwen[0].ratio((qwen_labels.get(policy, ""), budget), qwen[1]) or 0), policy
+
+    for policy in sorted(set(default_labels) | set(qwen_labels), key=order):
         cells_text = []
         for (suite, cells), labels in ((default, default_labels), (qwen, qwen_labels)):
             label = labels.get(policy)
@@ -47,7 +48,7 @@ def calibration_part(data: DataDir, suite: Suite, cells: list[Cell]) -> list[str
         f"`kvserve calibrate qwen2.5-coder-0.5b` took {check['seconds'] / 60:.1f} min on 2 cores (estimated "
         f"before it started: {check['estimated_seconds'] / 60:.0f} min): head roles from {check['roles_samples']} "
         f"retrieval samples, then a check of {len(plan['tasks'])} tasks ({', '.join(plan['tasks'])}) at "
-        f"{plan['lengths']} tokens, "
+        f"{'/'.join(map(str, plan['lengths']))} tokens, "
         f"{plan['samples']} cases each, {len(plan['policies'])} policies at B = "
         f"{'/'.join(map(str, plan['budgets']))}; the full cache answered {check['full_answers']} of {check['cases']} "
         "cases. What it recommends, and where that setting stands on the suite above (4k tokens):",
@@ -132,7 +133,7 @@ def summary_part(data: DataDir) -> list[str]:
         f"{max(k for _, k in cells)}k tokens ({answers} answers a setting; `duoattention` with the head roles "
         "`kvserve calibrate` measured for it; [details](#a-second-model-qwen25-coder-05b-instruct)):",
         share_table(suite, cells, labels),
-        f"Data: `{source.name}`.",
+        source.caption(),
     ]
 
 
