@@ -13,14 +13,13 @@ order of `policies`), as kv_* settings a server takes as its defaults.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvserve.policies import POLICIES, ScoredPolicy
-from kvserve.tools.eval.client import Server, Setting, parse_policy, settings
-from kvserve.tools.eval.quality import answer
+from kvserve.tools.eval.client import Server, Setting, append_row, load_rows, parse_policy, settings
+from kvserve.tools.eval.quality import answer, row_key
 from kvserve.tools.eval.suite import wilson
 from kvserve.tools.eval.tasks import Case, make_cases
 
@@ -107,26 +106,18 @@ def recommend(results: list[SettingResult], targets: tuple[float, ...], order: l
     return chosen
 
 
-def _load(path: Path) -> dict[tuple, dict]:
-    if not path.exists():
-        return {}
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {(r["policy"], r["budget"], r["task"], r["length"], r["index"], r["seed"]): r for r in rows}
-
-
 def run_check(
     server: Server, plan: CheckPlan, tokenizer, rows_path: Path, tick: Callable[[int], None] = lambda n: None
 ) -> dict:
     """Run the check (resuming from `rows_path`) and return the profile's `check` record. `tick(n)` is called with
     the number of requests each step accounts for (answered, or skipped by an early stop)."""
-    done = _load(rows_path)
+    done = {row_key(row): row for row in load_rows(str(rows_path))}
 
     def answered(setting: Setting, case: Case) -> dict:
         key = (setting.label, setting.budget, *case.key)
         if key not in done:
             done[key] = answer(server, setting, case)
-            with rows_path.open("a") as out:
-                out.write(json.dumps(done[key]) + "\n")
+            append_row(str(rows_path), done[key])
         tick(1)
         return done[key]
 

@@ -71,16 +71,16 @@ def plan_from(args: argparse.Namespace) -> CheckPlan:
     def ints(text: str) -> tuple[int, ...]:
         return tuple(int(item) for item in text.split(",") if item)
 
-    plan = CheckPlan(
-        tasks=tuple(args.tasks.split(",")),
-        lengths=ints(args.lengths),
-        samples=args.samples,
-        policies=tuple(args.policies.split(",")),
-        budgets=ints(args.budgets),
-        spans=ints(args.spans),
-        targets=tuple(float(t) for t in args.targets.split(",")),
-    )
     try:
+        plan = CheckPlan(
+            tasks=tuple(args.tasks.split(",")),
+            lengths=ints(args.lengths),
+            samples=args.samples,
+            policies=tuple(args.policies.split(",")),
+            budgets=ints(args.budgets),
+            spans=ints(args.spans),
+            targets=tuple(float(t) for t in args.targets.split(",")),
+        )
         plan.settings()  # an unknown policy or knob fails here, before anything runs
         from kvserve.tools.eval.tasks import TASKS
 
@@ -94,13 +94,10 @@ def plan_from(args: argparse.Namespace) -> CheckPlan:
     return plan
 
 
-def probe_seconds_per_token(model_dir: Path) -> float:
-    """One forward of the reference model over ROLES_SEQ_LEN tokens: the machine's speed on this model."""
+def probe_seconds_per_token(model) -> float:
+    """One forward of the reference model (`PlainLlama`) over ROLES_SEQ_LEN tokens: the machine's speed on it."""
     import torch
 
-    from kvserve.tools.training.llama import PlainLlama
-
-    model = PlainLlama(model_dir)
     ids = torch.zeros(1, ROLES_SEQ_LEN, dtype=torch.long)
     started = time.time()
     with torch.no_grad():
@@ -130,7 +127,7 @@ def _bar(total: int, enabled: bool):
     return tqdm(total=total, disable=not enabled, unit="step", desc="calibrate", file=sys.stderr)
 
 
-def measured_roles_resumable(model_dir: Path, work: Path, samples: int, tick):
+def measured_roles_resumable(model_dir: Path, model, work: Path, samples: int, tick):
     """The measured roles, from the work folder when an earlier run measured them with the same settings."""
     from kvserve.duo.roles import HeadRoles
     from kvserve.tools.calibrate.heads import RECIPE, measured_roles
@@ -142,7 +139,7 @@ def measured_roles_resumable(model_dir: Path, work: Path, samples: int, tick):
         if stored.get("recipe") == recipe:
             tick(samples)
             return HeadRoles.load(saved), recipe
-    roles = measured_roles(model_dir, samples=samples, seq_len=ROLES_SEQ_LEN, progress=lambda _: tick(1))
+    roles = measured_roles(model_dir, samples=samples, seq_len=ROLES_SEQ_LEN, progress=lambda _: tick(1), model=model)
     roles.save(saved, recipe)
     return roles, recipe
 
@@ -156,11 +153,13 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     say = lambda text: print(f"kvserve calibrate: {text}", file=sys.stderr, flush=True)  # noqa: E731
 
+    from kvserve.tools.training.llama import PlainLlama
+
     try:
-        per_token = probe_seconds_per_token(model_dir)
+        reference = PlainLlama(model_dir)  # loaded once: the probe and the roles read it
     except ValueError as exc:  # an architecture the reference model does not implement
         raise SystemExit(f"kvserve calibrate: {model_dir.name}: {exc}") from exc
-    phases = estimate(args, plan, per_token)
+    phases = estimate(args, plan, probe_seconds_per_token(reference))
     say(
         f"{model_dir.name}: about {sum(phases.values()) / 60:.0f} min on this machine ("
         + ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in phases.items())
@@ -170,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     check_requests = plan.requests()
     bar = _bar(args.roles_samples + check_requests, not args.quiet)
-    roles, recipe = measured_roles_resumable(model_dir, work, args.roles_samples, bar.update)
+    roles, recipe = measured_roles_resumable(model_dir, reference, work, args.roles_samples, bar.update)
+    del reference  # fp32 weights (2 GB for the 0.5B model): not held while the gates train or the check serves
     measured = ProfileRoles(roles.gates, roles.sink_tokens, roles.recent)
     profile = Profile(model_dir.name, fingerprint(model_dir), measured, recipe)
     if args.gates:

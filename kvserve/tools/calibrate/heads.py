@@ -66,9 +66,11 @@ def measured_roles(
     keys: int = 4,
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
+    model: PlainLlama | None = None,
 ) -> HeadRoles:
-    """Head roles of the model in `model_dir` from `samples` forward passes over synthetic retrieval samples."""
-    model = PlainLlama(model_dir)
+    """Head roles of the model in `model_dir` from `samples` forward passes over synthetic retrieval samples
+    (`model`: the reference model of `model_dir`, if the caller loaded it already)."""
+    model = model if model is not None else PlainLlama(model_dir)
     tokenizer = load_tokenizer(model_dir)
     corpus = load_corpus(model_dir, seed=seed)
     words = vocabulary(" ".join(topics[name] for name in corpus.train_docs))
