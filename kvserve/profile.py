@@ -115,17 +115,34 @@ def read_profile(path: Path) -> Profile:
         gates = torch.tensor(roles["gates"], dtype=torch.float32)
         if gates.dim() != 2 or not torch.all((gates >= 0) & (gates <= 1)):
             raise ValueError("roles.gates must be a [layers][KV heads] table of values in [0, 1]")
+        check = dict(record.get("check") or {})
+        for target, setting in (check.get("recommended") or {}).items():
+            _check_recommendation(target, setting)
         return Profile(
             model=str(record["model"]),
             fingerprint=dict(record["fingerprint"]),
             roles=ProfileRoles(gates, int(roles["sink_tokens"]), int(roles["recent"])),
             roles_recipe=dict(roles.get("recipe") or {}),
-            check=dict(record.get("check") or {}),
+            check=check,
             gates=record.get("gates"),
             kvserve=str(record["kvserve"]),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProfileError(f"{path} is not a kvserve profile: {exc}") from exc
+
+
+def _check_recommendation(target: str, setting: object) -> None:
+    """A recommendation the server can apply and log: kv_* settings with the share it kept and its interval."""
+    if setting is None:
+        return
+    if not isinstance(setting, dict):
+        raise ValueError(f"check.recommended[{target!r}] must be an object or null")
+    float(target)
+    if not any(key.startswith("kv_") for key in setting):
+        raise ValueError(f"check.recommended[{target!r}] has no kv_* setting")
+    share, interval = setting.get("share"), setting.get("interval")
+    if not isinstance(share, (int, float)) or not (isinstance(interval, list) and len(interval) == 2):
+        raise ValueError(f"check.recommended[{target!r}] needs a numeric share and a [low, high] interval")
 
 
 def check_profile(profile: Profile, path: Path, model_dir: Path) -> None:

@@ -1,6 +1,7 @@
 """`kvserve calibrate` and the profiles `kvserve serve` uses: the recommendation rule against its definition, a profile
 found / used / overridden / refused (corrupt, foreign, another model, another kvserve version), and the command end
-to end on a tiny model of the test matrix, whose profile then serves duoattention and sets the server's default."""
+to end on a tiny model of the test matrix, whose profile then serves duoattention and attention_gate and sets the
+server's default (that run is in the background: tests/calibrate_run.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import sys
 from itertools import product
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
+from background import Run
+from calibrate_run import RECOMMENDED
 
 from kvserve import __version__
 from kvserve.config import DEFAULTS_ENV
@@ -28,9 +30,10 @@ from kvserve.profile import (
     read_profile,
 )
 from kvserve.server.profile import CHOICE_ENV, TARGET_ENV, USER_DEFAULTS_ENV, apply_profile
-from kvserve.tools.bench.servers import running_server
 from kvserve.tools.bench.tiny_models import tiny_model
 from kvserve.tools.calibrate.check import CheckPlan, SettingResult, recommend
+
+TESTS = Path(__file__).parent
 
 
 def result(policy: str, budget: int, correct: int, answered: int = 10, complete: bool = True) -> SettingResult:
@@ -73,9 +76,6 @@ def make_profile(model_dir: Path, recommended: dict | None, layers: int = 4, hea
     profile = Profile(model_dir.name, fingerprint(model_dir), ProfileRoles(gates, 16, 64), {"method": "t"})
     profile.check = {"recommended": {"0.95": recommended, "0.9": recommended}, "results": []}
     return profile
-
-
-RECOMMENDED = {"kv_policy": "tova", "kv_budget": 96, "kv_span": 8, "share": 0.96, "interval": [0.8, 0.99]}
 
 
 @pytest.fixture
@@ -128,7 +128,9 @@ def test_duoattention_roles_come_from_the_served_profile(tmp_path, monkeypatch, 
     assert profiles.served_profile("another-model") is None  # a profile serves only its own model
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "foreign", "other model", "other weights", "other version", "bad roles"])
+@pytest.mark.parametrize(
+    "damage", ["corrupt", "foreign", "other model", "other weights", "other version", "bad roles", "bad setting"]
+)
 def test_a_bad_profile_is_refused_naming_the_file_and_the_reason(tmp_path, monkeypatch, model_dir, damage):
     monkeypatch.setenv(PROFILES_ENV, str(tmp_path))
     path = tmp_path / f"{model_dir.name}.json"
@@ -141,6 +143,7 @@ def test_a_bad_profile_is_refused_naming_the_file_and_the_reason(tmp_path, monke
         "other weights": "config.json or weight files differ",
         "other version": "made by kvserve 0.0.1",
         "bad roles": "not a kvserve profile",
+        "bad setting": "needs a numeric share",
     }[damage]
     if damage == "corrupt":
         path.write_text(path.read_text()[:40])
@@ -153,69 +156,70 @@ def test_a_bad_profile_is_refused_naming_the_file_and_the_reason(tmp_path, monke
             record["fingerprint"]["config_sha256"] = "0" * 64
         elif damage == "other version":
             record["kvserve"] = "0.0.1"
-        else:
+        elif damage == "bad roles":
             record["roles"]["gates"][0][0] = 7.0
+        else:  # a recommendation without the share it kept: refused at start-up, not a KeyError later
+            del next(iter(record["check"]["recommended"].values()))["share"]
         path.write_text(json.dumps(record))
     env = {CHOICE_ENV: "auto", USER_DEFAULTS_ENV: "0", DEFAULTS_ENV: "{}"}
     with pytest.raises(SystemExit) as refusal:
         apply_profile(str(model_dir), env)
     assert str(path) in str(refusal.value) and reason in str(refusal.value)
     assert PROFILE_ENV not in env
-    if damage in ("corrupt", "foreign", "bad roles"):
+    if damage in ("corrupt", "foreign", "bad roles", "bad setting"):
         with pytest.raises(ProfileError):
             read_profile(path)
 
 
-@pytest.mark.timeout(1800)  # two server starts and a calibration; a busy 2-core machine took 16 min
-def test_calibrate_end_to_end_on_a_tiny_model_and_serve_uses_its_profile(tmp_path, model_dir):
-    """The command on the tiny Qwen2 model (query/key/value biases): measured roles of the model's shape, the check's
-    rows through its own server, the profile in the profiles folder; then `kvserve serve` finds it by itself,
-    serves duoattention with its roles (without a profile the tiny model has none: HTTP 400) and takes its
-    recommended setting as the default. The tiny model's noise answers no case, so the check recommends nothing:
-    the recommendation is set by hand for the serving half. `--gates` trains (two steps of) an Attention-Gate, which
-    the profile carries and the server serves."""
-    env = dict(os.environ, **{PROFILES_ENV: str(tmp_path)})
-    command = [sys.executable, "-m", "kvserve.cli", "calibrate", str(model_dir), "--roles-samples", "2"]
-    command += ["--tasks", "passkey", "--lengths", "400", "--samples", "2", "--policies", "snapkv,duoattention"]
-    command += ["--gates", "--gate-steps", "2"]
-    done = subprocess.run(
-        [*command, "--budgets", "64", "--quiet"], env=env, capture_output=True, text=True, timeout=1200
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "about" in done.stderr and "min on this machine" in done.stderr  # the estimate, before it starts
-    path = tmp_path / f"{model_dir.name}.json"
+def background_runs() -> list[Run]:
+    # two server starts and a calibration (~3-5 min): beside the in-process engine's tests, not in their way
+    argv = [sys.executable, str(TESTS / "calibrate_run.py"), "{out}"]
+    return [Run("calibrated", argv, {"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout_s=1800)]  # 1 GiB: a tiny model's cache
+
+
+@pytest.fixture(scope="module")
+def calibrated(background) -> dict:
+    (result,) = background.results("calibrated")
+    return result
+
+
+def test_calibrate_end_to_end_on_a_tiny_model(calibrated, tmp_path):
+    """The command on the tiny Qwen2 model (query/key/value biases): the estimate before it starts, measured roles of
+    the model's shape, the check's rows through its own server, (two steps of) an Attention-Gate, the profile in the
+    profiles folder. The tiny model's noise answers no case, so the check recommends nothing and says why."""
+    run = calibrated["calibrate"]
+    assert run["returncode"] == 0, run["stderr"]
+    assert "about" in run["stderr"] and "min on this machine" in run["stderr"]  # the estimate, before it starts
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(calibrated["profile_json"]))
     profile = read_profile(path)
+    model_dir = Path(calibrated["model_dir"])
     config = json.loads((model_dir / "config.json").read_text())
     assert profile.roles.gates.shape == (config["num_hidden_layers"], config["num_key_value_heads"])
     assert float(profile.roles.gates.max()) == 1.0 and profile.kvserve == __version__
-    rows = [json.loads(line) for line in (tmp_path / f"{model_dir.name}.work" / "check.jsonl").read_text().splitlines()]
+    assert profile.fingerprint == fingerprint(model_dir)
+    rows = run["rows"]
     assert {row["policy"] for row in rows} == {"full"} and len(rows) == 2
     assert profile.check["full_answers"] == sum(row["score"] >= 1 for row in rows)
     assert profile.check["recommended"] == {"0.9": None, "0.95": None} and "why_none" in profile.check
-    gate_file = tmp_path / profile.gates["file"]
+    gate_file = Path(calibrated["gate_file"])
     assert gate_file.exists() and profile.gates["sha256"] == hashlib.sha256(gate_file.read_bytes()).hexdigest()
 
-    record = json.loads(path.read_text())
-    record["check"]["recommended"]["0.95"] = RECOMMENDED
-    path.write_text(json.dumps(record))
-    log = tmp_path / "serve.log"
-    with running_server(
-        "kvserve", str(model_dir), ["--max-model-len", "1024"], log, env={PROFILES_ENV: str(tmp_path)}
-    ) as url:
-        text = log.read_text()
-        assert f"profile {path}" in text and "server default from the profile" in text
-        prompt = "The quick brown fox jumps over the lazy dog. " * 30
-        body = {"model": str(model_dir), "prompt": prompt, "max_tokens": 4}
-        plain = httpx.post(url + "/v1/completions", json=body, timeout=300)
-        assert plain.status_code == 200, plain.text
-        assert plain.headers["x-kv-policy-applied"] == "tova"
-        assert plain.json()["usage"]["kv_tokens_evicted"] == plain.json()["usage"]["prompt_tokens"] - 96
-        duo = httpx.post(url + "/v1/completions", json=body, headers={"x-kv-policy": "duoattention"}, timeout=300)
-        assert duo.status_code == 200, duo.text
-        assert duo.headers["x-kv-policy-applied"] == "duoattention"
-        gated = httpx.post(url + "/v1/completions", json=body, headers={"x-kv-policy": "attention_gate"}, timeout=300)
-        assert gated.status_code == 200, gated.text  # the profile's gates (the registry has none for this model)
-        assert gated.headers["x-kv-policy-applied"] == "attention_gate"
+
+def test_serve_finds_the_calibrated_profile_and_serves_from_it(calibrated):
+    """`kvserve serve MODEL` with no profile flag: it finds the profile, logs it and its recommended setting (set by
+    hand: the tiny model's check recommends nothing), a plain request gets that setting, and duoattention and
+    attention_gate serve from the profile's roles and gates (without a profile the tiny model has none: HTTP 400)."""
+    assert "serve" in calibrated, calibrated["calibrate"]["stderr"]
+    served = calibrated["serve"]
+    assert f"profile {calibrated['profile']}" in served["log"] and "server default from the profile" in served["log"]
+    answers = served["answers"]
+    for name, applied in (("plain", RECOMMENDED["kv_policy"]), ("duoattention", None), ("attention_gate", None)):
+        answer = answers[name]
+        assert answer["status"] == 200, answer["text"]
+        assert answer["applied"] == (applied or name)
+    usage = answers["plain"]["usage"]
+    assert usage["kv_tokens_evicted"] == usage["prompt_tokens"] - RECOMMENDED["kv_budget"]
 
 
 def test_calibrate_refuses_an_architecture_its_reference_model_does_not_run(tmp_path):

@@ -197,6 +197,16 @@ def test_eval_ruler_runs_the_harness_through_kvserve_and_resumes(server, tmp_pat
     assert len(load_rows(str(out))) == len(rows) and _requests_done(server) == requests_before
 
 
+def test_a_row_is_never_recorded_under_a_budget_the_server_filled_in(server):
+    """The test server's default budget (1,024) reaches an attention_gate request that names none, capping its gates:
+    the client refuses that answer (its row would say no budget) and takes the one with its own budget."""
+    client = Server(server)
+    prompt = " ".join(str(number) for number in range(1, 120))
+    with pytest.raises(RuntimeError, match=r"as attention_gate with budget 1024: the server's defaults filled in"):
+        client.complete(Setting("attention_gate", None), prompt, max_tokens=2)
+    assert client.complete(Setting("attention_gate", 512), prompt, max_tokens=2)["usage"]["prompt_tokens"] > 100
+
+
 def test_eval_settings_cross_allocations_and_spans_where_the_server_accepts_them():
     from kvserve.config import parse_kv_config
     from kvserve.tools.eval.client import settings

@@ -335,13 +335,21 @@ def test_gateset_roundtrip(tmp_path):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def test_shipped_gate_file_matches_registry(monkeypatch):
+# each shipped model's shape: layers, hidden size, KV heads (the models' config.json)
+SHIPPED_GATES = {"SmolLM2-135M-Instruct": (30, 576, 3), "Qwen2.5-Coder-0.5B-Instruct": (24, 896, 2)}
+
+
+@pytest.mark.parametrize("model", sorted(SHIPPED_GATES))
+def test_shipped_gate_file_matches_registry(monkeypatch, model):
     monkeypatch.delenv(REGISTRY_ENV, raising=False)
-    entry = gate_entry("/some/where/SmolLM2-135M-Instruct/")
+    entry = gate_entry(f"/some/where/{model}/")
     assert entry.path.exists(), entry.path
     assert file_sha256(entry.path) == entry.sha256
-    gates = load_gates("SmolLM2-135M-Instruct", 30, 576, 3)
-    assert gates.hyper.tau == 0.5 and gates.recipe["steps"] > 0 and len(gates.recipe["final"]["keep_by_layer"]) == 30
+    layers, hidden, kv_heads = SHIPPED_GATES[model]
+    gates = load_gates(model, layers, hidden, kv_heads)
+    assert (len(gates), gates.in_dim, gates.num_kv_heads) == (layers, hidden, kv_heads)
+    assert gates.hyper.tau == 0.5 and gates.recipe["steps"] > 0
+    assert len(gates.recipe["final"]["keep_by_layer"]) == layers
 
 
 # (f) the causal gate run chunk by chunk (GatePast) equals the gate on the whole sequence: what serving relies on

@@ -1,7 +1,7 @@
 """The second model family, Qwen2.5-Coder-0.5B-Instruct (opt in: KVSERVE_LARGE_MODELS=1; it is fetched and converted
 once, ~3 minutes, 0.5 GB): `kvserve setup-model` gives a folder whose joined GGUF passed its checksum, the reference
-model that measures head roles computes transformers' Qwen2 logits, and `kvserve calibrate`'s roles serve
-duoattention on it."""
+model that measures head roles computes transformers' Qwen2 logits, `kvserve calibrate`'s roles serve
+duoattention on it, and its shipped Attention-Gate serves attention_gate."""
 
 from __future__ import annotations
 
@@ -66,3 +66,8 @@ def test_measured_roles_serve_duoattention_on_qwen(qwen, tmp_path):
         assert reply.status_code == 200, reply.text
         assert reply.headers["x-kv-policy-applied"] == "duoattention"
         assert reply.json()["usage"]["kv_tokens_evicted"] > 0
+        # the shipped Attention-Gate (kvserve/gates/registry.yaml): each head keeps what its gate flags
+        gated = httpx.post(url + "/v1/completions", json=body, headers={"x-kv-policy": "attention_gate"}, timeout=600)
+        assert gated.status_code == 200, gated.text
+        assert gated.headers["x-kv-policy-applied"] == "attention_gate"
+        assert gated.json()["usage"]["kv_tokens_evicted"] > 0

@@ -181,7 +181,25 @@ class Server:
         )
         if response.status_code != 200:
             raise RuntimeError(f"{self.url} answered {response.status_code}: {response.text[:500]}")
+        check_applied(self.url, setting, response.headers)
         return response.json()
+
+
+def check_applied(url: str, setting: Setting, headers: httpx.Headers) -> None:
+    """A row records the setting it asked for, so refuse an answer served with another: a server's default budget
+    reaches a request that names none (attention_gate's gates then keep at most that many recent entries), which
+    the row would record as no budget. Vanilla vLLM applies nothing and says so by sending no header."""
+    policy = headers.get("x-kv-policy-applied")
+    if policy is None:
+        return
+    budget = headers.get("x-kv-budget-applied")
+    asked = None if setting.budget is None else str(setting.budget)
+    if budget != asked and setting.policy != "full":
+        raise RuntimeError(
+            f"{url} served {setting.policy} (budget {asked or 'none'}) as {policy} with budget {budget or 'none'}: "
+            "the server's defaults filled in what the request left out. Serve with `--kv-policy full` (no default "
+            "budget) to run a policy without a budget, or name the budget (--budgets)"
+        )
 
 
 def load_rows(path: str) -> list[dict]:

@@ -5,14 +5,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvserve.tools.eval.suite import Cell, Suite
+from kvserve.tools.bench.__main__ import plot as capacity_plot
+from kvserve.tools.eval.suite import Cell, Suite, length_group
+from kvserve.tools.report.costs import overhead_table
 from kvserve.tools.report.markdown import table
 from kvserve.tools.report.quality import FLOOR, best_labels, load_suite, per_task_table, share_cell, share_table
 from kvserve.tools.report.sources import DataDir
+from kvserve.tools.report.throughput import capacity_table, chat_table, workload
 
 QWEN = "qwen05/tasks.jsonl"
 CALIBRATION = "qwen05/calibrate.json"
 ROLES = "duo/measured-vs-trained.json"
+CAPACITY = "qwen05/capacity-decode-heavy.json"
+OVERHEAD = "qwen05/overhead.json"
+CHAT = "qwen05/chat.json"
 TITLE = "## A second model: Qwen2.5-Coder-0.5B-Instruct"
 
 
@@ -117,11 +123,79 @@ def roles_part(data: DataDir) -> list[str]:
     ]
 
 
+def serving_part(data: DataDir, plots: Path, plot_link: str) -> list[str]:
+    """The default model's serving benchmarks on the second model: each against vanilla vLLM in its own run."""
+    capacity, overhead, chat = (data.load(name) for name in (CAPACITY, OVERHEAD, CHAT))
+    capacity_plot(capacity.data["results"], capacity.data["args"]["prompt_tokens"], str(plots / "qwen05-capacity.png"))
+    args = chat.data["args"]
+    return [
+        "### Throughput, cost and chat on it",
+        "The default model's serving benchmarks on this model, each against vanilla vLLM started by the same command "
+        "with the same engine flags. Decode-heavy, at 8x: " + workload(capacity),
+        capacity_table(capacity),
+        f"![throughput and concurrency against compression, Qwen2.5-Coder-0.5B]({plot_link}/qwen05-capacity.png)",
+        capacity.caption(),
+        "With nothing evicted (eviction off, and each policy scoring with a budget above every sequence): "
+        + workload(overhead).split("; a pool")[0]
+        + ".",
+        overhead_table(overhead),
+        overhead.caption(),
+        f"Multi-turn chat: {args['conversations']} conversations of {args['turns']} turns sharing a "
+        f"{args['doc_tokens']:,}-token document, {args['user_tokens']}-token user turns, {args['reply_tokens']}-token "
+        f"replies, in a pool of {args['small_pool_blocks']} blocks of {args['block_size']} tokens (the settings as in "
+        "[the default model's chat benchmark](#multi-turn-chat-with-prefix-caching)):",
+        chat_table(chat),
+        chat.caption(),
+    ]
+
+
 def qwen_suite(data: DataDir):
+    """The second model's suite, its judged cells at the longest prompts (where every policy ran) and each policy's
+    best setting there."""
     source = data.load(QWEN)
     suite = Suite.from_rows(source.data)
-    cells = suite.judged_cells(FLOOR)
+    judged = suite.judged_cells(FLOOR)
+    cells = at_length(judged, max(k for _, k in judged))
     return source, suite, cells, best_labels(suite, cells)
+
+
+def by_length_table(suite: Suite) -> str:
+    """Every setting that ran at more than one prompt length: its share of full [95% interval] per length (the
+    compression grows with the length: B=256 is 4x at 1k tokens, 16x at 4k)."""
+    judged = suite.judged_cells(FLOOR)
+    lengths = sorted({k for _, k in judged})
+    settings = [
+        setting
+        for setting in suite.cells
+        if setting[0] != "full" and sum(suite.mean(setting, at_length(judged, k)) is not None for k in lengths) > 1
+    ]
+    settings.sort(key=lambda setting: (-(suite.ratio(setting, at_length(judged, lengths[-1])) or 0), str(setting)))
+    rows = [["`full` (its mean)", *(f"{suite.mean(('full', None), at_length(judged, k))[0]:.3f}" for k in lengths)]]
+    for label, budget in settings:
+        name = f"`{label}`" + (f" B={budget}" if budget else " (its own keep ratio)")
+        rows.append([name, *(share_cell(suite, label, budget, at_length(judged, k)) for k in lengths)])
+    return table(["setting", *(f"{k}k tokens" for k in lengths)], rows)
+
+
+def own_ratio_lines(rows: list[dict], suite: Suite, cells: list[Cell]) -> list[str]:
+    """Policies run without a budget (Attention-Gate keeps what its gates flag): their share of full beside the share
+    of the prompt's entries they kept, which no budget column shows."""
+    lines = []
+    for label in sorted(label for label, budget in suite.cells if budget is None and label != "full"):
+        if suite.mean((label, None), cells) is None:
+            continue
+        ran = [
+            r
+            for r in rows
+            if r["policy"] == label and r["budget"] is None and (r["task"], length_group(r["length"])) in cells
+        ]
+        # the gates' own count: the share of (layer, KV head, prompt token) entries they kept
+        kept = sum(sum(r["gate_keep_by_layer"]) / len(r["gate_keep_by_layer"]) for r in ran) / max(len(ran), 1)
+        lines.append(
+            f"`{label}` at its own keep ratio (no budget; it kept {kept:.0%} of the prompt's entries, mean over "
+            f"layers and KV heads): {share_cell(suite, label, None, cells)} of full."
+        )
+    return lines
 
 
 def summary_part(data: DataDir) -> list[str]:
@@ -152,6 +226,9 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             f"{full_mean:.3f} of them (n = {full_n}). `duoattention` serves with the head roles `kvserve calibrate` "
             "measured for this model (no training).",
             share_table(suite, cells, labels),
+            *own_ratio_lines(source.data, suite, cells),
+            "By prompt length, the settings run at more than one (share of full [95% interval] (mean)):",
+            by_length_table(suite),
             "Per task at B=256 (mean [95% Wilson interval] and answers):",
             per_task_table(suite, cells, labels, 256),
             source.caption(),
@@ -162,5 +239,6 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             "### What `kvserve calibrate` recommends for it",
             *calibration_part(data, suite, cells),
             *roles_part(data),
+            *serving_part(data, plots, plot_link),
         ]
     )
