@@ -176,6 +176,19 @@ def test_chat_command_runs_conversations_on_every_server_and_evicting_requests_h
     assert "small pool: snapkv/checkpoint128 output tok/s" in printed
 
 
+def test_chat_refuses_a_setting_the_server_would_before_starting_any_server(tmp_path):
+    """duoattention assigns its heads' roles at the end of the prompt, so the server refuses kv_evict_when=pressure
+    for it: the command says so at once (the vanilla and kvserve `full` runs before it took 9 minutes on the 0.5B
+    model), and writes nothing."""
+    from kvserve.tools.bench.chat import main
+
+    out = tmp_path / "chat.json"
+    argv = ["--policy", "duoattention", "--evict-when", "eager,pressure", "--checkpoints", "", "--out", str(out)]
+    with pytest.raises(SystemExit, match="would refuse duoattention.*kv_evict_when"):
+        main(argv)
+    assert not out.exists()
+
+
 def test_decode_heavy_preset_holds_two_requests_without_eviction_and_compresses_4_8_16x():
     import argparse
 

@@ -191,16 +191,32 @@ def _checkpoint(text: str) -> int | str:
     return text if text == "turns" else int(text)
 
 
+def evicting_settings(args) -> list[Setting]:
+    """The evicting runs: one per kv_evict_when, then one per kv_checkpoint."""
+    return [Setting(args.policy, args.budget, evict_when=when) for when in args.evict_when.split(",") if when] + [
+        Setting(args.policy, args.budget, checkpoint=_checkpoint(c)) for c in args.checkpoints.split(",") if c
+    ]
+
+
+def refuse_what_the_server_would(settings: list[Setting]) -> None:
+    """Each evicting setting through the server's own validation before any server starts, so a setting the server
+    answers 400 (e.g. `kv_evict_when=pressure` for duoattention) ends the command at once with the server's reason
+    instead of after the runs before it (minutes each on a larger model)."""
+    from kvserve.config import parse_kv_config
+    from kvserve.errors import InvalidSetting
+
+    for setting in settings:
+        request = {key.removeprefix("x-").replace("-", "_"): value for key, value in setting.headers().items()}
+        try:
+            parse_kv_config(request, defaults={})
+        except InvalidSetting as exc:
+            raise SystemExit(f"kvserve bench chat: the server would refuse {setting.label}: {exc}") from exc
+
+
 def run_pool(pool: str, engine_args: list[str], env: dict, document: str, users, args, log_dir: Path) -> list[dict]:
     servers = [
         ("vanilla", "vanilla", [Setting("full", None)]),
-        (
-            "kvserve",
-            "kvserve",
-            [Setting("full", None)]
-            + [Setting(args.policy, args.budget, evict_when=when) for when in args.evict_when.split(",") if when]
-            + [Setting(args.policy, args.budget, checkpoint=_checkpoint(c)) for c in args.checkpoints.split(",") if c],
-        ),
+        ("kvserve", "kvserve", [Setting("full", None), *evicting_settings(args)]),
     ]
     results = []
     for label, kind, settings in servers:
@@ -376,6 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--plot", default=None, help="PNG: TTFT p50 and output tokens/s by turn, per pool")
     args = parser.parse_args(argv)
+    refuse_what_the_server_would(evicting_settings(args))
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     document, users = conversation_texts(tokenizer, args)

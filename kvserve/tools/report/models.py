@@ -11,14 +11,13 @@ from kvserve.tools.report.costs import overhead_table
 from kvserve.tools.report.markdown import table
 from kvserve.tools.report.quality import FLOOR, best_labels, load_suite, per_task_table, share_cell, share_table
 from kvserve.tools.report.sources import DataDir
-from kvserve.tools.report.throughput import capacity_table, chat_table, workload
+from kvserve.tools.report.throughput import capacity_table, workload
 
 QWEN = "qwen05/tasks.jsonl"
 CALIBRATION = "qwen05/calibrate.json"
 ROLES = "duo/measured-vs-trained.json"
 CAPACITY = "qwen05/capacity-decode-heavy.json"
 OVERHEAD = "qwen05/overhead.json"
-CHAT = "qwen05/chat.json"
 TITLE = "## A second model: Qwen2.5-Coder-0.5B-Instruct"
 
 
@@ -125,11 +124,10 @@ def roles_part(data: DataDir) -> list[str]:
 
 def serving_part(data: DataDir, plots: Path, plot_link: str) -> list[str]:
     """The default model's serving benchmarks on the second model: each against vanilla vLLM in its own run."""
-    capacity, overhead, chat = (data.load(name) for name in (CAPACITY, OVERHEAD, CHAT))
+    capacity, overhead = (data.load(name) for name in (CAPACITY, OVERHEAD))
     capacity_plot(capacity.data["results"], capacity.data["args"]["prompt_tokens"], str(plots / "qwen05-capacity.png"))
-    args = chat.data["args"]
     return [
-        "### Throughput, cost and chat on it",
+        "### Throughput and cost on it",
         "The default model's serving benchmarks on this model, each against vanilla vLLM started by the same command "
         "with the same engine flags. Decode-heavy, at 8x: " + workload(capacity),
         capacity_table(capacity),
@@ -140,12 +138,6 @@ def serving_part(data: DataDir, plots: Path, plot_link: str) -> list[str]:
         + ".",
         overhead_table(overhead),
         overhead.caption(),
-        f"Multi-turn chat: {args['conversations']} conversations of {args['turns']} turns sharing a "
-        f"{args['doc_tokens']:,}-token document, {args['user_tokens']}-token user turns, {args['reply_tokens']}-token "
-        f"replies, in a pool of {args['small_pool_blocks']} blocks of {args['block_size']} tokens (the settings as in "
-        "[the default model's chat benchmark](#multi-turn-chat-with-prefix-caching)):",
-        chat_table(chat),
-        chat.caption(),
     ]
 
 
