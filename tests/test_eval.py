@@ -218,7 +218,7 @@ def test_eval_settings_cross_allocations_and_spans_where_the_server_accepts_them
     assert not any(label.startswith("mat/heads") or label.startswith("mat/span") for label, _ in labels)
     assert len(grid) == 1 + 2 * 3 * 2 + 2 * 2  # full; snapkv: budgets x allocations x spans; mat: budgets x 2
     for setting in grid:  # each is a request the server accepts, with exactly that allocation and span
-        xargs = {key.removeprefix("x-").replace("-", "_"): value for key, value in setting.headers().items()}
+        xargs = setting.kv_args()
         config = parse_kv_config(xargs, defaults={})
         assert (config.allocation, config.span) == (setting.allocation, setting.span)
         # a server whose defaults differ (the built-in default has span 8) still runs exactly the row's setting
@@ -242,7 +242,7 @@ def test_eval_settings_carry_a_policys_knobs_to_its_headers_and_refuse_what_the_
     assert "duoattention:retrieval_fraction=0.25/span8" in labels
     assert not any("/heads" in label for label in labels)  # per-head counts of its own: uniform only
     for setting in grid[1:]:
-        xargs = {key.removeprefix("x-").replace("-", "_"): value for key, value in setting.headers().items()}
+        xargs = setting.kv_args()
         config = parse_kv_config(xargs, defaults={})
         assert config.policy == "duoattention" and config.span == setting.span
         assert {name: float(value) for name, value in setting.knobs} == {

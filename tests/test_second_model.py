@@ -53,7 +53,8 @@ def test_measured_roles_serve_duoattention_on_qwen(qwen, tmp_path):
     assert roles.gates.shape == (24, 2) and float(roles.gates.max()) == 1.0
     path = tmp_path / "profile.json"
     Profile(qwen.name, fingerprint(qwen), ProfileRoles(roles.gates, 16, 64), RECIPE).save(path)
-    args = ["--kv-profile", str(path), "--max-model-len", "4096"]
+    # `--kv-policy full`: no default budget, which would cap attention_gate's gates at that many recent entries
+    args = ["--kv-profile", str(path), "--max-model-len", "4096", "--kv-policy", "full"]
     with running_server("kvserve", str(qwen), args, tmp_path / "serve.log", env={PROFILE_ENV: ""}) as url:
         prompt = "Remember: the code is 4417. " + "The sky was grey over the quiet harbour. " * 120
         body = {"model": str(qwen), "prompt": prompt + "The code is", "max_tokens": 6, "temperature": 0}

@@ -206,9 +206,8 @@ def refuse_what_the_server_would(settings: list[Setting]) -> None:
     from kvserve.errors import InvalidSetting
 
     for setting in settings:
-        request = {key.removeprefix("x-").replace("-", "_"): value for key, value in setting.headers().items()}
         try:
-            parse_kv_config(request, defaults={})
+            parse_kv_config(setting.kv_args(), defaults={})
         except InvalidSetting as exc:
             raise SystemExit(f"kvserve bench chat: the server would refuse {setting.label}: {exc}") from exc
 

@@ -43,6 +43,14 @@ class Setting:
             parts.append("checkpoint-turns" if self.checkpoint == "turns" else f"checkpoint{self.checkpoint}")
         return "/".join(parts)
 
+    def kv_args(self) -> dict[str, str]:
+        """The `kv_*` request keys the server reads from these headers (its own header parsing)."""
+        from kvserve.server.middleware import headers_to_xargs
+
+        return headers_to_xargs(
+            [(name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers().items()]
+        )
+
     def headers(self) -> dict[str, str]:
         headers = {"x-kv-policy": self.policy}
         for name, value in self.knobs:

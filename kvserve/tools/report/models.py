@@ -155,18 +155,19 @@ def by_length_table(suite: Suite) -> str:
     """Every setting that ran at more than one prompt length: its share of full [95% interval] per length (the
     compression grows with the length: B=256 is 4x at 1k tokens, 16x at 4k)."""
     judged = suite.judged_cells(FLOOR)
-    lengths = sorted({k for _, k in judged})
+    by_length = {k: at_length(judged, k) for k in sorted({k for _, k in judged})}  # shortest first
     settings = [
         setting
         for setting in suite.cells
-        if setting[0] != "full" and sum(suite.mean(setting, at_length(judged, k)) is not None for k in lengths) > 1
+        if setting[0] != "full" and sum(suite.mean(setting, cells) is not None for cells in by_length.values()) > 1
     ]
-    settings.sort(key=lambda setting: (-(suite.ratio(setting, at_length(judged, lengths[-1])) or 0), str(setting)))
-    rows = [["`full` (its mean)", *(f"{suite.mean(('full', None), at_length(judged, k))[0]:.3f}" for k in lengths)]]
+    longest = by_length[max(by_length)]
+    settings.sort(key=lambda setting: (-(suite.ratio(setting, longest) or 0), str(setting)))
+    rows = [["`full` (its mean)", *(f"{suite.mean(('full', None), cells)[0]:.3f}" for cells in by_length.values())]]
     for label, budget in settings:
         name = f"`{label}`" + (f" B={budget}" if budget else " (its own keep ratio)")
-        rows.append([name, *(share_cell(suite, label, budget, at_length(judged, k)) for k in lengths)])
-    return table(["setting", *(f"{k}k tokens" for k in lengths)], rows)
+        rows.append([name, *(share_cell(suite, label, budget, cells) for cells in by_length.values())])
+    return table(["setting", *(f"{k}k tokens" for k in by_length)], rows)
 
 
 def own_ratio_lines(rows: list[dict], suite: Suite, cells: list[Cell]) -> list[str]:
