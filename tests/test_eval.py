@@ -43,6 +43,19 @@ def test_multi_needle_tasks_plant_distractors(tokenizer):
     assert len(set(multivalue.references)) == 4
 
 
+def test_multikey_lookup_ends_in_the_asked_needles_own_words(tokenizer):
+    case = make_case(tokenizer, "multikey_one", 900, 0)
+    needle = "One of the special magic numbers for "
+    assert case.prompt.count(needle) == 4 + 1  # four keys' needles, and the answer's opening
+    opening = case.prompt[case.prompt.rindex(needle) :]
+    assert case.prompt.endswith(opening) and opening.endswith(" is:")
+    asked = opening[len(needle) : -len(" is:")]
+    assert f"{opening} {case.references[0]}." in case.prompt  # the needle the answer starts is the asked key's
+    question = case.prompt[case.prompt.rindex("\nWhat ") : case.prompt.rindex(needle)]
+    assert asked in question and len(case.references) == 1
+    assert case.prompt.count(case.references[0]) == 1  # stated once, in the asked key's needle
+
+
 def test_fact_tasks_plant_every_fact_and_ask_for_the_right_ones(tokenizer):
     one = make_case(tokenizer, "kv_one", 900, 0)
     assert one.prompt.count("Remember it.") == 3 and len(one.references) == 1

@@ -12,6 +12,14 @@ Tasks (names as the CLI takes them):
 - `passkey`: a 5-digit pass key repeated twice in one sentence pair (the classic test; same prompt as issue 2's).
 - `niah_multivalue`: four numbers for the same key word; all four are asked for.
 - `niah_multiquery`: four needles with different keys; two of them are asked for.
+- `multikey_one`: RULER's multi-key lookup (niah_multikey_1): four needles with different keys, one asked for, the
+  prompt ending in the asked needle's own opening words ("One of the special magic numbers for walrus is:"), as
+  the passkey prompt ends in "The pass key is". Asked so, `full` answers it on both models (8 cases a length on the
+  135M default model, greedy: 0.88 at 1k tokens, 0.50 at 4k; the 0.5B Qwen2 model: 4 of 4 at 1k), where RULER's own
+  question ("The special magic number for walrus mentioned in the provided text is") leaves the 135M model near 0.
+  Asking two of the four keys the same way gets the first value only, on both models (0.50 at 1k): the models do
+  not go on to the second key, so the two-key lookups are `niah_multiquery` and `kv_two`, which only the larger
+  model passes.
 - `kv_one` / `kv_two`: three words' pass keys (4-digit numbers, each stated twice in its sentence as the passkey's
   is), one or two of them asked for.
 - `kv_values`: two pass keys of one word, both asked for.
@@ -118,7 +126,14 @@ def _needle(key: str, value: str) -> str:
 
 
 def _niah(
-    tokenizer, length: int, rng: random.Random, seed: int, num_keys: int, values_per_key: int, asked: int
+    tokenizer,
+    length: int,
+    rng: random.Random,
+    seed: int,
+    num_keys: int,
+    values_per_key: int,
+    asked: int,
+    own_prefix: bool = False,
 ) -> tuple[str, tuple[str, ...], float]:
     keys = rng.sample(KEY_WORDS, num_keys)
     needles, answers = [], {}
@@ -127,7 +142,12 @@ def _niah(
         needles += [_needle(key, value) for value in answers[key]]
     depths = [rng.uniform(0.05, 0.95) for _ in needles]
     queried = keys[:asked]
-    if values_per_key > 1:  # multi-value: every value of one key
+    if own_prefix:  # one key, asked in a lookup that ends in its needle's own opening words, as the passkey's does
+        question = (
+            f"\nWhat is the special magic number for {queried[0]} mentioned in the provided text? "
+            f"One of the special magic numbers for {queried[0]} is:"
+        )
+    elif values_per_key > 1:  # multi-value: every value of one key
         question = (
             f"\nWhat are all the special magic numbers for {queried[0]} mentioned in the provided text? "
             f"The special magic numbers for {queried[0]} mentioned in the provided text are"
@@ -228,6 +248,7 @@ TASKS: dict[str, tuple[Builder, int]] = {  # name -> (builder, max answer tokens
     "passkey": (_passkey, 12),
     "niah_multivalue": (lambda tok, n, rng, seed: _niah(tok, n, rng, seed, 1, 4, 1), 48),
     "niah_multiquery": (lambda tok, n, rng, seed: _niah(tok, n, rng, seed, 4, 1, 2), 32),
+    "multikey_one": (lambda tok, n, rng, seed: _niah(tok, n, rng, seed, 4, 1, 1, own_prefix=True), 16),
     "kv_one": (lambda tok, n, rng, seed: _kv_facts(tok, n, rng, seed, 3, 1), 16),
     "kv_two": (lambda tok, n, rng, seed: _kv_facts(tok, n, rng, seed, 3, 2), 24),
     "kv_values": (lambda tok, n, rng, seed: _kv_values(tok, n, rng, seed, 2), 24),

@@ -6,18 +6,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvserve.tools.bench.__main__ import plot as capacity_plot
+from kvserve.tools.bench.chat import plot as chat_plot
 from kvserve.tools.eval.suite import Cell, Suite, length_group
 from kvserve.tools.report.costs import overhead_table
 from kvserve.tools.report.markdown import table
 from kvserve.tools.report.quality import FLOOR, best_labels, load_suite, per_task_table, share_cell, share_table
 from kvserve.tools.report.sources import DataDir
-from kvserve.tools.report.throughput import capacity_table, workload
+from kvserve.tools.report.throughput import capacity_table, chat_table, workload
 
 QWEN = "qwen05/tasks.jsonl"
 CALIBRATION = "qwen05/calibrate.json"
 ROLES = "duo/measured-vs-trained.json"
 CAPACITY = "qwen05/capacity-decode-heavy.json"
 OVERHEAD = "qwen05/overhead.json"
+CHAT = "qwen05/chat.json"
 TITLE = "## A second model: Qwen2.5-Coder-0.5B-Instruct"
 
 
@@ -124,8 +126,10 @@ def roles_part(data: DataDir) -> list[str]:
 
 def serving_part(data: DataDir, plots: Path, plot_link: str) -> list[str]:
     """The default model's serving benchmarks on the second model: each against vanilla vLLM in its own run."""
-    capacity, overhead = (data.load(name) for name in (CAPACITY, OVERHEAD))
+    capacity, overhead, chat = (data.load(name) for name in (CAPACITY, OVERHEAD, CHAT))
     capacity_plot(capacity.data["results"], capacity.data["args"]["prompt_tokens"], str(plots / "qwen05-capacity.png"))
+    chat_plot(chat.data["results"], str(plots / "qwen05-chat.png"))
+    chat_args = chat.data["args"]
     return [
         "### Throughput and cost on it",
         "The default model's serving benchmarks on this model, each against vanilla vLLM started by the same command "
@@ -138,22 +142,41 @@ def serving_part(data: DataDir, plots: Path, plot_link: str) -> list[str]:
         + ".",
         overhead_table(overhead),
         overhead.caption(),
+        f"Multi-turn chat ({chat_args['conversations']} conversations of {chat_args['turns']} turns over one shared "
+        f"{chat_args['doc_tokens']}-token document, {chat_args['user_tokens']}-token user messages, "
+        f"{chat_args['reply_tokens']}-token replies), in a pool that holds {chat_args['small_pool_blocks']} blocks "
+        "(2 conversations at their longest without eviction); every turn after the first resends the conversation, "
+        "so it can start from the prefix cache:",
+        chat_table(chat),
+        f"![TTFT and output tokens/s by turn, Qwen2.5-Coder-0.5B]({plot_link}/qwen05-chat.png)",
+        chat.caption(),
     ]
 
 
+def main_length(suite: Suite, judged: list[Cell]) -> int:
+    """The prompt length (thousands) the main tables use: the one where the most settings ran, the longest of ties
+    (the longest lengths ran only the leaders: a table there would hide every other policy)."""
+    lengths = {k for _, k in judged}
+
+    def settings_at(k: int) -> int:
+        return sum(suite.mean(setting, at_length(judged, k)) is not None for setting in suite.cells)
+
+    return max(lengths, key=lambda k: (settings_at(k), k))
+
+
 def qwen_suite(data: DataDir):
-    """The second model's suite, its judged cells at the longest prompts (where every policy ran) and each policy's
-    best setting there."""
+    """The second model's suite, its judged cells at the main length (where every policy ran) and each policy's best
+    setting there."""
     source = data.load(QWEN)
     suite = Suite.from_rows(source.data)
     judged = suite.judged_cells(FLOOR)
-    cells = at_length(judged, max(k for _, k in judged))
+    cells = at_length(judged, main_length(suite, judged))
     return source, suite, cells, best_labels(suite, cells)
 
 
-def by_length_table(suite: Suite) -> str:
+def by_length_table(suite: Suite, overall: bool = False) -> str:
     """Every setting that ran at more than one prompt length: its share of full [95% interval] per length (the
-    compression grows with the length: B=256 is 4x at 1k tokens, 16x at 4k)."""
+    compression grows with the length: B=256 is 4x at 1k tokens, 16x at 4k), and with `overall` over them all."""
     judged = suite.judged_cells(FLOOR)
     by_length = {k: at_length(judged, k) for k in sorted({k for _, k in judged})}  # shortest first
     settings = [
@@ -161,13 +184,15 @@ def by_length_table(suite: Suite) -> str:
         for setting in suite.cells
         if setting[0] != "full" and sum(suite.mean(setting, cells) is not None for cells in by_length.values()) > 1
     ]
-    longest = by_length[max(by_length)]
-    settings.sort(key=lambda setting: (-(suite.ratio(setting, longest) or 0), str(setting)))
-    rows = [["`full` (its mean)", *(f"{suite.mean(('full', None), cells)[0]:.3f}" for cells in by_length.values())]]
+    main = by_length[main_length(suite, judged)]
+    settings.sort(key=lambda setting: (-(suite.ratio(setting, main) or 0), str(setting)))
+    columns = dict(by_length, **({"all": judged} if overall else {}))
+    rows = [["`full` (its mean)", *(f"{suite.mean(('full', None), cells)[0]:.3f}" for cells in columns.values())]]
     for label, budget in settings:
         name = f"`{label}`" + (f" B={budget}" if budget else " (its own keep ratio)")
-        rows.append([name, *(share_cell(suite, label, budget, cells) for cells in by_length.values())])
-    return table(["setting", *(f"{k}k tokens" for k in by_length)], rows)
+        rows.append([name, *(share_cell(suite, label, budget, cells) for cells in columns.values())])
+    headers = [f"{k}k tokens" for k in by_length] + (["all lengths"] if overall else [])
+    return table(["setting", *headers], rows)
 
 
 def own_ratio_lines(rows: list[dict], suite: Suite, cells: list[Cell]) -> list[str]:
@@ -207,7 +232,7 @@ def summary_part(data: DataDir) -> list[str]:
 def section(data: DataDir, plots: Path, plot_link: str) -> str:
     source, suite, cells, labels = qwen_suite(data)
     _, default_suite, default_cells = load_suite(data)
-    longest = max(k for _, k in cells)
+    length = max(k for _, k in cells)
     full_mean, full_n = suite.mean(("full", None), cells)
     return "\n\n".join(
         [
@@ -215,8 +240,9 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             "The same suite on a larger model of another family: Qwen2.5-Coder-0.5B-Instruct (Qwen2: 24 layers, 14 "
             "query / 2 KV heads of 64; `kvserve setup-model qwen2.5-coder-0.5b`, the 4-bit GGUF de-quantised, so its "
             f"quality is the 4-bit file's). Judged tasks: every task where `full` scores at least {FLOOR} "
-            f"({', '.join(sorted({t for t, _ in cells}))}), at {longest}k tokens, where B=256 is 16x. `full` answers "
-            f"{full_mean:.3f} of them (n = {full_n}). `duoattention` serves with the head roles `kvserve calibrate` "
+            f"({', '.join(sorted({t for t, _ in cells}))}), at {length}k tokens, where B=256 is "
+            f"{round(length * 1000 / 256)}x. `full` answers {full_mean:.3f} of them (n = {full_n}). `duoattention` "
+            "serves with the head roles `kvserve calibrate` "
             "measured for this model (no training).",
             share_table(suite, cells, labels),
             *own_ratio_lines(source.data, suite, cells),
@@ -226,9 +252,9 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             per_task_table(suite, cells, labels, 256),
             source.caption(),
             "### Side by side with the default model",
-            f"Each policy's best setting on each model's {longest}k-token judged cells (the default model's suite "
+            f"Each policy's best setting on each model's {length}k-token judged cells (the default model's suite "
             "at 4k: chat_followup, niah_single_1, passkey; 12 answers a cell):",
-            side_by_side((default_suite, at_length(default_cells, longest)), (suite, cells), 256),
+            side_by_side((default_suite, at_length(default_cells, length)), (suite, cells), 256),
             "### What `kvserve calibrate` recommends for it",
             *calibration_part(data, suite, cells),
             *roles_part(data),

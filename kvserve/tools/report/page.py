@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvserve.tools.report import costs, kernels, models, quality, reliability, summary, throughput
+from kvserve.tools.report import costs, kernels, models, multikey, quality, reliability, summary, throughput
 from kvserve.tools.report.sources import DataDir
 
-SECTIONS = (summary, quality, models, throughput, costs, kernels, reliability)
+SECTIONS = (summary, quality, models, multikey, throughput, costs, kernels, reliability)
 
 INTRO = """# Benchmarks
 
@@ -26,6 +26,7 @@ Qwen2.5-Coder-0.5B-Instruct (24 layers, 2 KV heads of 64), has a section of its 
 - [Summary: which policy, how much memory, at what cost](#summary-which-policy-how-much-memory-at-what-cost)
 - [How much quality do I keep at 8x?](#how-much-quality-do-i-keep-at-8x)
 - [A second model: Qwen2.5-Coder-0.5B-Instruct](#a-second-model-qwen25-coder-05b-instruct)
+- [The hard half: multi-key lookup](#the-hard-half-multi-key-lookup)
 - [How much faster is it at the same memory?](#how-much-faster-is-it-at-the-same-memory)
 - [What does each policy cost?](#what-does-each-policy-cost)
 - [The kernels on a GPU](#the-kernels-on-a-gpu)
