@@ -14,9 +14,10 @@ Tasks (names as the CLI takes them):
 - `niah_multiquery`: four needles with different keys; two of them are asked for.
 - `multikey_one`: RULER's multi-key lookup (niah_multikey_1): four needles with different keys, one asked for, the
   prompt ending in the asked needle's own opening words ("One of the special magic numbers for walrus is:"), as
-  the passkey prompt ends in "The pass key is". Asked so, `full` answers it on both models (8 cases a length on the
-  135M default model, greedy: 0.88 at 1k tokens, 0.50 at 4k; the 0.5B Qwen2 model: 4 of 4 at 1k), where RULER's own
-  question ("The special magic number for walrus mentioned in the provided text is") leaves the 135M model near 0.
+  the passkey prompt ends in "The pass key is". Asked so, `full` answers it on both models (served, greedy: the 135M
+  default model 0.67 / 0.83 / 0.58 at 1k / 2k / 4k tokens, 12 cases each; the 0.5B Qwen2 model 24 of 24), where
+  RULER's own question ("The special magic number for walrus mentioned in the provided text is") leaves the 135M
+  model near 0.
   Asking two of the four keys the same way gets the first value only, on both models (0.50 at 1k): the models do
   not go on to the second key, so the two-key lookups are `niah_multiquery` and `kv_two`, which only the larger
   model passes.
