@@ -12,7 +12,7 @@ from kvserve.tools.report.costs import overhead_table
 from kvserve.tools.report.markdown import table
 from kvserve.tools.report.quality import FLOOR, best_labels, load_suite, per_task_table, share_cell, share_table
 from kvserve.tools.report.sources import DataDir
-from kvserve.tools.report.throughput import capacity_table, chat_table, workload
+from kvserve.tools.report.throughput import capacity_table, chat_table, chat_workload, workload
 
 QWEN = "qwen05/tasks.jsonl"
 CALIBRATION = "qwen05/calibrate.json"
@@ -142,11 +142,9 @@ def serving_part(data: DataDir, plots: Path, plot_link: str) -> list[str]:
         + ".",
         overhead_table(overhead),
         overhead.caption(),
-        f"Multi-turn chat ({chat_args['conversations']} conversations of {chat_args['turns']} turns over one shared "
-        f"{chat_args['doc_tokens']}-token document, {chat_args['user_tokens']}-token user messages, "
-        f"{chat_args['reply_tokens']}-token replies), in a pool that holds {chat_args['small_pool_blocks']} blocks "
-        "(2 conversations at their longest without eviction); every turn after the first resends the conversation, "
-        "so it can start from the prefix cache:",
+        f"Multi-turn chat: {chat_workload(chat)}, in a pool of {chat_args['small_pool_blocks']} blocks of "
+        f"{chat_args['block_size']} tokens (2 conversations at their longest without eviction; the settings as in "
+        "[the default model's chat benchmark](#multi-turn-chat-with-prefix-caching)):",
         chat_table(chat),
         f"![TTFT and output tokens/s by turn, Qwen2.5-Coder-0.5B]({plot_link}/qwen05-chat.png)",
         chat.caption(),

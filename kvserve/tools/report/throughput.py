@@ -105,6 +105,15 @@ def _turns_ratio(evicting: dict, full: dict) -> float:
     return ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
 
 
+def chat_workload(source: Source) -> str:
+    """A chat benchmark's conversations, as the page describes them for each model."""
+    args = source.data["args"]
+    return (
+        f"{args['conversations']} conversations of {args['turns']} turns sharing a {args['doc_tokens']:,}-token "
+        f"document, {args['user_tokens']}-token user turns, {args['reply_tokens']}-token replies"
+    )
+
+
 def chat_table(source: Source) -> str:
     results = source.data["results"]
     rows = []
@@ -185,8 +194,7 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             capacity_table(prefill),
             prefill.caption(),
             "### Multi-turn chat with prefix caching",
-            f"{args['conversations']} conversations of {args['turns']} turns sharing a {args['doc_tokens']:,}-token "
-            f"document, {args['user_tokens']}-token user turns, {args['reply_tokens']}-token replies; a default pool "
+            f"{chat_workload(chat)}; a default pool "
             f"and a small one of {args['small_pool_blocks']} blocks of {args['block_size']} tokens. An eager "
             "evicting request compacts at the end of each prompt, so its reply is never published and the next turn "
             "computes it again; with `kv_evict_when=pressure` it is served as `full` until the pool is short; with "
