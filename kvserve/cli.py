@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
             "       kvserve --version                the version, and the vLLM release it patches\n"
             "       kvserve eval {ruler,tasks,ppl,passkey} ...  quality of eviction settings through a server\n"
             "       kvserve bench {capacity,overhead} ... kvserve against vanilla vLLM, one run\n"
+            "       kvserve bench documents ...      one document, many questions: compressed once vs recomputed\n"
             "       kvserve bench load ...           mixed-policy load test of one server (loopback)\n"
             "       kvserve bench crash ...          kill a server's engine: time to failing /health and exit\n"
             "       kvserve bench soak ...           engine memory over long evicting requests, per allocator\n"

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kvserve.errors import InvalidSetting
-from kvserve.policies import POLICIES, POLICY_NAMES, Policy, ScoredPolicy
-from kvserve.policies.allocation import ALLOCATIONS
+from kvserve.policies import POLICIES, POLICY_NAMES, Policy
 from kvserve.policies.knobs import KEY_PREFIX, parse_bool, parse_int
+from kvserve.policy_settings import allocation_and_span, evict_when_of
 
 # Server-wide defaults travel to the processes that parse settings (the API server; offline, the one process) here.
 DEFAULTS_ENV = "KVSERVE_DEFAULTS"
@@ -38,10 +38,9 @@ GENERAL_KEYS = (
     "kv_evict_when",
     "kv_checkpoint",
 )
-# When a request first compacts: `eager` at the end of its prompt (and every block of new tokens after), `pressure`
-# only once the pool is short of blocks (kvserve/vllm/scheduler.py); until then it is served, cached and published
-# like a `full` request.
-EVICT_WHEN = ("eager", "pressure")
+# Set only by kvserve itself: the request is a document's reconstruction (`kvserve.server.documents`); the HTTP
+# middleware refuses it from clients
+INTERNAL_KEYS = ("kv_reconstruct",)
 
 
 @dataclass(frozen=True)
@@ -52,11 +51,14 @@ class KVConfig:
     knobs: tuple[tuple[str, Any], ...] = field(default_factory=tuple)  # (field name, value) of the policy's knobs
     allocation: str = "uniform"  # how the L*H*B entries spread over layers and heads (kvserve/policies/allocation.py)
     span: int = 1  # score whole spans of this many token positions (1: single tokens)
-    evict_when: str = "eager"  # one of EVICT_WHEN
+    evict_when: str = "eager"  # one of kvserve.policy_settings.EVICT_WHEN
     # compact at every multiple of this many tokens (prompt and decode) instead, publishing the compacted lists there
     # (0: off); see "Prompt checkpoints" in docs/architecture.md
     checkpoint: int = 0
     checkpoint_turns: bool = False  # kv_checkpoint=turns: compact and publish where chat turns end instead
+    # the prompt is the policy's document (`document`), an instruction and the document again: compact the document
+    # by the model's reconstruction of it and publish it for the requests that start with it (kv_reconstruct)
+    reconstruct: bool = False
 
     @property
     def defers(self) -> bool:
@@ -69,8 +71,21 @@ class KVConfig:
 
     @property
     def checkpoints(self) -> bool:
-        """The request compacts at checkpoints and publishes them (`kv_checkpoint`: every C tokens, or chat turns)."""
+        """The request compacts at checkpoints and publishes them (`kv_checkpoint`: every C tokens, or chat turns), or
+        publishes or resumes from a compressed document (`kv_document`)."""
+        return bool(self.checkpoint) or self.checkpoint_turns or bool(self.document)
+
+    @property
+    def checkpoints_only(self) -> bool:
+        """`kv_checkpoint` (every C tokens or chat turns) is set."""
         return bool(self.checkpoint) or self.checkpoint_turns
+
+    @property
+    def document(self) -> int:
+        """The prompt's first tokens that are a document compressed once (`kv_document` of KVzip; 0: none)."""
+        if not self.evicts or not POLICIES[self.policy].reconstructs:
+            return 0
+        return int(dict(self.knobs).get("document", 0))
 
     @property
     def ragged(self) -> bool:
@@ -107,7 +122,10 @@ class KVConfig:
             # reads no hits; nor does it publish: only its first chunk would enter the cache, and that chunk's blocks
             # would need spare blocks to compact out of, past the budget + one chunk it promises to hold.
             reads=queries is not None and not self.evict_every_chunk,
-            publishes=shares and not self.evict_every_chunk,
+            # (a document's reconstruction publishes only the compressed document: its instruction and copy are no
+            # prefix anyone asks for, and plain blocks would need copies that a prompt twice the document's length
+            # has no room for near max_model_len)
+            publishes=shares and not self.evict_every_chunk and not self.reconstruct,
             computed_tail=max(queries or 0, 1),
             # per-layer budgets round up to a page each: a compaction may need one block beyond cdiv(B, bs)
             spare_blocks=1 if self.allocation == "pyramid" else 0,
@@ -166,7 +184,7 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
     """
     defaults = env_defaults() if defaults is None else defaults
     request = {k: v for k, v in (request_args or {}).items() if k.startswith(KEY_PREFIX)}
-    allowed = set(GENERAL_KEYS) | knob_keys()
+    allowed = set(GENERAL_KEYS) | set(INTERNAL_KEYS) | knob_keys()
     for key in request:
         if key not in allowed:
             raise InvalidSetting(key, f"unknown eviction setting; allowed keys: {', '.join(sorted(allowed))}")
@@ -207,8 +225,8 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
     every_chunk = parse_bool(
         "kv_evict_every_chunk", request.get("kv_evict_every_chunk", defaults.get("kv_evict_every_chunk", False))
     )
-    allocation, span = _allocation_and_span(request, defaults, own, cls, budget, protected)
-    evict_when = _evict_when(request, defaults, cls, every_chunk)
+    allocation, span = allocation_and_span(request, defaults, own, cls, budget, protected)
+    evict_when = evict_when_of(request, defaults, cls, every_chunk)
     knobs = tuple((name, getattr(policy_obj, name)) for name in cls.knobs())
     config = KVConfig(
         policy=policy,
@@ -219,7 +237,32 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
         span=span,
         evict_when=evict_when,
     )
-    return _with_checkpoint(config, request, defaults)
+    return _with_document(_with_checkpoint(config, request, defaults), request)
+
+
+def _with_document(config: KVConfig, request: dict[str, Any]) -> KVConfig:
+    """A document compressed once (`kv_document`): refused with whatever would make its compressed lists depend on
+    more than the document and the settings, or unable to fill whole blocks; `kv_reconstruct` marks the request that
+    compresses it."""
+    reconstruct = parse_bool("kv_reconstruct", request.get("kv_reconstruct", False))
+    document = config.document
+    if not document:
+        if reconstruct:
+            raise InvalidSetting("kv_reconstruct", "needs kv_document: the tokens of the document it reconstructs")
+        return config
+    why = None
+    if config.budget is None:
+        why = "compresses the document to kv_budget, and none is given"
+    elif config.budget >= document:
+        why = f"must be longer than kv_budget ({config.budget}): a document that fits is not compressed"
+    elif config.evict_every_chunk or config.allocation != "uniform" or config.defers or config.checkpoints_only:
+        why = (
+            "compresses the document once, each list to kv_budget, where its reconstruction ends: it takes no "
+            "kv_evict_every_chunk, kv_allocation other than uniform, kv_evict_when=pressure or kv_checkpoint"
+        )
+    if why is not None:
+        raise InvalidSetting("kv_document", why)
+    return replace(config, reconstruct=reconstruct)
 
 
 def _with_checkpoint(config: KVConfig, request: dict[str, Any], defaults: dict[str, Any]) -> KVConfig:
@@ -237,7 +280,9 @@ def _with_checkpoint(config: KVConfig, request: dict[str, Any], defaults: dict[s
         return config
     window = config.prefix_sharing().computed_tail if config.prefix_sharing().reads else None
     why = None
-    if config.budget is None:
+    if config.document:
+        why = "kv_document compresses its document once, where the document's reconstruction ends"
+    elif config.budget is None:
         why = "a checkpoint compacts the prompt to kv_budget, and none is given"
     elif config.evict_every_chunk:
         why = "kv_evict_every_chunk compacts where the scheduler's chunks end, not at fixed positions"
@@ -257,88 +302,6 @@ def _with_checkpoint(config: KVConfig, request: dict[str, Any], defaults: dict[s
             raise InvalidSetting("kv_checkpoint", why)
         return config
     return replace(config, checkpoint=checkpoint, checkpoint_turns=turns)
-
-
-def _evict_when(request: dict[str, Any], defaults: dict[str, Any], cls: type[Policy], every_chunk: bool) -> str:
-    """kv_evict_when, refused where deferring cannot apply; a server default that cannot is dropped."""
-    evict_when = request.get("kv_evict_when", defaults.get("kv_evict_when", "eager"))
-    if evict_when not in EVICT_WHEN:
-        raise InvalidSetting("kv_evict_when", f"must be one of {', '.join(EVICT_WHEN)}, got {evict_when!r}")
-    if evict_when == "eager":
-        return evict_when
-    why = None
-    if every_chunk:
-        why = "kv_evict_every_chunk compacts while the prompt is computed, which pressure would postpone"
-    elif cls.ragged:
-        why = f"{cls.name}'s gates mask the prompt as it is computed; they cannot wait for pressure"
-    elif cls.own_counts:
-        why = f"{cls.name} gives its heads their roles at the end of the prompt"
-    if why is None:
-        return evict_when
-    if "kv_evict_when" in request:
-        raise InvalidSetting("kv_evict_when", f"pressure does not apply: {why}")
-    return "eager"
-
-
-def _allocation_and_span(
-    request: dict[str, Any],
-    defaults: dict[str, Any],
-    own: dict[str, Any],
-    cls: type[Policy],
-    budget: int | None,
-    protected: int,
-) -> tuple[str, int]:
-    """kv_allocation and kv_span, refused (with the reason) where the policy cannot use them."""
-    allocation = request.get("kv_allocation", defaults.get("kv_allocation", "uniform"))
-    if allocation not in ALLOCATIONS:
-        raise InvalidSetting("kv_allocation", f"must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
-    span = parse_int("kv_span", request.get("kv_span", own.get("kv_span", cls.default_span)))
-    if span < 1:
-        raise InvalidSetting("kv_span", f"must be >= 1, got {span}")
-    # a server default that does not fit this request's policy is dropped, as default knobs of another policy are
-    requested = {key for key in ("kv_allocation", "kv_span") if key in request}
-    if cls.ragged:
-        if "kv_allocation" in requested and allocation != "uniform":
-            raise InvalidSetting(
-                "kv_allocation",
-                f"{cls.name} decides each head's count with its gate; an allocation of the budget does not apply",
-            )
-        if "kv_span" in requested and span != 1:
-            raise InvalidSetting("kv_span", f"{cls.name} flags tokens with its gate, it has no scores to sum")
-        return "uniform", 1
-    if cls.own_counts and allocation != "uniform":
-        if "kv_allocation" in requested:
-            raise InvalidSetting(
-                "kv_allocation",
-                f"{cls.name} gives each head its count from its trained roles; an allocation of the budget does not "
-                "apply",
-            )
-        allocation = "uniform"
-    scored = issubclass(cls, ScoredPolicy)
-    if not scored and allocation in ("heads", "global"):
-        if "kv_allocation" in requested:
-            raise InvalidSetting(
-                "kv_allocation",
-                f"{allocation} ranks entries by one score per token across heads, "
-                f"and {cls.name} selects by a fixed rule, not by scores; with {cls.name} use uniform "
-                "or pyramid",
-            )
-        allocation = "uniform"
-    if not scored and span != 1:
-        if "kv_span" in requested:
-            raise InvalidSetting(
-                "kv_span", f"spans sum per-token scores, and {cls.name} selects by a fixed rule, not by scores"
-            )
-        span = 1
-    if budget is not None and span > budget - protected and "kv_span" not in requested:
-        span = 1  # a default span that this request's small budget leaves no room for is dropped, not refused
-    if budget is not None and span > budget - protected:
-        raise InvalidSetting(
-            "kv_span",
-            f"{span} leaves no whole span in the {budget - protected} entries the budget "
-            f"has beside the {protected} {cls.name} always keeps",
-        )
-    return allocation, span
 
 
 def _unsupported_combination(policy: Any) -> str | None:

@@ -38,3 +38,13 @@ def default_dtype(flags: set[str] | None = None) -> tuple[str, str]:
 
 def has_dtype_flag(args: list[str]) -> bool:
     return any(arg == "--dtype" or arg.startswith("--dtype=") for arg in args)
+
+
+def with_default_dtype(engine_args: list[str], program: str) -> list[str]:
+    """A benchmark's engine flags with `--dtype` set to this CPU's default when they name none (every server it starts
+    gets the same), saying so."""
+    if has_dtype_flag(engine_args):
+        return engine_args
+    dtype, why = default_dtype()
+    print(f"{program}: --dtype {dtype} for every server: {why}", flush=True)
+    return [*engine_args, "--dtype", dtype]

@@ -32,6 +32,13 @@ class Compaction:
     protected_blocks: tuple[int, ...] = ()
     # set when the compaction is at a checkpoint (`kv_checkpoint`): the key its lists are published under
     checkpoint: bytes | None = None
+    # the logical tokens the compacted lists stand for, when not `logical_tokens`: a document's reconstruction
+    # (`kv_reconstruct`) keeps only the document's entries, so its lists are the document's
+    covers: int | None = None
+
+    @property
+    def lists_cover(self) -> int:
+        return self.logical_tokens if self.covers is None else self.covers
 
 
 # Keys kvserve adds to a request output's `kv_transfer_params` (vLLM's free-form dict that travels with a request's

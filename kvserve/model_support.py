@@ -21,6 +21,7 @@ from typing import Any
 
 from kvserve.config import KVConfig, parse_kv_config
 from kvserve.errors import InvalidSetting
+from kvserve.policies import POLICIES
 from kvserve.policies.knobs import KEY_PREFIX
 
 FULL_ATTENTION = "full_attention"
@@ -198,9 +199,15 @@ def check_against_model(
         raise InvalidSetting("kv_budget", f"{config.budget} is above max_model_len ({max_model_len})")
     if config.evicts and tensor_ranks > 1:
         _check_tensor_parallel(config, tensor_ranks)
+    if config.evicts and POLICIES[config.policy].reconstructs and not config.document:
+        raise InvalidSetting(
+            "kv_document",
+            f"{config.policy} scores a document by the model's reconstruction of it: compress the document with POST "
+            "/v1/kvserve/compress and send its kv_document with each request that starts with it",
+        )
     if config.checkpoints and support.hybrid:
         raise InvalidSetting(
-            "kv_checkpoint", f"is not served on {model}: its sliding-window layers keep blocks of their own"
+            _checkpoint_field(config), f"is not served on {model}: its sliding-window layers keep blocks of their own"
         )
     if config.checkpoints:
         _check_checkpoint(config, block_size, pipeline_stages)
@@ -244,11 +251,17 @@ def _check_tensor_parallel(config: KVConfig, tensor_ranks: int) -> None:
         )
 
 
+def _checkpoint_field(config: KVConfig) -> str:
+    return "kv_document" if config.document else "kv_checkpoint"
+
+
 def _check_checkpoint(config: KVConfig, block_size: int | None, pipeline_stages: int) -> None:
-    """kv_checkpoint's engine checks: checkpoints are published as whole vLLM blocks, one worker's."""
+    """kv_checkpoint's and kv_document's engine checks: checkpoints are published as whole vLLM blocks, one
+    worker's."""
+    field = _checkpoint_field(config)
     if pipeline_stages > 1:
         raise InvalidSetting(
-            "kv_checkpoint", "is not served with pipeline parallelism (each stage would publish its own layers' pages)"
+            field, "is not served with pipeline parallelism (each stage would publish its own layers' pages)"
         )
     if block_size is None:
         return
@@ -258,7 +271,7 @@ def _check_checkpoint(config: KVConfig, block_size: int | None, pipeline_stages:
         )
     if config.budget % block_size:
         raise InvalidSetting(
-            "kv_checkpoint",
+            field,
             f"needs kv_budget to be a multiple of the block size ({block_size}) so that a checkpoint's lists fill "
             f"whole blocks; kv_budget is {config.budget}",
         )

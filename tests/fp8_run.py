@@ -87,7 +87,11 @@ def main(mode: str, out_path: str) -> None:
         "kept": [state.layers[layer].kept_positions.tolist() for layer in sorted(state.layers)],
     }
 
-    budgeted = [n for n in POLICY_NAMES if n != "full" and not (POLICIES[n].ragged or POLICIES[n].own_counts)]
+    budgeted = [
+        n
+        for n in POLICY_NAMES
+        if n != "full" and not (POLICIES[n].ragged or POLICIES[n].own_counts or POLICIES[n].reconstructs)
+    ]
     prompts = [haystack(tokenizer, 300, seed=70 + i) for i in range(len(budgeted))]
     kvs = [{"kv_policy": name, "kv_budget": EVERY_POLICY_BUDGET} for name in budgeted]
     outputs = generate(prompts, EVERY_POLICY_TOKENS, kvs)

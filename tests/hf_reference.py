@@ -36,8 +36,12 @@ def _greedy(model, prompt_ids: list[int], max_tokens: int, after_prefill, after_
     out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
     cache = out.past_key_values
     after_prefill(cache)
+    return _decode(model, cache, out, len(prompt_ids), max_tokens, after_decode_step)
+
+
+def _decode(model, cache, out, position: int, max_tokens: int, after_decode_step=lambda cache: None) -> list[int]:
+    """Greedy tokens from `out`'s last logits on, each fed back at the next logical position."""
     generated = [int(out.logits[0, -1].argmax())]
-    position = len(prompt_ids)
     while len(generated) < max_tokens:
         out = model(
             input_ids=torch.tensor([[generated[-1]]]),
@@ -204,3 +208,38 @@ def fp8_cache(fmt: torch.dtype, key_scale: float = 1.0, value_scale: float = 1.0
         yield
     finally:
         modeling_llama.eager_attention_forward = original
+
+
+@torch.no_grad()
+def kvzip_reference(model, document: list[int], instruction: list[int], budget: int, sinks: int):
+    """KVzip's choice (arXiv:2505.23416): the document, the instruction and the document again through the model;
+    each document entry scores the most attention any query after the document, in any query head of its KV group,
+    gave it; the first `sinks` and the top scores are kept. Returns (keep [L][H, B], scores [L][H, len(document)])."""
+    ids = document + instruction + document
+    out = model(input_ids=torch.tensor([ids]), output_attentions=True)
+    num_kv, n = model.config.num_key_value_heads, len(document)
+    keeps, scores = [], []
+    for attn in out.attentions:  # [1, Hq, q, k]
+        reconstruction = attn[0, :, n:, :n]  # queries past the document, keys of the document
+        peak = reconstruction.reshape(num_kv, -1, reconstruction.shape[1], n).amax(dim=(1, 2))  # [H, n]
+        ranked = peak.masked_fill(torch.arange(n) < sinks, float("inf"))
+        top = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :budget]
+        keeps.append(torch.sort(top, dim=-1).values)
+        scores.append(peak)
+    return keeps, scores
+
+
+@torch.no_grad()
+def generate_after_kept_prefix(model, prefix: list[int], kept, suffix: list[int], max_tokens: int) -> list[int]:
+    """Greedy decoding of `suffix` after a prefix of which each layer and KV head holds only the `kept` [L][H, B]
+    positions: the suffix's queries see the kept entries and themselves, at their own logical positions."""
+    cache = model(input_ids=torch.tensor([prefix]), use_cache=True).past_key_values
+    _keep_in_cache(cache, kept)
+    start = len(prefix)
+    out = model(
+        input_ids=torch.tensor([suffix]),
+        position_ids=torch.arange(start, start + len(suffix))[None],
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return _decode(model, cache, out, start + len(suffix), max_tokens)

@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "kvserve.model",
     ),
     ("kvserve.policies", "kvserve.gates", "kvserve.duo", "kvserve.profile"),
-    ("kvserve.config", "kvserve.model_support", "kvserve.messages"),
+    ("kvserve.config", "kvserve.policy_settings", "kvserve.model_support", "kvserve.messages"),
     ("kvserve.core", "kvserve.worker"),
     ("kvserve.server",),
     ("kvserve.vllm",),

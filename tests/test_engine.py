@@ -22,8 +22,13 @@ from kvserve.tools.eval.haystack import haystack
 from kvserve.vllm.carriers import plan_of
 
 # Policies that keep exactly the budget; Attention-Gate decides its own ragged counts (test_attention_gate_engine.py),
-# DuoAttention gives each head its count from its roles, so even a budget above the sequence cuts its streaming heads
-BUDGETED = [name for name in POLICY_NAMES if name == "full" or not (POLICIES[name].ragged or POLICIES[name].own_counts)]
+# DuoAttention gives each head its count from its roles, so even a budget above the sequence cuts its streaming heads;
+# KVzip serves only a compressed document's requests (tests/test_documents.py)
+BUDGETED = [
+    name
+    for name in POLICY_NAMES
+    if name == "full" or not (POLICIES[name].ragged or POLICIES[name].own_counts or POLICIES[name].reconstructs)
+]
 
 
 def cdiv(a: int, b: int) -> int:

@@ -10,7 +10,7 @@ import torch
 from kvserve.tools.eval import perplexity, quality
 from kvserve.tools.eval.__main__ import main as eval_main
 from kvserve.tools.eval.client import Server, Setting, load_rows
-from kvserve.tools.eval.tasks import TASKS, make_case, score
+from kvserve.tools.eval.tasks import TASKS, make_case, score, split_question
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,18 @@ def test_multikey_lookup_ends_in_the_asked_needles_own_words(tokenizer):
     question = case.prompt[case.prompt.rindex("\nWhat ") : case.prompt.rindex(needle)]
     assert asked in question and len(case.references) == 1
     assert case.prompt.count(case.references[0]) == 1  # stated once, in the asked key's needle
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_a_cases_document_is_its_prompt_without_the_question_token_for_token(tokenizer, task):
+    """A compressed document's questions resume only if the document's tokens start the whole prompt's: the split
+    leaves every needle in the document and the question (with the whitespace before it) out of it."""
+    case = make_case(tokenizer, task, 900, 1)
+    document, question = split_question(case.prompt)
+    assert document + question == case.prompt and question.lstrip().startswith("What")
+    whole, alone = tokenizer(case.prompt)["input_ids"], tokenizer(document)["input_ids"]
+    assert whole[: len(alone)] == alone and len(whole) > len(alone)
+    assert not any(reference in question for reference in case.references)  # the answers are in the document
 
 
 def test_fact_tasks_plant_every_fact_and_ask_for_the_right_ones(tokenizer):

@@ -18,8 +18,9 @@ free slot). Hits on checkpoints are counted by vLLM's prefix-cache counters like
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -27,6 +28,8 @@ from kvserve.config import KVConfig
 from kvserve.core.record import CoreRequest, Progress
 from kvserve.core.turns import turn_positions
 from kvserve.messages import CheckpointId, PageReport
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_key(prefix_block_hash: bytes, config: KVConfig) -> bytes:
@@ -62,12 +65,32 @@ def position_key(
     return checkpoint_key(block_hashes[whole - 1] + b"|" + tail, config)
 
 
+def document_key(progress: Progress, hash_block_size: int, config: KVConfig) -> bytes | None:
+    """The key of a compressed document (`kv_document`): its first `document` tokens under these settings, the same
+    for the request that compresses it (`kv_reconstruct`) and for every request that resumes from it."""
+    settings = replace(config, reconstruct=False)
+    return position_key(progress.block_hashes, progress.tokens, config.document, hash_block_size, settings)
+
+
+def reconstructs_its_document(progress: Progress, document: int) -> bool:
+    """The prompt is the document, an instruction, then the document again (what the compress route sends): only
+    then are the compressed lists the document's, so a request that says `kv_reconstruct` without it publishes
+    nothing."""
+    copy = progress.prompt_tokens - document
+    if copy < document:
+        return False
+    prompt = progress.tokens
+    return all(prompt[copy + index] == prompt[index] for index in range(document))
+
+
 def chunk_end(record: CoreRequest, progress: Progress, block_size: int) -> int:
     """Where a `kv_checkpoint` request's next prompt chunk must end at the latest, so that a compaction the rules
     place inside the prompt (`kvserve.core.compaction`) ends a step: its next multiple of C; with `turns`, the next
     turn's end, or where its lists reach B + bs once a turn has ended (a miss compacts a resent reply where its
     decode did). The request's whole sequence when no such place comes before its end."""
     settings, computed = record.settings, progress.computed
+    if settings.document:  # it compacts where its prompt ends, or never
+        return progress.count
     if not settings.checkpoint_turns:
         return next_checkpoint(computed, settings)
     stops = [end for end in record.turns.all(progress.tokens, progress.count) if end > computed]
@@ -83,7 +106,10 @@ def miss_compactions(record: CoreRequest, progress: Progress, limit: int, block_
 
 
 def first_compaction(record: CoreRequest, progress: Progress, block_size: int) -> int:
-    """Where a miss of this sequence first compacts: what plain prefix-cache blocks may cover before it."""
+    """Where a miss of this sequence first compacts: what plain prefix-cache blocks may cover before it. A document's
+    reconstruction votes with every query past the document, so a plain hit covers the document at most."""
+    if record.settings.document:
+        return record.settings.document + 1 if record.settings.reconstruct else progress.count
     if not record.settings.checkpoint_turns:
         return first_compacting_checkpoint(record.settings)
     positions = miss_compactions(record, progress, progress.count, block_size)
@@ -95,6 +121,11 @@ def candidates(
 ) -> list[tuple[int, bytes]]:
     """(position, key) of the checkpoints a miss of this sequence would publish up to `limit`, latest first."""
     settings = record.settings
+    if settings.document:  # a request that starts with the document resumes from it compressed
+        if settings.reconstruct or limit < settings.document:
+            return []
+        key = document_key(progress, hash_block_size, settings)
+        return [] if key is None else [(settings.document, key)]
     if settings.checkpoint_turns:
         positions = miss_compactions(record, progress, limit, block_size)
         keys = [
@@ -114,6 +145,17 @@ def publish_key(record: CoreRequest, progress: Progress, logical: int, hash_bloc
     settings = record.settings
     if record.private:  # it stopped publishing (no room for a copy)
         return None
+    if settings.document:
+        if not settings.reconstruct or logical < progress.prompt_tokens:
+            return None
+        if not reconstructs_its_document(progress, settings.document):
+            logger.warning(
+                "request %s: kv_reconstruct, but its prompt is not its document, an instruction and the document "
+                "again; its lists are not published",
+                record.request_id,
+            )
+            return None
+        return document_key(progress, hash_block_size, settings)
     if settings.checkpoint_turns:
         if record.turn_private:
             return None

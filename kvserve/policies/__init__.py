@@ -16,6 +16,7 @@ from kvserve.policies.expected_attention import ExpectedAttention
 from kvserve.policies.h2o import H2O
 from kvserve.policies.keydiff import KeyDiff
 from kvserve.policies.knobs import Knob, knob
+from kvserve.policies.kvzip import KVzip
 from kvserve.policies.mat import MAT
 from kvserve.policies.snapkv import SnapKV
 from kvserve.policies.streamingllm import StreamingLLM
@@ -34,11 +35,12 @@ BASE_POLICIES: tuple[type[Policy], ...] = (
     ExpectedAttention,
     KeyDiff,
     DuoAttention,
+    KVzip,
 )
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in BASE_POLICIES}
 for _base in BASE_POLICIES:
-    if issubclass(_base, ScoredPolicy):
+    if issubclass(_base, ScoredPolicy) and not _base.reconstructs:  # (KVzip's score is its document's own)
         for _meta in META_SCORES:
             _variant = caote_variant(_base, _meta == "fastcaote")
             POLICIES[_variant.name] = _variant
@@ -54,6 +56,7 @@ __all__ = [
     "EMS",
     "ExpectedAttention",
     "H2O",
+    "KVzip",
     "KeyDiff",
     "Knob",
     "LayerObservation",
@@ -76,8 +79,11 @@ def representative_policies(ragged: bool = True) -> list[str]:
 
     What engine-level tests and the load mix cycle through, so a newly registered policy is in them at once;
     `ragged=False` leaves out the policies whose heads keep different counts (they need a gate or head roles trained
-    for the model to run)."""
-    names = [cls.name for cls in BASE_POLICIES if ragged or not (cls.ragged or cls.own_counts)]
+    for the model to run). KVzip is left out: it serves only a compressed document's requests (`kv_document`),
+    which tests/test_documents.py covers."""
+    names = [
+        cls.name for cls in BASE_POLICIES if (ragged or not (cls.ragged or cls.own_counts)) and not cls.reconstructs
+    ]
     first_scored = next(cls.name for cls in BASE_POLICIES if issubclass(cls, ScoredPolicy))
     return names + [f"{first_scored}+{meta}" for meta in META_SCORES]
 

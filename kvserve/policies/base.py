@@ -180,6 +180,9 @@ class Policy:
     pass_statistics: ClassVar[tuple[str, ...]] = ()
     # kv_span when neither the request nor the server's defaults for this policy give one (`ScoredPolicy`: 8)
     default_span: ClassVar[int] = 1
+    # True: the policy scores a document by the model's reconstruction of it (KVzip), so it serves only requests that
+    # compress a document or resume from one (`kv_document`, kvserve/core/checkpoints.py)
+    reconstructs: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         for knob in self.knobs().values():  # also turns a header's text ("16") into the declared type

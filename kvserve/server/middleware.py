@@ -15,13 +15,15 @@ unauthenticated request gets vLLM's 401 before anything here reads it.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
-from kvserve.config import KEY_PREFIX
+from kvserve.config import INTERNAL_KEYS, KEY_PREFIX
 from kvserve.errors import InvalidSetting
 from kvserve.messages import EVICTED_KEY
 from kvserve.model_support import EvictionSupport, ServedEngine, eviction_support, served_settings
+from kvserve.server.documents import COMPRESS_PATH, Collected, compress_request, compress_response
 from kvserve.server.evicted import EvictedTally, open_tally
 
 HEADER_PREFIX = b"x-kv-"
@@ -125,6 +127,9 @@ class KVHeadersMiddleware:
         self.served = served
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == COMPRESS_PATH:
+            await self._compress(scope, receive, send)
+            return
         if (
             scope["type"] != "http"
             or scope["method"] != "POST"
@@ -143,6 +148,9 @@ class KVHeadersMiddleware:
             if isinstance(body, dict):
                 reject_what_vllm_cannot_serve(body, scope["path"])
                 body = merge_into_body(body, header_xargs)
+                for key in INTERNAL_KEYS:
+                    if key in (body.get("vllm_xargs") or {}):
+                        raise InvalidSetting(key, f"is set by {COMPRESS_PATH}, not by a request")
                 engine = self.served(scope)
                 # here, a streamed request still gets a 400 rather than an error event (without an engine known, the
                 # checks that need the model wait for vLLM's validation)
@@ -164,6 +172,48 @@ class KVHeadersMiddleware:
         scope[HANDLED] = True
         tally = open_tally()
         await self.app(scope, _replay(raw, receive), _with_applied_headers(send, config, layers, tally))
+
+    async def _compress(self, scope, receive, send) -> None:
+        """`POST /v1/kvserve/compress` (`kvserve/server/documents.py`): one engine completion through vLLM's own
+        handler, answered with what a question needs to resume from the compressed document."""
+        started = time.perf_counter()
+        engine = self.served(scope)
+        try:
+            try:
+                body = json.loads(await _read_body(receive))
+            except json.JSONDecodeError as exc:
+                raise InvalidSetting("body", f"is not valid JSON: {exc}") from exc
+            if not isinstance(body, dict):
+                raise InvalidSetting("body", "must be a JSON object")
+            if engine is None:
+                raise InvalidSetting("model", "the served engine is not known to kvserve yet")
+            body = merge_into_body(body, headers_to_xargs(scope["headers"]))
+            completion, question_settings, tokens = compress_request(body, engine)
+            config = served_settings(completion["vllm_xargs"], engine, remember=True)
+        except InvalidSetting as exc:
+            await _send_json(send, 400, error_body(exc.field, str(exc)))
+            return
+        raw = json.dumps(completion).encode()
+        inner = dict(
+            scope,
+            path="/v1/completions",
+            raw_path=b"/v1/completions",
+            headers=[
+                (k, v)
+                for k, v in scope["headers"]
+                if k.lower() != b"content-length" and not k.startswith(HEADER_PREFIX)
+            ]
+            + [(b"content-length", str(len(raw)).encode()), (b"content-type", b"application/json")],
+        )
+        inner[HANDLED] = True
+        collected = Collected()
+        layers = evicting_layers(eviction_support(engine.model_config))
+        await self.app(inner, _replay(raw, receive), _with_applied_headers(collected, config, layers, open_tally()))
+        if collected.status != 200:
+            await _send_json(send, collected.status or 500, collected.body)
+            return
+        seconds = time.perf_counter() - started
+        await _send_json(send, 200, compress_response(collected.body, question_settings, tokens, seconds))
 
 
 def evicting_layers(support: EvictionSupport) -> str:

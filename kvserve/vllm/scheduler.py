@@ -164,6 +164,7 @@ class EvictingScheduler(Scheduler):
                 decode=decode,
                 protected_blocks=manager.protected_blocks(req_id),
                 checkpoint=publish_key(record, progress, logical, self.hash_block_size),
+                covers=record.settings.document if record.settings.reconstruct else None,
             )
         attach_plan(output, self._plan(output, compactions))
         self.peak_running = max(self.peak_running, len(self.running))

@@ -225,7 +225,7 @@ class WorkerRequests:
         _mark_compacted(plan)
         plan.state.released = released
         self.reports[plan.req_id] = PageReport(
-            logical_tokens=plan.logical_len, stages=tuple(stages), released_block_ids=tuple(released)
+            logical_tokens=plan.compaction.lists_cover, stages=tuple(stages), released_block_ids=tuple(released)
         )
 
     def _publish(self, plans: list[RowPlan]) -> None:
@@ -269,5 +269,6 @@ def _release(pages: HeadPages) -> StageRelease:
 
 
 def _mark_compacted(plan: RowPlan) -> None:
-    plan.state.since = plan.logical_len  # entries appended after this compaction have positions from here on
+    # entries appended after this compaction have positions from here on
+    plan.state.since = plan.compaction.lists_cover
     plan.state.compactions += 1

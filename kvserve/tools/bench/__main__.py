@@ -1,5 +1,5 @@
-"""`python -m kvserve.tools.bench {capacity,overhead}` (also `kvserve bench ...`; `chat`, `load`, `soak`, `crash`,
-`layouts` and `kernel` have modules and options of their own): kvserve against vanilla vLLM, one run.
+"""`python -m kvserve.tools.bench {capacity,overhead}` (also `kvserve bench ...`; `chat`, `documents`, `load`, `soak`,
+`crash`, `layouts` and `kernel` have modules and options of their own): kvserve against vanilla vLLM, one run.
 
 The benchmark starts each server itself with the same engine flags (vanilla with vLLM's plugins off), sends the same
 workload (N prompts of haystack text at once, streamed, `ignore_eos` so every request makes exactly --max-tokens),
@@ -33,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvserve.cpu_dtype import default_dtype, has_dtype_flag
+from kvserve.cpu_dtype import with_default_dtype
 from kvserve.provenance import command_line, provenance
 from kvserve.tools.bench.servers import running_server
 from kvserve.tools.bench.workload import prompts, run_workload
@@ -223,6 +223,10 @@ def main(argv: list[str] | None = None) -> None:
         from kvserve.tools.bench.chat import main as chat_main
 
         return chat_main(argv[1:])
+    if argv[:1] == ["documents"]:  # kvserve/tools/bench/documents.py
+        from kvserve.tools.bench.documents import main as documents_main
+
+        return documents_main(argv[1:])
     if argv[:1] == ["layouts"]:  # kvserve/tools/bench/layouts.py: one process, no server
         from kvserve.tools.bench.layouts import main as layouts_main
 
@@ -307,10 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         str(args.block_size),
         *shlex.split(args.server_args),
     ]
-    if not has_dtype_flag(engine_args):  # what `kvserve serve` would pick, given to vanilla as well
-        dtype, why = default_dtype()
-        engine_args += ["--dtype", dtype]
-        print(f"bench: --dtype {dtype} for both servers: {why}", flush=True)
+    engine_args = with_default_dtype(engine_args, "bench")  # what `kvserve serve` would pick, vanilla's too
     if args.command == "capacity":
         engine_args += ["--num-gpu-blocks-override", str(args.num_blocks)]
         kvserve_settings = [

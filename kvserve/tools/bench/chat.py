@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from kvserve.cpu_dtype import default_dtype, has_dtype_flag
+from kvserve.cpu_dtype import with_default_dtype
 from kvserve.provenance import command_line, provenance
 from kvserve.tools.bench.servers import running_server
 from kvserve.tools.eval.client import Setting, metric_sum, stream_chunks
@@ -407,10 +407,7 @@ def main(argv: list[str] | None = None) -> None:
         "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: the hit rate per request
         *shlex.split(args.server_args),
     ]
-    if not has_dtype_flag(engine_args):
-        dtype, why = default_dtype()
-        engine_args += ["--dtype", dtype]
-        print(f"bench chat: --dtype {dtype} for every server: {why}", flush=True)
+    engine_args = with_default_dtype(engine_args, "bench chat")
     env = {"VLLM_CPU_KVCACHE_SPACE": args.kv_space_gib}
     results = []
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-chat-") as log_dir:

@@ -43,6 +43,13 @@ class Setting:
             parts.append("checkpoint-turns" if self.checkpoint == "turns" else f"checkpoint{self.checkpoint}")
         return "/".join(parts)
 
+    def compresses_documents(self) -> bool:
+        """Its policy scores a document by its reconstruction (KVzip): each case's document is compressed with
+        `POST /v1/kvserve/compress` before its question is asked."""
+        from kvserve.policies import POLICIES
+
+        return self.policy in POLICIES and POLICIES[self.policy].reconstructs
+
     def kv_args(self) -> dict[str, str]:
         """The `kv_*` request keys the server reads from these headers (its own header parsing)."""
         from kvserve.server.middleware import headers_to_xargs
@@ -190,6 +197,16 @@ class Server:
         if response.status_code != 200:
             raise RuntimeError(f"{self.url} answered {response.status_code}: {response.text[:500]}")
         check_applied(self.url, setting, response.headers)
+        return response.json()
+
+    def compress(self, setting: Setting, document: str | list[int]) -> dict:
+        """`POST /v1/kvserve/compress` of `document` with the setting's headers: its answer (`kv`: what the questions
+        send)."""
+        response = self.http.post(
+            self.url + "/v1/kvserve/compress", headers=setting.headers(), json={"model": self.model, "prompt": document}
+        )
+        if response.status_code != 200:
+            raise RuntimeError(f"{self.url} answered {response.status_code}: {response.text[:500]}")
         return response.json()
 
 

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from kvserve.tools.eval.client import Server, Setting, append_row, gate_keep_ratios, load_rows
 from kvserve.tools.eval.report import grid_table
-from kvserve.tools.eval.tasks import Case, score
+from kvserve.tools.eval.tasks import Case, score, split_question
 
 
 def row_key(row: dict) -> tuple:
@@ -84,7 +84,15 @@ def answer(server: Server, setting: Setting, case: Case) -> dict:
     freed_before = server.blocks_freed()
     gate_before = server.gate_counts()
     start = time.time()
-    body = server.complete(setting, case.prompt, max_tokens=case.max_tokens)
+    document = setting.compresses_documents()
+    if document:  # the case's document compressed first (without the question), then the question resumes from it
+        compressed = server.compress(setting, split_question(case.prompt)[0])
+        kv_document = compressed["kv"]["kv_document"]  # the rest of its settings are the setting's own headers
+        body = server.complete(setting, case.prompt, max_tokens=case.max_tokens, kv_document=kv_document)
+        if not body["usage"].get("kv_tokens_evicted"):
+            raise RuntimeError(f"case {case.key}: the question did not resume from its compressed document")
+    else:
+        body = server.complete(setting, case.prompt, max_tokens=case.max_tokens)
     text = body["choices"][0]["text"]
     row = {
         "policy": setting.label,
@@ -102,6 +110,9 @@ def answer(server: Server, setting: Setting, case: Case) -> dict:
         "kv_tokens_evicted": body["usage"].get("kv_tokens_evicted"),
         "seconds": round(time.time() - start, 3),
     }
+    if document:
+        row["document_tokens"] = compressed["document_tokens"]
+        row["compress_seconds"] = compressed["compress_seconds"]
     keep_by_layer = gate_keep_ratios(server, gate_before)
     if keep_by_layer is not None:
         row["gate_keep_by_layer"] = keep_by_layer

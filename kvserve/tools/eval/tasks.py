@@ -91,6 +91,20 @@ class Case:
         return (self.task, self.length, self.index, self.seed)
 
 
+def split_question(prompt: str) -> tuple[str, str]:
+    """(document, question) of a case's prompt: every task's question starts with its last "What" (the passkey's,
+    the lookups', the chat's last user turn's). A space before it goes with the question and a newline stays with the
+    document, as the tokenizers split them (a space joins the next word; Qwen's joins a newline to the punctuation
+    before it), so the document's tokens are the prompt's first tokens. A compressed document (`kv_document`) is
+    compressed without the question."""
+    start = prompt.rfind("What")
+    if start <= 0:
+        raise ValueError("the prompt has no question starting with 'What'")
+    if prompt[start - 1] == " ":
+        start -= 1
+    return prompt[:start], prompt[start:]
+
+
 def score(answer: str, references: tuple[str, ...] | list[str]) -> float:
     """Fraction of references found in the answer (RULER's string_match_all)."""
     answer = answer.lower()

@@ -1,0 +1,98 @@
+"""KVzip ("KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", Kim et al., NeurIPS 2025,
+arXiv:2505.23416): keep what the model reads when it repeats the document from its own cache.
+
+The document's entries are scored by the model itself: after the document, it is fed "Repeat the previous context
+exactly." and then the document again (teacher forcing), and each cached entry scores the most attention any of those
+reconstruction queries, in any query head of its KV head's GQA group, gave it: score(k) = max over t, g of
+softmax(q_t,g . K / sqrt(D))[k]. An entry nothing needed to rebuild the text is one no question will need either, so
+the choice serves every later question: this is the query-agnostic scorer behind `kv_document`, which compresses a
+document once and lets every request that starts with it resume from the compressed lists (docs/guide.md,
+"Compress once, ask many"). The softmax is over everything a query sees (the document, the instruction and the copy
+so far), as in the paper's definition; its chunked form (2k-token pieces, attending to sinks and the piece) only
+saves memory on 100k-token contexts.
+
+`document` (N > 0) says the prompt's first N tokens are the document and later queries reconstruct it: only those
+queries vote, and only the document's entries can be kept (the engine drops the instruction and the copy). With 0,
+every query votes and any entry can be kept: the same statistic over the prompt itself. The first `sink_tokens` are
+always kept, as the paper's attention sinks. The paper allots budgets across heads from one global ranking; here each
+(layer, KV head) keeps B, as every policy does with `kv_allocation=uniform`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvserve.policies.base import LayerObservation, ScoredPolicy
+from kvserve.policies.knobs import knob
+
+# the instruction between the document and its copy (the paper's prompt); a chat model then gets its template's end
+# of the user turn and start of the reply, so the copy is the assistant's answer, as in the authors' code
+REPEAT_INSTRUCTION = "\n\nRepeat the previous context exactly."
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVzip(ScoredPolicy):
+    name = "kvzip"
+    document: int = knob(
+        0,
+        "tokens of the compressed document the request starts with (POST /v1/kvserve/compress answers it)",
+        minimum=0,
+    )
+    sink_tokens: int = knob(4, "first tokens always kept", minimum=0)
+
+    stat_names = ("reconstruction",)
+    reconstructs: ClassVar[bool] = True
+    # single tokens, as the authors select KV pairs; on the default model's multi-key lookup at 1k tokens and B=512,
+    # spans of 8 answered 2 of 12 cases and single tokens 4 of 12 (a reconstruction's peaks are per token)
+    default_span: ClassVar[int] = 1
+
+    def protected_tokens(self) -> int:
+        return self.sink_tokens
+
+    def prompt_queries_read(self) -> int | None:
+        # a document's question never compacts and its reconstruction reads every query past the document, which a
+        # plain hit never covers (`kvserve.core.checkpoints.first_compaction`): a hit changes nothing it keeps
+        return 0 if self.document else None
+
+    def protected_mask(self, obs: LayerObservation) -> torch.Tensor:
+        return (obs.positions >= 0) & (obs.positions < self.sink_tokens)
+
+    def update_stats(
+        self, obs: LayerObservation, queries: torch.Tensor, query_positions: torch.Tensor, chunk: int = 512
+    ) -> dict[str, torch.Tensor]:
+        """Fold the step's reconstruction queries into each entry's running maximum of attention received."""
+        stats = dict(obs.stats)
+        voting = query_positions >= self.document
+        if not bool(voting.any()):
+            return stats
+        queries, query_positions = queries[voting], query_positions[voting]
+        keys = obs.keys.float()
+        peak = stats["reconstruction"]
+        for start in range(0, queries.shape[0], chunk):  # never the whole [q, n] attention matrix at once
+            part = slice(start, start + chunk)
+            peak = torch.maximum(peak, _peak_attention(obs, keys, queries[part], query_positions[part]))
+        stats["reconstruction"] = peak
+        return stats
+
+    def score(self, obs: LayerObservation) -> torch.Tensor:
+        scores = obs.stats["reconstruction"].float()
+        if self.document:  # the instruction and the copy are never kept: the lists must stand for the document alone
+            scores = scores.masked_fill(obs.positions >= self.document, float("-inf"))
+        return scores
+
+
+def _peak_attention(
+    obs: LayerObservation, keys: torch.Tensor, queries: torch.Tensor, query_positions: torch.Tensor
+) -> torch.Tensor:
+    """[H, n]: the most attention each entry gets from `queries` [q, H*G, D] in any query head of its group, causal
+    by position: `obs.attention(...).amax((1, 2))` with the mask applied in place (the reconstruction is twice the
+    document long, so this runs over the largest attention matrices kvserve scores)."""
+    count, num_q_heads, dim = queries.shape
+    grouped = queries.float().reshape(count, obs.num_heads, num_q_heads // obs.num_heads, dim).permute(1, 2, 0, 3)
+    logits = torch.einsum("hgqd,hnd->hgqn", grouped, keys).mul_(obs.scale)
+    hidden = (obs.positions[:, None, :] > query_positions[None, :, None]) | (obs.positions < 0)[:, None, :]
+    logits.masked_fill_(hidden[:, None], float("-inf"))
+    return torch.softmax(logits, dim=-1).amax(dim=(1, 2))

@@ -1,0 +1,151 @@
+"""`POST /v1/kvserve/compress`: compress a document once, ahead of its questions ("compress once, ask many").
+
+The body names the document as `prompt` (text or token ids) or `messages` (a chat's first messages, rendered by the
+model's chat template without a generation prompt), plus the usual `kv_*` settings (body keys or `x-kv-*` headers;
+`kv_policy` defaults to `kvzip`, `kv_budget` is the entries each layer and KV head keeps of the document). The route
+sends the engine one completion whose prompt is the document, KVzip's repeat instruction and the document again
+(`kv_document=N`, `kv_reconstruct`): the engine compacts the document's entries by the model's reconstruction of it
+and publishes them in the prefix cache (`kvserve/core/checkpoints.py`). It answers with the document's token count,
+the time it took, and the `kv` settings to send with every request that starts with the document: those resume from
+the compressed lists (their `usage.kv_tokens_evicted` says how many of the document's tokens were left out; 0 means
+the compressed document was gone from the cache and the request was served in full).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from kvserve.config import INTERNAL_KEYS
+from kvserve.errors import InvalidSetting
+from kvserve.model_support import ServedEngine, served_settings
+from kvserve.policies import POLICIES
+from kvserve.policies.kvzip import REPEAT_INSTRUCTION
+
+COMPRESS_PATH = "/v1/kvserve/compress"
+SET_HERE = ("kv_document", *INTERNAL_KEYS)  # the route sets these itself
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(name: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+
+
+def tokenizer_of(engine: ServedEngine):
+    model = engine.model_config
+    return _tokenizer(model.tokenizer, bool(model.trust_remote_code))
+
+
+def document_ids(body: dict[str, Any], tokenizer) -> list[int]:
+    """The document's tokens as a later request's prompt starts with them: text tokenized as vLLM tokenizes a
+    completion's prompt (special tokens added), messages rendered as a chat's first turns."""
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise InvalidSetting("prompt", "give the document as prompt (text or token ids) or as messages, one of them")
+    if isinstance(prompt, str) and prompt:
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    if isinstance(prompt, list) and prompt and all(isinstance(token, int) and token >= 0 for token in prompt):
+        return list(prompt)
+    if prompt is not None:
+        raise InvalidSetting("prompt", "must be a non-empty string or a non-empty list of token ids")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise InvalidSetting("messages", "must be a non-empty list of chat messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidSetting("messages", "this model has no chat template: give the document as prompt")
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+    return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+
+def instruction_ids(tokenizer) -> list[int]:
+    """KVzip's repeat instruction, then (a chat model) its template's end of a user turn and start of the reply."""
+    instruction = REPEAT_INSTRUCTION
+    if getattr(tokenizer, "chat_template", None):
+        marker = "\x00kvzip\x00"
+        turn = [{"role": "user", "content": marker}]
+        rendered = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+        instruction += rendered.partition(marker)[2]  # "<|im_end|>\n<|im_start|>assistant\n"
+    else:
+        instruction += "\n\n"
+    return list(tokenizer.encode(instruction, add_special_tokens=False))
+
+
+def reconstruction_prompt(document: list[int], tokenizer) -> list[int]:
+    """The document, KVzip's repeat instruction, and the document again (the copy is teacher-forced)."""
+    return document + instruction_ids(tokenizer) + document
+
+
+def compress_request(body: dict[str, Any], engine: ServedEngine) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """(the engine completion's body, the settings a question sends, the document's tokens); InvalidSetting names
+    the field of a request that cannot be served."""
+    xargs = dict(body.get("vllm_xargs") or {})
+    for key in SET_HERE:
+        if key in xargs:
+            raise InvalidSetting(key, f"is set by {COMPRESS_PATH} itself")
+    xargs.setdefault("kv_policy", "kvzip")
+    policy = POLICIES.get(str(xargs["kv_policy"]))
+    if policy is None or not policy.reconstructs:
+        names = ", ".join(name for name, cls in POLICIES.items() if cls.reconstructs)
+        raise InvalidSetting("kv_policy", f"{COMPRESS_PATH} scores the document by its reconstruction: one of {names}")
+    tokenizer = tokenizer_of(engine)
+    document = document_ids(body, tokenizer)
+    prompt = reconstruction_prompt(document, tokenizer)
+    max_len = engine.model_config.max_model_len
+    if len(prompt) + 1 > max_len:
+        raise InvalidSetting(
+            "prompt",
+            f"the document's {len(document)} tokens take {len(prompt)} with their reconstruction, which must stay "
+            f"below max_model_len ({max_len})",
+        )
+    question_settings = {**xargs, "kv_document": len(document)}
+    served_settings(question_settings, engine)  # what its questions send must be servable too
+    completion = {
+        "prompt": prompt,
+        "max_tokens": 1,  # nothing is generated: the prompt's compaction publishes the document
+        "temperature": 0,
+        "vllm_xargs": {**question_settings, "kv_reconstruct": "true"},
+    }
+    for passed in ("model", "cache_salt"):  # a salt keeps a tenant's documents to its own requests
+        if passed in body:
+            completion[passed] = body[passed]
+    return completion, question_settings, len(document)
+
+
+def compress_response(completion: bytes, question_settings: dict[str, Any], tokens: int, seconds: float) -> bytes:
+    """The route's answer, from the engine completion's."""
+    answer = json.loads(completion)
+    usage = answer.get("usage") or {}
+    return json.dumps(
+        {
+            "object": "kvserve.compressed_document",
+            "model": answer.get("model"),
+            "document_tokens": tokens,
+            "kv_tokens_evicted": usage.get("kv_tokens_evicted", 0),
+            "compress_seconds": round(seconds, 3),
+            "kv": {key: _plain(value) for key, value in question_settings.items()},
+        }
+    ).encode()
+
+
+def _plain(value: Any) -> Any:
+    """A header's text as the JSON value a client would have sent ("64" -> 64)."""
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return value
+
+
+class Collected:
+    """An ASGI `send` that keeps the response (the engine completion's) instead of sending it."""
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body = b""
+
+    async def __call__(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            self.status, self.headers = message["status"], list(message.get("headers", []))
+        elif message["type"] == "http.response.body":
+            self.body += message.get("body", b"")

@@ -1,0 +1,170 @@
+"""Documents compressed once (`kv_document`, KVzip) and the requests that start with them.
+
+The request that compresses a document sends the document, KVzip's repeat instruction and the document again; its
+lists must be what the model's own attention during that reconstruction chooses (an independent transformers
+reference), published under the document's key. A later request that starts with the document resumes from them:
+its answer must be the reference's greedy answer from a cache holding only those entries. Without the compressed
+document it is served in full, and says so (nothing evicted). Over HTTP, `POST /v1/kvserve/compress` does the first
+part, and bad input is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+from engine_settings import BLOCK_SIZE
+from hf_reference import generate_after_kept_prefix, kvzip_reference
+from test_checkpoints import counter
+from test_engine import _assert_same_kept
+from test_prefix_cache import evicted, question, run, salted
+
+from kvserve.config import parse_kv_config
+from kvserve.errors import InvalidSetting
+from kvserve.server.documents import instruction_ids
+from kvserve.tools.eval.haystack import haystack
+
+BUDGET = 2 * BLOCK_SIZE
+SINKS = 4
+
+
+def compress_settings(document: list[int], **extra) -> dict:
+    return {"kv_policy": "kvzip", "kv_budget": BUDGET, "kv_document": len(document), **extra}
+
+
+def instruction(engine) -> list[int]:
+    return instruction_ids(engine.tokenizer)
+
+
+def test_a_compressed_document_keeps_what_its_reconstruction_attends_to_and_its_questions_resume(engine, hf_model):
+    document = haystack(engine.tokenizer, 300, seed=31)
+    salt = uuid.uuid4().hex
+    kv = compress_settings(document, kv_span=1)  # the per-token choice the reference makes
+    published = counter("checkpoints_published")
+    free = engine.free_blocks()
+    (compressed,) = run(
+        engine, [salted(document + instruction(engine) + document, salt)], {**kv, "kv_reconstruct": 1}, 1
+    )
+    assert counter("checkpoints_published") == published + 1
+    assert evicted(compressed) == len(document) - BUDGET  # the lists stand for the document alone
+    state = engine.eviction_state(compressed.request_id)
+    ref_keep, ref_scores = kvzip_reference(hf_model, document, instruction(engine), BUDGET, SINKS)
+    assert len(state.layers) == len(ref_keep)
+    for layer, keep in enumerate(ref_keep):
+        kept = state.layers[layer].kept_positions
+        assert kept.shape == keep.shape
+        assert int(kept.max()) < len(document)  # nothing of the instruction or the copy
+        _assert_same_kept(kept, keep, ref_scores[layer], layer)
+
+    asked = question(engine, "What is this text about?")
+    hits = counter("checkpoint_hits")
+    (answer,) = run(engine, [salted(document + asked, salt)], kv, max_tokens=6)
+    assert answer.num_cached_tokens == len(document)  # it resumed where the document ends
+    assert counter("checkpoint_hits") == hits + 1
+    assert evicted(answer) == len(document) - BUDGET
+    kept = [state.layers[layer].kept_positions for layer in sorted(state.layers)]
+    reference = generate_after_kept_prefix(hf_model, document, kept, asked, 6)
+    assert list(answer.outputs[0].token_ids) == reference
+
+    # the same question under a salt whose document was never compressed: served in full, and it says so
+    (missed,) = run(engine, [salted(document + asked, uuid.uuid4().hex)], kv, max_tokens=6)
+    assert missed.num_cached_tokens == 0 and evicted(missed) == 0
+    assert engine.free_blocks() == free  # nothing held once they finished (cached blocks count as free)
+
+
+def test_a_reconstruction_whose_prompt_is_not_its_document_twice_publishes_nothing(engine):
+    document = haystack(engine.tokenizer, 200, seed=32)
+    other = haystack(engine.tokenizer, 200, seed=33)
+    published = counter("checkpoints_published")
+    kv = {**compress_settings(document), "kv_reconstruct": 1}
+    (out,) = run(engine, [salted(document + instruction(engine) + other, uuid.uuid4().hex)], kv, 1)
+    assert counter("checkpoints_published") == published
+    assert evicted(out) == len(document) - BUDGET  # it still compacted: the engine only refuses to share it
+
+
+@pytest.mark.parametrize(
+    "kv, field",
+    [
+        ({"kv_policy": "kvzip", "kv_budget": 64, "kv_document": 64}, "kv_document"),  # fits: nothing to compress
+        ({"kv_policy": "kvzip", "kv_document": 300}, "kv_budget"),  # no budget
+        ({"kv_policy": "kvzip", "kv_budget": 64, "kv_document": 300, "kv_checkpoint": 64}, "kv_checkpoint"),
+        ({"kv_policy": "kvzip", "kv_budget": 64, "kv_document": 300, "kv_allocation": "pyramid"}, "kv_document"),
+        ({"kv_policy": "kvzip", "kv_budget": 64, "kv_reconstruct": 1}, "kv_reconstruct"),
+        ({"kv_policy": "snapkv", "kv_budget": 64, "kv_reconstruct": 1}, "kv_reconstruct"),
+    ],
+)
+def test_document_settings_that_cannot_hold_are_refused(kv, field):
+    with pytest.raises(InvalidSetting) as refused:
+        parse_kv_config(kv, defaults={})
+    assert refused.value.field == field
+
+
+def _post(base: str, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{base}{path}", json=body, headers=headers or {}, timeout=300)
+
+
+def test_compress_over_http_then_ask(server):
+    from transformers import AutoTokenizer
+
+    from kvserve.model import ensure_default_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_default_model()))
+    text = tokenizer.decode(haystack(tokenizer, 260, seed=34)) + "\n"
+    salt = uuid.uuid4().hex
+    made = _post(server, "/v1/kvserve/compress", {"prompt": text, "cache_salt": salt}, {"x-kv-budget": str(BUDGET)})
+    assert made.status_code == 200, made.text
+    answer = made.json()
+    tokens = answer["document_tokens"]
+    assert tokens == len(tokenizer(text)["input_ids"])
+    assert answer["kv"] == {"kv_policy": "kvzip", "kv_budget": BUDGET, "kv_document": tokens}
+    assert answer["kv_tokens_evicted"] == tokens - BUDGET and answer["compress_seconds"] > 0
+    body = {"prompt": text + "What is this text about? It is about", "max_tokens": 4, "cache_salt": salt}
+    asked = _post(server, "/v1/completions", {**body, **answer["kv"]})
+    assert asked.status_code == 200, asked.text
+    assert asked.json()["usage"]["kv_tokens_evicted"] == tokens - BUDGET  # it resumed from the compressed lists
+    assert asked.headers["x-kv-policy-applied"] == "kvzip"
+
+
+def test_a_chat_document_compressed_as_messages_serves_the_chats_that_start_with_it(server):
+    """The document as a chat's first message: the route renders it as the chat template renders the start of any
+    chat that begins with it, so a chat completion with one more message resumes from it."""
+    from transformers import AutoTokenizer
+
+    from kvserve.model import ensure_default_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_default_model()))
+    system = {"role": "system", "content": tokenizer.decode(haystack(tokenizer, 260, seed=35))}
+    salt = uuid.uuid4().hex
+    made = _post(server, "/v1/kvserve/compress", {"messages": [system], "cache_salt": salt}, {"x-kv-budget": "64"})
+    assert made.status_code == 200, made.text
+    answer = made.json()
+    question = {"role": "user", "content": "What is this text about?"}
+    body = {"messages": [system, question], "max_tokens": 4, "cache_salt": salt, **answer["kv"]}
+    asked = _post(server, "/v1/chat/completions", body)
+    assert asked.status_code == 200, asked.text
+    assert asked.json()["usage"]["kv_tokens_evicted"] == answer["document_tokens"] - 64
+
+
+@pytest.mark.parametrize(
+    "path, body, headers, field",
+    [
+        (
+            "/v1/completions",
+            {"prompt": "hi", "kv_policy": "kvzip", "kv_budget": 64, "kv_document": 300, "kv_reconstruct": 1},
+            {},
+            "kv_reconstruct",
+        ),
+        ("/v1/completions", {"prompt": "hi", "kv_policy": "kvzip", "kv_budget": 64}, {}, "kv_document"),
+        ("/v1/kvserve/compress", {"prompt": "a short document"}, {"x-kv-budget": "64"}, "kv_document"),
+        ("/v1/kvserve/compress", {"prompt": "text " * 200, "kv_policy": "snapkv"}, {"x-kv-budget": "64"}, "kv_policy"),
+        ("/v1/kvserve/compress", {"prompt": "text " * 200, "kv_document": 5}, {"x-kv-budget": "64"}, "kv_document"),
+        ("/v1/kvserve/compress", {"prompt": "text " * 1200}, {"x-kv-budget": "64"}, "prompt"),  # over max_model_len
+        ("/v1/kvserve/compress", {"prompt": 7}, {"x-kv-budget": "64"}, "prompt"),
+        ("/v1/kvserve/compress", {"prompt": "x", "messages": []}, {"x-kv-budget": "64"}, "prompt"),
+    ],
+)
+def test_bad_document_requests_are_400s_naming_the_field(server, path, body, headers, field):
+    refused = _post(server, path, body, headers)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == field
