@@ -149,14 +149,20 @@ def served_settings(
     return config
 
 
+@functools.lru_cache(maxsize=4)
+def model_tokenizer(tokenizer: str, trust_remote_code: bool = False):
+    """The served model's tokenizer (transformers'), loaded once per process."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code)
+
+
 @functools.lru_cache(maxsize=8)
 def generation_marker(tokenizer: str, trust_remote_code: bool = False) -> tuple[int, ...] | None:
     """The tokens the model's chat template appends to ask for a reply (`<|im_start|>assistant\n`): every chat
     prompt ends with them, and a later turn's prompt holds them where the earlier turn's prompt ended. None: the
     model has no chat template, or its template does not append one fixed sequence."""
-    from transformers import AutoTokenizer
-
-    loaded = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code)
+    loaded = model_tokenizer(tokenizer, trust_remote_code)
     if not getattr(loaded, "chat_template", None):
         return None
     messages = [{"role": "user", "content": "x"}]

@@ -13,13 +13,12 @@ the compressed document was gone from the cache and the request was served in fu
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any
 
 from kvserve.config import INTERNAL_KEYS
 from kvserve.errors import InvalidSetting
-from kvserve.model_support import ServedEngine, served_settings
+from kvserve.model_support import ServedEngine, model_tokenizer, served_settings
 from kvserve.policies import POLICIES
 from kvserve.policies.kvzip import REPEAT_INSTRUCTION
 
@@ -27,16 +26,9 @@ COMPRESS_PATH = "/v1/kvserve/compress"
 SET_HERE = ("kv_document", *INTERNAL_KEYS)  # the route sets these itself
 
 
-@functools.lru_cache(maxsize=4)
-def _tokenizer(name: str, trust_remote_code: bool):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
-
-
 def tokenizer_of(engine: ServedEngine):
     model = engine.model_config
-    return _tokenizer(model.tokenizer, bool(model.trust_remote_code))
+    return model_tokenizer(model.tokenizer, bool(model.trust_remote_code))
 
 
 def document_ids(body: dict[str, Any], tokenizer) -> list[int]:
@@ -141,11 +133,10 @@ class Collected:
 
     def __init__(self) -> None:
         self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
         self.body = b""
 
     async def __call__(self, message: dict) -> None:
         if message["type"] == "http.response.start":
-            self.status, self.headers = message["status"], list(message.get("headers", []))
+            self.status = message["status"]
         elif message["type"] == "http.response.body":
             self.body += message.get("body", b"")
