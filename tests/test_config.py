@@ -127,3 +127,17 @@ def test_a_server_default_span_that_a_small_budget_leaves_no_room_for_is_dropped
     assert parse_kv_config({"kv_budget": 64}, defaults=BUILTIN_DEFAULTS).span == BUILTIN_DEFAULTS["kv_span"]
     with pytest.raises(InvalidSetting, match="kv_span"):  # asked for explicitly: still a clear 400
         parse_kv_config({"kv_budget": 36, "kv_span": 8}, defaults=BUILTIN_DEFAULTS)
+
+
+def test_the_builtin_default_pools_snapkvs_votes_wider_and_only_snapkvs():
+    """The server default's kernel (15, chosen by the quality suite's multi-key lookup) reaches a request that names
+    snapkv or nothing, never the kernel of another policy with a knob of that name (AhaKV's mean filter)."""
+    from kvserve.config import BUILTIN_DEFAULTS
+    from kvserve.policies import POLICIES
+
+    def knobs(request: dict) -> dict:
+        return dict(parse_kv_config(request, defaults=BUILTIN_DEFAULTS).knobs)
+
+    assert knobs({})["kernel_size"] == knobs({"kv_policy": "snapkv"})["kernel_size"] == 15
+    assert knobs({"kv_policy": "snapkv", "kv_kernel_size": 7})["kernel_size"] == 7
+    assert knobs({"kv_policy": "ahakv"})["kernel_size"] == POLICIES["ahakv"]().kernel_size

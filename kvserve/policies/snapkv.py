@@ -4,6 +4,12 @@ the last `window` queries vote for the keys they attend to.
 Per KV head, the window queries' attention probabilities are summed over the window and over the query heads of the
 GQA group, smoothed with a 1-D pool over the keys before the window, and the top (budget - window) keys are kept
 together with the window itself.
+
+The pool is the paper's way to keep "the complete information" around what the window attends to. Its kernel
+(7 by default, as the paper pools) is a knob because what must stay whole is longer in some prompts: a 7-digit
+value tokenized digit by digit sits 8 entries past the key a question attends to, and a kernel of 7 lets its last
+digits go (the answer then starts right and goes wrong). `kvserve serve` defaults to 15 (kvserve/config.py,
+BUILTIN_DEFAULTS).
 """
 
 from __future__ import annotations

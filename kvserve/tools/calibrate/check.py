@@ -33,6 +33,8 @@ class CheckPlan:
     lengths: tuple[int, ...] = (2000,)
     samples: int = 3
     policies: tuple[str, ...] = (
+        # the server's built-in default first (ties go to the earlier policy), then SnapKV as its paper pools
+        "snapkv:kernel_size=15",
         "snapkv",
         "duoattention",
         "tova",

@@ -88,6 +88,26 @@ async def stream_chunks(
                 yield json.loads(line[len("data: ") :])
 
 
+def label_of(kv: dict) -> str:
+    """kv_* settings (a server default, a profile's recommendation) as the results label of the same setting:
+    `{"kv_policy": "snapkv", "kv_span": 8, "kv_kernel_size": 15}` -> `snapkv:kernel_size=15/span8`. Its knobs are
+    the kv_* keys besides the general ones, in the order given."""
+    from kvserve.config import GENERAL_KEYS
+
+    knobs = tuple(
+        (key.removeprefix("kv_"), str(value))
+        for key, value in kv.items()
+        if key.startswith("kv_") and key not in GENERAL_KEYS
+    )
+    return Setting(
+        kv["kv_policy"],
+        kv.get("kv_budget"),
+        allocation=kv.get("kv_allocation", "uniform"),
+        span=int(kv.get("kv_span", 1)),
+        knobs=knobs,
+    ).label
+
+
 def parse_policy(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
     """`name` or `name:knob=value:knob=value` (a policy with some of its knobs set) -> (name, knobs); ValueError
     naming the unknown policy or knob, or the bad value."""

@@ -7,14 +7,24 @@ from pathlib import Path
 
 from kvserve.tools.bench.__main__ import plot as capacity_plot
 from kvserve.tools.bench.chat import plot as chat_plot
+from kvserve.tools.eval.client import label_of
 from kvserve.tools.eval.suite import Cell, Suite, length_group
 from kvserve.tools.report.costs import overhead_table
 from kvserve.tools.report.markdown import table
-from kvserve.tools.report.quality import FLOOR, best_labels, load_suite, per_task_table, share_cell, share_table
+from kvserve.tools.report.quality import (
+    DEFAULT_POLICY,
+    FLOOR,
+    best_labels,
+    load_suite,
+    per_task_table,
+    share_cell,
+    share_table,
+    variants_table,
+)
 from kvserve.tools.report.sources import DataDir
 from kvserve.tools.report.throughput import capacity_table, chat_table, chat_workload, workload
 
-QWEN = "qwen05/tasks.jsonl"
+QWEN = ("qwen05/tasks.jsonl", "qwen05/multikey.jsonl")
 CALIBRATION = "qwen05/calibrate.json"
 ROLES = "duo/measured-vs-trained.json"
 CAPACITY = "qwen05/capacity-decode-heavy.json"
@@ -65,7 +75,7 @@ def calibration_part(data: DataDir, suite: Suite, cells: list[Cell]) -> list[str
         if setting is None:
             rows.append([f"{float(target):.0%}", "none", "-", "-"])
             continue
-        label = f"{setting['kv_policy']}/span{setting['kv_span']}" if setting["kv_span"] > 1 else setting["kv_policy"]
+        label = label_of(setting)
         on_suite = (
             share_cell(suite, label, setting["kv_budget"], cells)
             if suite.ratio((label, setting["kv_budget"]), cells) is not None
@@ -165,11 +175,11 @@ def main_length(suite: Suite, judged: list[Cell]) -> int:
 def qwen_suite(data: DataDir):
     """The second model's suite, its judged cells at the main length (where every policy ran) and each policy's best
     setting there."""
-    source = data.load(QWEN)
-    suite = Suite.from_rows(source.data)
+    sources = [data.load(name) for name in QWEN]
+    suite = Suite.from_rows([row for source in sources for row in source.data])
     judged = suite.judged_cells(FLOOR)
     cells = at_length(judged, main_length(suite, judged))
-    return source, suite, cells, best_labels(suite, cells)
+    return sources, suite, cells, best_labels(suite, cells)
 
 
 def by_length_table(suite: Suite, overall: bool = False) -> str:
@@ -216,19 +226,19 @@ def own_ratio_lines(rows: list[dict], suite: Suite, cells: list[Cell]) -> list[s
 
 def summary_part(data: DataDir) -> list[str]:
     """The summary's table for the second model: each policy's share of full at its best setting."""
-    source, suite, cells, labels = qwen_suite(data)
+    sources, suite, cells, labels = qwen_suite(data)
     answers = suite.mean(("full", None), cells)[1]
     return [
         f"On the second model, Qwen2.5-Coder-0.5B-Instruct: the suite's {len({t for t, _ in cells})} judged tasks at "
         f"{max(k for _, k in cells)}k tokens ({answers} answers a setting; `duoattention` with the head roles "
         "`kvserve calibrate` measured for it; [details](#a-second-model-qwen25-coder-05b-instruct)):",
         share_table(suite, cells, labels),
-        source.caption(),
+        *(source.caption() for source in sources),
     ]
 
 
 def section(data: DataDir, plots: Path, plot_link: str) -> str:
-    source, suite, cells, labels = qwen_suite(data)
+    sources, suite, cells, labels = qwen_suite(data)
     _, default_suite, default_cells = load_suite(data)
     length = max(k for _, k in cells)
     full_mean, full_n = suite.mean(("full", None), cells)
@@ -243,15 +253,17 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             "serves with the head roles `kvserve calibrate` "
             "measured for this model (no training).",
             share_table(suite, cells, labels),
-            *own_ratio_lines(source.data, suite, cells),
+            f"`{DEFAULT_POLICY}` (the default model's server default) in every setting that ran these cells:",
+            variants_table(suite, cells, DEFAULT_POLICY),
+            *own_ratio_lines([row for source in sources for row in source.data], suite, cells),
             "By prompt length, the settings run at more than one (share of full [95% interval] (mean)):",
             by_length_table(suite),
             "Per task at B=256 (mean [95% Wilson interval] and answers):",
             per_task_table(suite, cells, labels, 256),
-            source.caption(),
+            *(source.caption() for source in sources),
             "### Side by side with the default model",
             f"Each policy's best setting on each model's {length}k-token judged cells (the default model's suite "
-            "at 4k: chat_followup, niah_single_1, passkey; 12 answers a cell):",
+            f"at {length}k: {', '.join(sorted({t for t, k in default_cells if k == length}))}; 12 answers a cell):",
             side_by_side((default_suite, at_length(default_cells, length)), (suite, cells), 256),
             "### What `kvserve calibrate` recommends for it",
             *calibration_part(data, suite, cells),

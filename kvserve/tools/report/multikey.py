@@ -5,9 +5,12 @@ query-aware ones, and what a compressed document saves its questions (`kvserve b
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from pathlib import Path
 
-from kvserve.tools.eval.suite import Suite
+from kvserve.tools.eval.suite import Suite, length_group
+from kvserve.tools.report.markdown import table
 from kvserve.tools.report.models import by_length_table
 from kvserve.tools.report.sources import DataDir, Source
 
@@ -22,13 +25,49 @@ DOCUMENTS = (
 )
 
 
+MISSES = ("right", "the value's first digits, then others", "another number", "no number")
+# how many of the asked value's leading digits an answer must repeat to count as that value cut short
+VALUE_PREFIX = 3
+
+
+def miss_kind(answer: str, reference: str) -> str:
+    """What an answer to one key's 7-digit value is: right, the value begun but altered or cut short (its entries
+    partly evicted: a question attends to the key and the value's start, not to its last digits), another number
+    (another key's value or an invented one), or none."""
+    if reference in answer:
+        return MISSES[0]
+    numbers = re.findall(r"\d+", answer)
+    if not numbers:
+        return MISSES[3]
+    return MISSES[1] if numbers[0][:VALUE_PREFIX] == reference[:VALUE_PREFIX] else MISSES[2]
+
+
+def misses_table(rows: list[dict], thousands: int) -> str:
+    """Every setting's answers at one prompt length by `miss_kind`, `full` first."""
+    kinds: dict[tuple[str, int | None], Counter] = {}
+    for row in rows:
+        if length_group(row["length"]) == thousands:
+            setting = (row["policy"], row["budget"])
+            kinds.setdefault(setting, Counter())[miss_kind(row["answer"], row["references"][0])] += 1
+    order = sorted(kinds, key=lambda s: (s[0] != "full", -kinds[s][MISSES[0]], s[0], s[1] or 0))
+    lines = [
+        [f"`{label}`" + (f" B={budget}" if budget else ""), *(str(kinds[(label, budget)][kind]) for kind in MISSES)]
+        for label, budget in order
+    ]
+    return table(["setting", *MISSES], lines)
+
+
 def model_part(title: str, source: Source) -> list[str]:
     suite = Suite.from_rows(source.data)
     answers = sorted({n for _, n in suite.full.values()})
+    longest = max(length_group(row["length"]) for row in source.data)
     return [
         f"### {title}",
         f"{' or '.join(map(str, answers))} cases a length; each setting's share of full [95% interval] (its mean):",
         by_length_table(suite, overall=True),
+        f"What the answers at {longest}k tokens are (counts): the asked value; its first {VALUE_PREFIX} digits "
+        "and then others or none (the value's later entries evicted); another number; no number:",
+        misses_table(source.data, longest),
         source.caption(),
     ]
 
@@ -41,12 +80,19 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
         "the suite left it out because `full` failed it in the formats tried. Asked as RULER's multi-key lookup "
         "(`multikey_one`: four keys' needles in the haystack, one key asked) with the prompt ending in the asked "
         'needle\'s own opening words ("One of the special magic numbers for walrus is:"), as the passkey prompt '
-        "ends in its own, `full` answers it on both models. The tables below are measured on that task alone; the "
-        "main tables above do not include it yet. Rows with `kv_checkpoint=512` compact every 512 tokens, "
+        "ends in its own, `full` answers it on both models, and it is one of the judged tasks of the tables above "
+        "(both models' suites and the summary). The tables below are that task alone, by prompt length, with the "
+        "query-agnostic settings beside the query-aware ones. Rows with `kv_checkpoint=512` compact every 512 tokens, "
         "before the question is seen. `kvzip` rows compress each case's document once, without its question "
         "(`POST /v1/kvserve/compress`: KVzip scores every entry by the attention it gets while the model repeats "
         "the document), and the question resumes from the compressed lists: what a document shared by many "
         "questions gets.",
+        "Under each table, what the answers at the longest prompts are. With the question in sight, most misses "
+        "start the asked value right and then go wrong: the question attends to the key and the value's first "
+        "digits, and a value tokenized digit by digit ends 8 entries past the key, beyond SnapKV's pool of 7 "
+        "(`snapkv/span8`). Pooling the votes over 15 entries (`snapkv:kernel_size=15`, now the server's default) "
+        "keeps the rest of the value. Compaction without the question (`kv_checkpoint`, `kvzip`) misses "
+        "differently: another number, the needles themselves lost.",
     ]
     for title, name in MODELS:
         parts += model_part(title, data.load(name))

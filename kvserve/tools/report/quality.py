@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from kvserve.config import BUILTIN_DEFAULTS
 from kvserve.policies import POLICIES, POLICY_NAMES
 from kvserve.tools.eval.perplexity import perplexities
 from kvserve.tools.eval.quality import mean_scores
@@ -17,7 +18,9 @@ from kvserve.tools.report.markdown import table
 from kvserve.tools.report.plots import pyplot, save
 from kvserve.tools.report.sources import DataDir, Source
 
-SUITE = ("suite/ruler.jsonl", "suite/tasks.jsonl", "suite/broad.jsonl")
+# the last is the hard half (RULER's multi-key lookup); its by-length tables with the query-agnostic rows are in
+# "The hard half" (kvserve/tools/report/multikey.py)
+SUITE = ("suite/ruler.jsonl", "suite/tasks.jsonl", "suite/broad.jsonl", "suite/multikey.jsonl")
 # the tasks of the first suite, which every policy ran (the broader one adds multi-needle and chat tasks)
 SINGLE_NEEDLE = ("niah_single_1", "passkey")
 PERPLEXITY = "suite/ppl.jsonl"
@@ -27,6 +30,7 @@ ALLOCATION = ("allocation/ppl.jsonl", "allocation/tasks.jsonl", "allocation/capa
 # the same suite on an fp8 cache (`--kv-cache-dtype fp8`), with `full` on the unquantised cache run beside it
 FP8 = ("fp8/ruler.jsonl", "fp8/tasks.jsonl")
 FP8_UNQUANTISED = ("fp8/bf16-ruler.jsonl", "fp8/bf16-tasks.jsonl")
+DEFAULT_POLICY = BUILTIN_DEFAULTS["kv_policy"]
 FLOOR = 0.5  # a task is judged where the full cache scores at least this
 CHECKPOINT = "/checkpoint"  # in a label: a kv_checkpoint setting (`kvserve.tools.eval.client.Setting.label`)
 
@@ -91,6 +95,17 @@ def share_table(suite: Suite, cells: list[Cell], labels: dict[str, str]) -> str:
         lines.append(f"| `{policy}` | {setting} | " + " | ".join(row) + " |")
     text = "\n".join(lines) + f"\n\n`full` answers {full_mean:.3f} of the judged cells (n = {full_n} answers)."
     return text + too_small_budgets(labels, budgets, suite, cells)
+
+
+def variants_table(suite: Suite, cells: list[Cell], policy: str) -> str:
+    """Every setting of `policy` that answered the judged cells at some budget (its knobs, spans, allocations), the
+    best first: how the shown best setting compares with the policy's others."""
+    labels = [label for label in suite.labels() if base_policy(label) == policy and CHECKPOINT not in label]
+    budgets = budgets_run(suite, cells, labels)
+    shown = [label for label in labels if any(suite.ratio((label, b), cells) is not None for b in budgets)]
+    shown.sort(key=lambda lb: -sum(suite.ratio((lb, b), cells) or 0 for b in budgets))
+    rows = [[f"`{label}`", *(share_cell(suite, label, b, cells) for b in budgets)] for label in shown]
+    return table(["setting", *(f"B={b}" for b in budgets)], rows)
 
 
 def checkpoint_table(suite: Suite, cells: list[Cell]) -> str:
@@ -398,6 +413,9 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             f"`kvserve eval suite {' '.join(s.name for s in sources)} --by-task`.",
             share_table(suite, cells, labels),
             longest_table(suite, cells, labels),
+            f"The server's default policy, `{DEFAULT_POLICY}`, in every setting that ran the judged tasks (the "
+            "server default is the best of them; `kernel_size` is the pool over the votes, 7 as the paper pools):",
+            variants_table(suite, cells, DEFAULT_POLICY),
             "Per task and length at B=256 and B=512 (mean [95% Wilson interval] and answers):",
             per_task_table(suite, cells, labels, 256),
             per_task_table(suite, cells, labels, 512),
