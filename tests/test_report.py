@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from kvserve import __version__
+from kvserve.config import BUILTIN_DEFAULTS
 from kvserve.provenance import describe_machine, provenance
 from kvserve.tools.eval.__main__ import record_run, runs_file
+from kvserve.tools.eval.client import label_of
 from kvserve.tools.report.page import build
-from kvserve.tools.report.summary import default_label
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "benchmarks.md"
@@ -133,7 +134,7 @@ def test_the_summary_agrees_with_the_sections_it_summarises():
     rows = [line for line in summary.splitlines() if line.startswith("| `")]
     assert rows[0].startswith("| `snapkv` **(default)**")
     # the default is the suite's best setting of its policy: the row shows the setting a request gets
-    assert f"`snapkv` **(default)** | {default_label().removeprefix('snapkv').lstrip('/:')} |" in rows[0]
+    assert f"`snapkv` **(default)** | {label_of(BUILTIN_DEFAULTS).removeprefix('snapkv').lstrip('/:')} |" in rows[0]
     assert {row.split("|")[3].strip() for row in rows} == {"all tasks", "single needle"}
     for row in rows:
         cells = [cell.strip() for cell in row.strip("|").split("|")]

@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from kvserve.tools.eval.suite import Suite, length_group
+from kvserve.tools.eval.tasks import score
 from kvserve.tools.report.markdown import table
 from kvserve.tools.report.models import by_length_table
 from kvserve.tools.report.sources import DataDir, Source
@@ -34,7 +35,7 @@ def miss_kind(answer: str, reference: str) -> str:
     """What an answer to one key's 7-digit value is: right, the value begun but altered or cut short (its entries
     partly evicted: a question attends to the key and the value's start, not to its last digits), another number
     (another key's value or an invented one), or none."""
-    if reference in answer:
+    if score(answer, (reference,)) == 1.0:
         return MISSES[0]
     numbers = re.findall(r"\d+", answer)
     if not numbers:

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvserve.config import BUILTIN_DEFAULTS, parse_kv_config
-from kvserve.tools.eval.client import label_of
 from kvserve.tools.report import models
 from kvserve.tools.report.markdown import ratio, table
 from kvserve.tools.report.quality import base_policy, best_labels, load_suite, single_needle_cells
@@ -29,11 +28,6 @@ def prefix_support(policy: str) -> str:
     if sharing.reads and sharing.publishes:
         return "reads and publishes"
     return "publishes" if sharing.publishes else "neither"
-
-
-def default_label() -> str:
-    """The results label of `kvserve serve`'s built-in default (`snapkv:kernel_size=15/span8`)."""
-    return label_of(BUILTIN_DEFAULTS)
 
 
 def policy_table(data: DataDir) -> tuple[str, list]:
