@@ -168,3 +168,90 @@ def test_bad_document_requests_are_400s_naming_the_field(server, path, body, hea
     refused = _post(server, path, body, headers)
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["param"] == field
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from kvserve.model import ensure_default_model
+
+    return AutoTokenizer.from_pretrained(str(ensure_default_model()))
+
+
+def test_kvzip_with_a_checkpoint_compresses_the_prefix_once_and_answers_as_an_explicit_compression(server):
+    """`kv_checkpoint=C` with kvzip: the server compresses the prompt's last multiple of C before its end by the
+    model's reconstruction, once, and the request resumes from it. The answer must be the one a client gets by
+    compressing that prefix with POST /v1/kvserve/compress and asking with its kv_document (another salt, so nothing is
+    shared), and a second request with the same prefix reuses the compression."""
+    tokenizer = _tokenizer()
+    text = tokenizer.decode(haystack(tokenizer, 300, seed=36)) + "\n"
+    prompt = tokenizer(text + "What is this text about? It is about")["input_ids"]
+    prefix_tokens = (len(prompt) - 1) // 128 * 128
+    kv = {"kv_policy": "kvzip", "kv_budget": BUDGET, "kv_span": 1}
+    salt = uuid.uuid4().hex
+    body = {"prompt": text + "What is this text about? It is about", "max_tokens": 6, "temperature": 0}
+    first = _post(server, "/v1/completions", {**body, **kv, "kv_checkpoint": 128, "cache_salt": salt})
+    assert first.status_code == 200, first.text
+    assert first.headers["x-kv-document"] == "compressed"
+    assert int(first.headers["x-kv-document-tokens"]) == prefix_tokens
+    assert first.json()["usage"]["kv_tokens_evicted"] == prefix_tokens - BUDGET
+
+    other = uuid.uuid4().hex
+    made = _post(server, "/v1/kvserve/compress", {"prompt": prompt[:prefix_tokens], "cache_salt": other, **kv})
+    assert made.status_code == 200, made.text
+    explicit = _post(server, "/v1/completions", {**body, **made.json()["kv"], "cache_salt": other})
+    assert explicit.status_code == 200, explicit.text
+    assert first.json()["choices"][0]["text"] == explicit.json()["choices"][0]["text"]
+
+    again = {**body, "prompt": text + "Which word comes first? The word", **kv, "kv_checkpoint": 128}
+    second = _post(server, "/v1/completions", {**again, "cache_salt": salt})
+    assert second.status_code == 200, second.text
+    assert second.headers["x-kv-document"] == "reused"
+    assert second.json()["usage"]["kv_tokens_evicted"] == prefix_tokens - BUDGET  # it resumed from the first's
+
+
+def test_kvzip_with_turn_checkpoints_compresses_the_conversation_before_its_last_message(server):
+    tokenizer = _tokenizer()
+    system = {"role": "system", "content": tokenizer.decode(haystack(tokenizer, 200, seed=37))}
+    turns = [
+        system,
+        {"role": "user", "content": "What is this text about?"},
+        {"role": "assistant", "content": "It is about Python's documentation."},
+        {"role": "user", "content": "Name one word from it."},
+    ]
+    earlier = tokenizer.apply_chat_template(turns[:-1], tokenize=True)
+    earlier = earlier["input_ids"] if hasattr(earlier, "keys") else earlier
+    kv = {"kv_policy": "kvzip", "kv_budget": BUDGET, "kv_checkpoint": "turns", "cache_salt": uuid.uuid4().hex}
+    asked = _post(server, "/v1/chat/completions", {"messages": turns, "max_tokens": 4, **kv})
+    assert asked.status_code == 200, asked.text
+    assert asked.headers["x-kv-document"] == "compressed"
+    assert int(asked.headers["x-kv-document-tokens"]) == len(earlier)
+    assert asked.json()["usage"]["kv_tokens_evicted"] == len(earlier) - BUDGET
+
+    # a first turn whose conversation so far is shorter than the budget has nothing to compress: served in full
+    short = [{"role": "user", "content": "Say hello."}]
+    plain = _post(server, "/v1/chat/completions", {"messages": short, "max_tokens": 2, **kv})
+    assert plain.status_code == 200, plain.text
+    assert plain.headers["x-kv-document"] == "none" and plain.headers["x-kv-policy-applied"] == "full"
+    assert plain.json()["usage"].get("kv_tokens_evicted", 0) == 0
+
+
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        ("/v1/completions", {"prompt": "text " * 300, "kv_checkpoint": "turns"}, "kv_checkpoint"),
+        ("/v1/completions", {"prompt": ["text " * 300, "more"], "kv_checkpoint": 128}, "prompt"),
+        ("/v1/completions", {"prompt": "text " * 300, "kv_checkpoint": "many"}, "kv_checkpoint"),
+        ("/v1/completions", {"prompt": "text " * 1500, "kv_checkpoint": 128}, "prompt"),  # 2x over max_model_len
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "kv_checkpoint": 128, "tools": []},
+            "tools",
+        ),
+    ],
+)
+def test_bad_kvzip_checkpoint_requests_are_400s_naming_the_field(server, path, body, field):
+    body = {"kv_policy": "kvzip", "kv_budget": 64, "max_tokens": 1, **body}
+    refused = _post(server, path, body)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == field

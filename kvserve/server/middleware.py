@@ -23,6 +23,7 @@ from kvserve.config import INTERNAL_KEYS, KEY_PREFIX
 from kvserve.errors import InvalidSetting
 from kvserve.messages import EVICTED_KEY
 from kvserve.model_support import EvictionSupport, ServedEngine, eviction_support, served_settings
+from kvserve.server.checkpoint_documents import CompressedPrefixes, PrefixCompression, plan_prefix_compression
 from kvserve.server.documents import COMPRESS_PATH, Collected, compress_request, compress_response
 from kvserve.server.evicted import EvictedTally, open_tally
 
@@ -125,6 +126,7 @@ class KVHeadersMiddleware:
     def __init__(self, app, served: Callable[[dict], ServedEngine | None] = lambda scope: None) -> None:
         self.app = app
         self.served = served
+        self.prefixes = CompressedPrefixes()  # kvzip with kv_checkpoint (`kvserve/server/checkpoint_documents.py`)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == COMPRESS_PATH:
@@ -139,6 +141,7 @@ class KVHeadersMiddleware:
             await self.app(scope, receive, send)
             return
         raw = await _read_body(receive)
+        plan: PrefixCompression | None = None
         try:
             header_xargs = headers_to_xargs(scope["headers"])
             try:
@@ -152,6 +155,9 @@ class KVHeadersMiddleware:
                     if key in (body.get("vllm_xargs") or {}):
                         raise InvalidSetting(key, f"is set by {COMPRESS_PATH}, not by a request")
                 engine = self.served(scope)
+                if engine is not None:
+                    plan = plan_prefix_compression(body, scope["path"], engine)
+                    body = body if plan is None else plan.request_body
                 # here, a streamed request still gets a 400 rather than an error event (without an engine known, the
                 # checks that need the model wait for vLLM's validation)
                 config = served_settings(body.get("vllm_xargs"), engine, remember=True)
@@ -170,8 +176,36 @@ class KVHeadersMiddleware:
             + [(b"content-length", str(len(raw)).encode())],
         )
         scope[HANDLED] = True
+        extra_headers: list[tuple[bytes, bytes]] = []
+        if plan is not None:
+            done = "none"
+            if plan.compress_body is not None:
+                compress = plan.compress_body
+                done, failed = await self.prefixes.ensure(plan.key, lambda: self._compressed(scope, receive, compress))
+                if failed is not None:
+                    await _send_json(send, failed.status or 500, failed.body)
+                    return
+            extra_headers = [
+                (b"x-kv-document", done.encode()),
+                (b"x-kv-document-tokens", str(plan.document_tokens).encode()),
+            ]
         tally = open_tally()
-        await self.app(scope, _replay(raw, receive), _with_applied_headers(send, config, layers, tally))
+        await self.app(scope, _replay(raw, receive), _with_applied_headers(send, config, layers, tally, extra_headers))
+        if plan is not None and plan.compress_body is not None and not tally.tokens:
+            self.prefixes.forget(plan.key)  # it was gone from the prefix cache: the next request compresses it again
+
+    async def _compressed(self, scope, receive, body: dict) -> Collected:
+        """A prefix's compression (`kvserve/server/checkpoint_documents.py`) as `POST /v1/kvserve/compress` runs it;
+        its response is kept, not sent."""
+        engine = self.served(scope)
+        try:
+            completion, _, _ = compress_request(body, engine)
+            config = served_settings(completion["vllm_xargs"], engine)
+        except InvalidSetting as exc:
+            collected = Collected()
+            collected.status, collected.body = 400, error_body(exc.field, str(exc))
+            return collected
+        return await self._engine_completion(scope, receive, completion, config, engine)
 
     async def _compress(self, scope, receive, send) -> None:
         """`POST /v1/kvserve/compress` (`kvserve/server/documents.py`): one engine completion through vLLM's own
@@ -193,6 +227,15 @@ class KVHeadersMiddleware:
         except InvalidSetting as exc:
             await _send_json(send, 400, error_body(exc.field, str(exc)))
             return
+        collected = await self._engine_completion(scope, receive, completion, config, engine)
+        if collected.status != 200:
+            await _send_json(send, collected.status or 500, collected.body)
+            return
+        seconds = time.perf_counter() - started
+        await _send_json(send, 200, compress_response(collected.body, question_settings, tokens, seconds))
+
+    async def _engine_completion(self, scope, receive, completion: dict, config, engine: ServedEngine) -> Collected:
+        """One completion through vLLM's own handler, its response collected."""
         raw = json.dumps(completion).encode()
         inner = dict(
             scope,
@@ -209,11 +252,7 @@ class KVHeadersMiddleware:
         collected = Collected()
         layers = evicting_layers(eviction_support(engine.model_config))
         await self.app(inner, _replay(raw, receive), _with_applied_headers(collected, config, layers, open_tally()))
-        if collected.status != 200:
-            await _send_json(send, collected.status or 500, collected.body)
-            return
-        seconds = time.perf_counter() - started
-        await _send_json(send, 200, compress_response(collected.body, question_settings, tokens, seconds))
+        return collected
 
 
 def evicting_layers(support: EvictionSupport) -> str:
@@ -244,7 +283,7 @@ def _replay(body: bytes, receive):
     return replay
 
 
-def _with_applied_headers(send, config, layers: str, tally: EvictedTally):
+def _with_applied_headers(send, config, layers: str, tally: EvictedTally, extra: list | None = None):
     """Say what was applied (headers) and what was evicted (usage block); on a 500 for a request whose policy failed,
     say which policy. A JSON body is buffered to rewrite it (it is small); a stream is rewritten event by event, and
     its start is held until its first event: vLLM validates some fields (logprobs, logit_bias, structured output)
@@ -269,6 +308,7 @@ def _with_applied_headers(send, config, layers: str, tally: EvictedTally):
                     headers.append((b"x-kv-allocation-applied", config.allocation.encode()))
                     headers.append((b"x-kv-span-applied", str(config.span).encode()))
                     headers.append((b"x-kv-layers-applied", layers.encode()))
+            headers += extra or []
             message = dict(message, headers=headers)
             content_type = dict((k.lower(), v) for k, v in headers).get(b"content-type", b"")
             if content_type.startswith(b"application/json") and message["status"] in (200, 500):
