@@ -57,6 +57,36 @@ def keep_kept_positions(worker) -> int:
     return book.layout.first_head
 
 
+FAIL_AT = PROMPT_TOKENS + 6  # a decode step that plans no compaction (the next is at budget + block size entries)
+
+
+def fail_on_last_rank(worker) -> bool:
+    """In a worker: make the policy raise for the step that ends at FAIL_AT tokens, on the rank holding the model's
+    last KV heads only (rank 1 of 2; the only rank of 1). True where it was armed."""
+    from kvserve.vllm.worker import requests_of
+    from kvserve.worker import eviction
+
+    layout = requests_of(worker.model_runner).layout
+    if layout.first_head + layout.num_heads != worker.model_runner.model_config.get_total_num_kv_heads():
+        return False
+    evict = eviction._evict
+
+    def failing(plan, *args, **kwargs):
+        if plan.logical_len == FAIL_AT and plan.compaction is None:
+            raise RuntimeError("injected failure on the last rank")
+        return evict(plan, *args, **kwargs)
+
+    eviction._evict = failing
+    worker.model_runner.kvserve_unpatched_evict = evict
+    return True
+
+
+def disarm(worker) -> None:
+    from kvserve.worker import eviction
+
+    eviction._evict = getattr(worker.model_runner, "kvserve_unpatched_evict", eviction._evict)
+
+
 def kept_positions(worker) -> dict:
     runner = worker.model_runner
     return {"first_head": runner.kvserve.layout.first_head, "requests": runner.kvserve_kept}
@@ -128,6 +158,21 @@ def main(tensor: int, stages: int, out_path: str) -> None:
         ]
     generate([[1, 2, 3]], None, max_tokens=1)  # one more step lets the workers drop the finished requests
     result["free_blocks"] = pool.get_num_free_blocks()
+
+    # a policy that fails on one rank in a step with no compaction (no exchange under tensor parallelism): the
+    # request still ends with the failure, a step or two later at most than on one rank
+    if stages == 1:
+        assert sum(llm.collective_rpc(fail_on_last_rank)) == 1
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args=SETTINGS["tova"])
+        (failed,) = llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params, use_tqdm=False)
+        llm.collective_rpc(disarm)
+        result["failed"] = {
+            "finish_reason": failed.outputs[0].finish_reason,
+            "tokens": len(failed.outputs[0].token_ids),
+            "failure": (failed.kv_transfer_params or {}).get("kv_policy_failure"),
+        }
+        generate([[1, 2, 3]], None, max_tokens=1)
+        result["free_blocks_after_failure"] = pool.get_num_free_blocks()
 
     # an aborted request: some steps of an evicting request, then abort; its blocks come back on every rank
     engine = llm.llm_engine

@@ -112,6 +112,16 @@ def test_the_pool_is_full_again_after_requests_and_an_abort_on_every_rank(tensor
         assert result["free_blocks_after_abort"] == result["total_blocks"]
 
 
+def test_a_failure_on_another_rank_in_a_step_without_exchange_still_ends_the_request(tensor_results):
+    """Steps without a planned compaction exchange nothing between the ranks; a policy that raises on rank 1 in such
+    a step still fails the request, with its reason, within two steps of where one rank's failure ends it."""
+    one, two = tensor_results["1"]["failed"], tensor_results["2"]["failed"]
+    assert one["finish_reason"] == two["finish_reason"] == "error"
+    assert two["failure"] == one["failure"] == "RuntimeError: injected failure on the last rank"
+    assert one["tokens"] <= two["tokens"] <= one["tokens"] + 2
+    assert tensor_results["2"]["free_blocks_after_failure"] == tensor_results["2"]["total_blocks"]
+
+
 def test_what_needs_every_head_at_once_is_refused_under_tensor_parallelism():
     from vllm.config import ModelConfig
 

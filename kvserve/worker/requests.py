@@ -165,7 +165,9 @@ class WorkerRequests:
             record_times(step)
             self.failures.update(step.failures())
         compacted = [plan for plan in step.rows if plan.compaction is not None and plan.failure is None]
-        releases = self._releases(compacted)
+        # the engine core's plan, the same on every rank (a failure is one rank's own): whether the ranks exchange
+        planned = any(plan.compaction is not None for plan in step.rows)
+        releases = self._releases(compacted, planned)
         if self.link is not None:
             self._end_stage(compacted, releases)
             return
@@ -179,12 +181,16 @@ class WorkerRequests:
                 publishing.append(plan)
         self._publish(publishing)
 
-    def _releases(self, compacted: list[RowPlan]) -> dict[str, list[StageRelease]]:
+    def _releases(self, compacted: list[RowPlan], planned: bool) -> dict[str, list[StageRelease]]:
         """Each compacted request's counts on every rank of this stage (this worker's alone without tensor
-        parallelism); under tensor parallelism every rank's failures join this worker's."""
+        parallelism); under tensor parallelism every rank's failures join this worker's where a compaction was
+        planned, and reach rank 0 by a notice where none was (`TensorRanks.quiet_step`)."""
         mine = {plan.req_id: _release(plan.state.pages) for plan in compacted}
         if self.ranks is None:
             return {req_id: [release] for req_id, release in mine.items()}
+        if not planned:
+            self.failures.update(self.ranks.quiet_step(self.failures))
+            return {}
         releases, failures = self.ranks.exchange(RankMessage(mine, dict(self.failures)))
         self.failures.update(failures)
         return releases

@@ -1,5 +1,5 @@
-"""`python -m kvserve.tools.bench {capacity,overhead}` (also `kvserve bench ...`; `chat`, `documents`, `load`, `soak`,
-`crash`, `layouts` and `kernel` have modules and options of their own): kvserve against vanilla vLLM, one run.
+"""`python -m kvserve.tools.bench {capacity,overhead}` (also `kvserve bench ...`; `chat`, `documents`, `long`, `load`,
+`soak`, `crash`, `layouts` and `kernel` have modules and options of their own): kvserve against vanilla vLLM, one run.
 
 The benchmark starts each server itself with the same engine flags (vanilla with vLLM's plugins off), sends the same
 workload (N prompts of haystack text at once, streamed, `ignore_eos` so every request makes exactly --max-tokens),
@@ -18,6 +18,10 @@ and prints each setting's numbers and its ratio to vanilla's.
 
     # overhead: kvserve with policy full, and with scoring on but a budget above every sequence, vs vanilla
     python -m kvserve.tools.bench overhead --prompts 8 --prompt-tokens 3000
+
+    # tensor parallelism: vanilla and kvserve on one worker and on two ranks, in one run (the tiny Llama's 2 KV
+    # heads split over 2 ranks); the report adds each server's 2-rank / 1-rank ratio
+    python -m kvserve.tools.bench capacity --model tiny:llama --decode-heavy --tensor-sizes 1,2
 
 Both servers get the same `--dtype` (bf16 where the CPU has native bf16, else float32, unless --server-args names
 one) and the same allocator (tcmalloc where installed). Each kvserve row also shows where the engine's time went
@@ -40,6 +44,7 @@ from kvserve.tools.bench.workload import prompts, run_workload
 from kvserve.tools.eval.client import Setting
 
 SERVED_NAME = "bench"
+TENSOR_FLAG = "--tensor-parallel-size"
 COLUMNS = ("peak_running", "requests_per_s", "output_tokens_per_s", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
 
 
@@ -49,21 +54,24 @@ def run(
     """Each server (label, kind, engine flags, settings) in turn, vanilla first, every setting of it on the same
     workload; one result each, its `server` the label."""
     results = []
-    for label, kind, engine_args, settings in servers:
-        with running_server(kind, workload["model"], engine_args, log_dir / f"{label}.log", env) as url:
+    for number, (label, kind, engine_args, settings) in enumerate(servers):
+        ranks = int(engine_args[engine_args.index(TENSOR_FLAG) + 1]) if TENSOR_FLAG in engine_args else 1
+        log = log_dir / f"{number}-{label}.log"
+        with running_server(kind, workload["model"], engine_args, log, env) as url:
             # warm-up on a prompt outside the workload: a workload prompt would sit in vanilla's prefix cache
             run_workload(url, SERVED_NAME, [workload["warmup"]], 2, Setting("full", None))
             for setting in settings:
                 result = run_workload(url, SERVED_NAME, workload["prompts"], workload["max_tokens"], setting)
                 result.update(
                     server=label,
+                    ranks=ranks,
                     policy=setting.label,
                     budget=setting.budget,
                     evict_every_chunk=setting.evict_every_chunk,
                 )
                 results.append(result)
                 print(
-                    f"{label} {setting.label} {setting.budget or '-'}: "
+                    f"{label} {setting.label} {setting.budget or '-'}{f' ranks={ranks}' if ranks > 1 else ''}: "
                     + ", ".join(f"{c}={result[c]:.3g}" for c in COLUMNS),
                     flush=True,
                 )
@@ -227,6 +235,10 @@ def main(argv: list[str] | None = None) -> None:
         from kvserve.tools.bench.documents import main as documents_main
 
         return documents_main(argv[1:])
+    if argv[:1] == ["long"]:  # kvserve/tools/bench/long_prompts.py
+        from kvserve.tools.bench.long_prompts import main as long_main
+
+        return long_main(argv[1:])
     if argv[:1] == ["layouts"]:  # kvserve/tools/bench/layouts.py: one process, no server
         from kvserve.tools.bench.layouts import main as layouts_main
 
@@ -291,6 +303,12 @@ def main(argv: list[str] | None = None) -> None:
         "computes when memory is no limit: the bound on any eviction's gain)",
     )
     parser.add_argument("--plot", default=None, help="capacity: PNG of throughput and peak concurrency vs budget")
+    parser.add_argument(
+        "--tensor-sizes",
+        default=None,
+        help="capacity: run every server at each of these --tensor-parallel-size values (comma list, e.g. 1,2), one "
+        "after another in this run, and report each server's scaling against its first size",
+    )
     args = parser.parse_args(argv)
     if args.model.startswith("tiny:"):
         from kvserve.tools.bench.tiny_models import tiny_model
@@ -335,21 +353,26 @@ def main(argv: list[str] | None = None) -> None:
             "KVSERVE_ATTENTION": args.attention,
             "KVSERVE_CPU_KERNEL": "1" if args.cpu_kernel == "on" else "0",
         }
-        servers = [("vanilla", "vanilla", engine_args, [Setting("full", None)])]
-        if args.command == "capacity" and args.ceiling:
-            unlimited = args.prompts * -(-(args.prompt_tokens + args.max_tokens) // args.block_size)
-            ceiling_args = [
-                *engine_args[: engine_args.index("--num-gpu-blocks-override")],
-                "--num-gpu-blocks-override",
-                str(unlimited),
-                *engine_args[engine_args.index("--num-gpu-blocks-override") + 2 :],
-            ]
-            servers.append((CEILING, "vanilla", ceiling_args, [Setting("full", None)]))
-        servers.append(("kvserve", "kvserve", engine_args, kvserve_settings))
+        servers = []
+        for layout in tensor_layouts(args, engine_args):
+            servers.append(("vanilla", "vanilla", layout, [Setting("full", None)]))
+            if args.command == "capacity" and args.ceiling:
+                unlimited = args.prompts * -(-(args.prompt_tokens + args.max_tokens) // args.block_size)
+                ceiling_args = [
+                    *layout[: layout.index("--num-gpu-blocks-override")],
+                    "--num-gpu-blocks-override",
+                    str(unlimited),
+                    *layout[layout.index("--num-gpu-blocks-override") + 2 :],
+                ]
+                servers.append((CEILING, "vanilla", ceiling_args, [Setting("full", None)]))
+            servers.append(("kvserve", "kvserve", layout, kvserve_settings))
         results = run(servers, env, workload, Path(log_dir))
     add_capacity_limits(results, args)
     print()
     print(report(results, args.prompt_tokens))
+    if args.tensor_sizes:
+        print()
+        print(scaling_report(results))
     if args.plot:
         plot(results, args.prompt_tokens, args.plot)
     if args.out:
@@ -362,6 +385,31 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).write_text(
             json.dumps({"command": args.command, "args": recorded, "provenance": ran, "results": results}, indent=1)
         )
+
+
+def tensor_layouts(args: argparse.Namespace, engine_args: list[str]) -> list[list[str]]:
+    """The engine flags of each tensor-parallel size asked for (`--tensor-sizes`), or the flags as they are."""
+    if not args.tensor_sizes:
+        return [engine_args]
+    if TENSOR_FLAG in engine_args:
+        raise SystemExit(f"bench: give {TENSOR_FLAG} by --tensor-sizes, not in --server-args")
+    return [[*engine_args, TENSOR_FLAG, size.strip()] for size in args.tensor_sizes.split(",")]
+
+
+def scaling_report(results: list[dict]) -> str:
+    """Each server's and setting's output tokens/s at every size over its own at the first size (`--tensor-sizes`):
+    kvserve scales like vanilla when its ratio is at least vanilla's."""
+    first = min(r["ranks"] for r in results)
+    header = f"| server | policy | budget | ranks | output tok/s | vs its own run at ranks {first} |"
+    lines = [header, "|---" * 6 + "|"]
+    for r in results:
+        same = (r["server"], r["policy"], r["budget"])
+        own = next(o for o in results if o["ranks"] == first and (o["server"], o["policy"], o["budget"]) == same)
+        lines.append(
+            f"| {r['server']} | {r['policy']} | {r['budget'] or '-'} | {r['ranks']} | {r['output_tokens_per_s']:.1f} "
+            f"| {r['output_tokens_per_s'] / own['output_tokens_per_s']:.2f}x |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

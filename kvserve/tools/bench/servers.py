@@ -57,8 +57,11 @@ def running_server_process(
     server_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     server_env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # kvserve makes a fresh one; vanilla needs none
     if kind == "vanilla":
+        from kvserve.cli import parallel_env
+
         server_env["VLLM_PLUGINS"] = "none"
         server_env.update(allocator_env(server_env)[0])  # the allocator `kvserve serve` would choose
+        server_env.update(parallel_env(args, server_env))  # and the CPUs it would give each parallel worker
     base = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(

@@ -18,8 +18,8 @@ CHAT = "chat/chat.json"
 HYBRID = "models/capacity-gemma3-tiny-3000.json"
 # the decode-heavy workload at equal KV bytes on a bf16 and an fp8 cache: two runs, each against its own vanilla
 FP8_CAPACITY = ("fp8/decode-heavy-bf16.json", "fp8/decode-heavy-fp8.json")
-# the same workload on the tiny Llama on one worker and on two tensor-parallel ranks, each against its own vanilla
-TENSOR_CAPACITY = ("tp/decode-heavy-tp1.json", "tp/decode-heavy-tp2.json")
+# the same workload on the tiny Llama on one worker and on two tensor-parallel ranks, vanilla and kvserve, one run
+TENSOR_CAPACITY = "tp/decode-heavy-tp.json"
 
 
 def setting_name(row: dict) -> str:
@@ -66,14 +66,14 @@ def paired_capacity_table(column: str, runs: list[tuple[str, Source]]) -> str:
     baseline = next(r for r in runs[0][1].data["results"] if r["server"] == "vanilla")
     rows = []
     for value, source in runs:
-        results = [r for r in source.data["results"] if r["server"] in ("vanilla", "kvserve")]
+        results = [r for r in source.data["results"] if r["server"] in ("vanilla", CEILING, "kvserve")]
         vanilla = next(r for r in results if r["server"] == "vanilla")
         for row in results:
             rows.append(
                 [
                     setting_name(row),
                     value,
-                    str(source.data["args"]["num_blocks"]),
+                    "every request's" if row["server"] == CEILING else str(source.data["args"]["num_blocks"]),
                     f"{row['peak_running']:.0f}",
                     f"{row['output_tokens_per_s']:.1f}",
                     ratio(row["output_tokens_per_s"], baseline["output_tokens_per_s"]),
@@ -85,6 +85,54 @@ def paired_capacity_table(column: str, runs: list[tuple[str, Source]]) -> str:
     first = runs[0][0]
     headers = ["setting", column, "pool, blocks", "peak running", "output tok/s", f"vs vanilla, {column} {first}"]
     return table([*headers, "vs vanilla, same run", "TPOT p50 s", "preemptions"], rows)
+
+
+def ceiling_line(source: Source) -> str:
+    """What kvserve served against the compute ceiling measured in the same run (where the run has one)."""
+    results = source.data["results"]
+    ceiling = next((r for r in results if r["server"] == CEILING), None)
+    if ceiling is None:
+        return ""
+    parts = [
+        f"{setting_name(r)} {r['output_tokens_per_s'] / ceiling['output_tokens_per_s']:.2f}x"
+        for r in results
+        if r["server"] == "kvserve"
+    ]
+    return (
+        f"Against the compute ceiling of the same run (vanilla on the same cache with a pool for every request, "
+        f"{ceiling['output_tokens_per_s']:.1f} output tokens/s): " + ", ".join(parts) + ". With every request "
+        "running at once, what is left is compute, not memory; kvserve's decode steps also read at most B + one "
+        "block of entries a list, which is why it can pass the ceiling."
+    )
+
+
+def tensor_table(source: Source) -> str:
+    """Each server at each tensor-parallel size (`kvserve bench capacity --tensor-sizes`): against vanilla on one
+    worker, against vanilla at its own size, and against itself on one worker (how it scales)."""
+    results = source.data["results"]
+    first = min(r["ranks"] for r in results)
+    baseline = next(r for r in results if r["server"] == "vanilla" and r["ranks"] == first)
+    rows = []
+    for row in results:
+        vanilla = next(r for r in results if r["server"] == "vanilla" and r["ranks"] == row["ranks"])
+        same = (row["server"], row["policy"], row["budget"])
+        own = next(r for r in results if r["ranks"] == first and (r["server"], r["policy"], r["budget"]) == same)
+        rows.append(
+            [
+                setting_name(row),
+                str(row["ranks"]),
+                f"{row['peak_running']:.0f}",
+                f"{row['output_tokens_per_s']:.1f}",
+                ratio(row["output_tokens_per_s"], baseline["output_tokens_per_s"]),
+                ratio(row["output_tokens_per_s"], vanilla["output_tokens_per_s"]),
+                ratio(row["output_tokens_per_s"], own["output_tokens_per_s"]),
+                f"{row['tpot_p50']:.3f}",
+                f"{row['preemptions']:.0f}",
+            ]
+        )
+    headers = ["setting", "ranks", "peak running", "output tok/s", f"vs vanilla, ranks {first}"]
+    headers += ["vs vanilla, same ranks", f"vs itself, ranks {first}", "TPOT p50 s", "preemptions"]
+    return table(headers, rows)
 
 
 def workload(source: Source) -> str:
@@ -148,7 +196,7 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
     chat = data.load(CHAT)
     hybrid = data.load(HYBRID)
     fp8_plain, fp8 = (data.load(name) for name in FP8_CAPACITY)
-    one_rank, two_ranks = (data.load(name) for name in TENSOR_CAPACITY)
+    ranks = data.load(TENSOR_CAPACITY)
     capacity_plot(sweep.data["results"], sweep.data["args"]["prompt_tokens"], str(plots / "decode-heavy.png"))
     chat_plot(chat.data["results"], str(plots / "chat.png"))
     args = chat.data["args"]
@@ -179,16 +227,20 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             "fp8 block is half a bf16 block, so the fp8 pool has twice the blocks. "
             + workload(fp8_plain).replace("a pool of", "the bf16 run's pool:"),
             paired_capacity_table("cache", [("bf16", fp8_plain), ("fp8", fp8)]),
+            ceiling_line(fp8),
             fp8_plain.caption(),
             fp8.caption(),
             "### Decode-heavy under tensor parallelism",
-            "Vanilla vLLM and kvserve with `--tensor-parallel-size 2` (a core per rank: "
-            "`VLLM_CPU_OMP_THREADS_BIND=0|1`) and on one worker. The default model's 3 KV heads do not split over 2 "
-            "ranks, so this is the tiny random-weight Llama (4 layers, 2 KV heads), whose compute is small beside "
-            "its vocabulary projection and vLLM's per-step costs: " + workload(one_rank),
-            paired_capacity_table("ranks", [("1", one_rank), ("2", two_ranks)]),
-            one_rank.caption(),
-            two_ranks.caption(),
+            "Vanilla vLLM and kvserve on one worker and with `--tensor-parallel-size 2` (a core per rank, "
+            "`VLLM_CPU_OMP_THREADS_BIND=0|1`, for both servers), one after another in one run. The default model's 3 "
+            "KV heads do not split over 2 ranks, so this is the tiny random-weight Llama (4 layers, 2 KV heads), "
+            "whose compute is small beside its vocabulary projection and vLLM's per-step costs: "
+            + workload(ranks)
+            + " The ranks exchange page counts only after a step in which a compaction was planned (once per block "
+            "of new tokens while decoding); a policy failure on another rank in any other step reaches rank 0 by a "
+            "point-to-point notice it reads without waiting (kvserve/worker/ranks.py).",
+            tensor_table(ranks),
+            ranks.caption(),
             "### Prefill-heavy",
             workload(prefill),
             capacity_table(prefill),
