@@ -22,6 +22,7 @@ from kvserve.allocator import allocator_env
 from kvserve.config import BUILTIN_DEFAULTS, DEFAULTS_ENV, parse_kv_config
 from kvserve.cpu_dtype import default_dtype, has_dtype_flag
 from kvserve.errors import InvalidSetting
+from kvserve.parallelism import parallel_env
 from kvserve.policies import POLICY_NAMES
 from kvserve.policies.allocation import ALLOCATIONS
 
@@ -187,18 +188,6 @@ def effective_defaults(defaults: dict) -> list[str]:
     return lines
 
 
-def _flag_value(args: list[str], *names: str) -> str | None:
-    """The value of a vLLM flag given as `--flag V` or `--flag=V` (the last one wins, as in argparse)."""
-    value = None
-    for index, arg in enumerate(args):
-        for name in names:
-            if arg == name and index + 1 < len(args):
-                value = args[index + 1]
-            elif arg.startswith(name + "="):
-                value = arg.split("=", 1)[1]
-    return value
-
-
 def _has_flag(args: list[str], name: str) -> bool:
     return any(arg == name or arg.startswith(name + "=") for arg in args)
 
@@ -208,32 +197,6 @@ def print_help() -> None:
     _serve_parser().print_help()
     print("\nvLLM's flags (python -m vllm.entrypoints.openai.api_server --help):\n", flush=True)
     subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--help"], check=False)
-
-
-def parallel_env(vllm_args: list[str], env: dict) -> dict[str, str]:
-    """CPUs for each worker of a parallel layout (see `parallelism_refusal` for what is refused): vLLM's CPU
-    workers, one per pipeline stage and tensor-parallel rank, each need CPUs of their own, and vLLM only finds them by
-    itself on a machine with a NUMA node per worker, so kvserve splits this process's CPUs into one group per worker
-    (in vLLM's rank order: the ranks of stage 0, then stage 1, ...)."""
-    from kvserve.parallelism import parallelism_refusal
-
-    tensor = int(_flag_value(vllm_args, "--tensor-parallel-size", "-tp") or 1)
-    refusal = parallelism_refusal(tensor, int(_flag_value(vllm_args, "--decode-context-parallel-size", "-dcp") or 1))
-    if refusal is not None:
-        raise SystemExit(refusal)  # it names kvserve already
-    stages = int(_flag_value(vllm_args, "--pipeline-parallel-size", "-pp") or 1)
-    workers = stages * tensor
-    if workers == 1 or "VLLM_CPU_OMP_THREADS_BIND" in env:
-        return {}
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < workers:
-        raise SystemExit(
-            f"kvserve: --pipeline-parallel-size {stages} x --tensor-parallel-size {tensor} needs a CPU per worker "
-            f"({workers}); this process may use {len(cpus)}"
-        )
-    share = len(cpus) // workers
-    groups = [cpus[worker * share : (worker + 1) * share] for worker in range(workers)]
-    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(str(cpu) for cpu in group) for group in groups)}
 
 
 def serve(argv: list[str]) -> None:

@@ -3,6 +3,8 @@ heavy (the CLI would otherwise pay vLLM's import once more before it execs the s
 
 from __future__ import annotations
 
+import os
+
 
 def parallelism_refusal(
     tensor_parallel_size: int, decode_context_parallel_size: int = 1, num_kv_heads: int | None = None
@@ -27,3 +29,39 @@ def parallelism_refusal(
             f"{decode_context_parallel_size}): its KV cache is split by token across ranks."
         )
     return None
+
+
+def flag_value(args: list[str], *names: str) -> str | None:
+    """The value of a vLLM flag given as `--flag V` or `--flag=V` (the last one wins, as in argparse)."""
+    value = None
+    for index, arg in enumerate(args):
+        for name in names:
+            if arg == name and index + 1 < len(args):
+                value = args[index + 1]
+            elif arg.startswith(name + "="):
+                value = arg.split("=", 1)[1]
+    return value
+
+
+def parallel_env(vllm_args: list[str], env: dict) -> dict[str, str]:
+    """CPUs for each worker of a parallel layout (see `parallelism_refusal` for what is refused): vLLM's CPU
+    workers, one per pipeline stage and tensor-parallel rank, each need CPUs of their own, and vLLM only finds them by
+    itself on a machine with a NUMA node per worker, so kvserve splits this process's CPUs into one group per worker
+    (in vLLM's rank order: the ranks of stage 0, then stage 1, ...)."""
+    tensor = int(flag_value(vllm_args, "--tensor-parallel-size", "-tp") or 1)
+    refusal = parallelism_refusal(tensor, int(flag_value(vllm_args, "--decode-context-parallel-size", "-dcp") or 1))
+    if refusal is not None:
+        raise SystemExit(refusal)  # it names kvserve already
+    stages = int(flag_value(vllm_args, "--pipeline-parallel-size", "-pp") or 1)
+    workers = stages * tensor
+    if workers == 1 or "VLLM_CPU_OMP_THREADS_BIND" in env:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < workers:
+        raise SystemExit(
+            f"kvserve: --pipeline-parallel-size {stages} x --tensor-parallel-size {tensor} needs a CPU per worker "
+            f"({workers}); this process may use {len(cpus)}"
+        )
+    share = len(cpus) // workers
+    groups = [cpus[worker * share : (worker + 1) * share] for worker in range(workers)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(str(cpu) for cpu in group) for group in groups)}

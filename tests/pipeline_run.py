@@ -17,7 +17,7 @@ PIPELINE_STAGES = 2
 if __name__ == "__main__":
     from engine_settings import EQUIVALENCE_MAX_TOKENS, engine_kwargs, equivalence_prompts, in_process_env
 
-    from kvserve.cli import parallel_env
+    from kvserve.parallelism import parallel_env
 
     in_process_env()
     os.environ.update(parallel_env(["--pipeline-parallel-size", str(PIPELINE_STAGES)], os.environ))  # as kvserve serve

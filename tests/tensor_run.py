@@ -96,7 +96,7 @@ def main(tensor: int, stages: int, out_path: str) -> None:
     from engine_settings import in_process_env
 
     in_process_env()
-    from kvserve.cli import parallel_env
+    from kvserve.parallelism import parallel_env
 
     layout = ["--tensor-parallel-size", str(tensor), "--pipeline-parallel-size", str(stages)]
     os.environ.update(parallel_env(layout, os.environ))  # as kvserve serve

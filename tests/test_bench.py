@@ -44,6 +44,7 @@ def test_compaction_histogram_is_the_per_bucket_difference_of_two_scrapes():
 
 
 PNG = b"\x89PNG\r\n\x1a\n"
+LONG_CHUNK = 64
 CHAT = dict(conversations=2, turns=2, reply=4)
 
 
@@ -67,8 +68,14 @@ def background_runs() -> list[Run]:
         *("--requests", "2", "--prompt-tokens", str(PROMPT_TOKENS), "--max-tokens", "2", "--budget", str(BUDGET)),
         *("--allocators", "glibc-threshold", "--server-args=--block-size 32 --enforce-eager --dtype float32"),
     ]
+    long = [
+        *("long", "--model", "tiny:llama", "--lengths", str(PROMPT_TOKENS), "--budgets", str(BUDGET)),
+        *("--tasks", "passkey", "--samples", "1", "--chunk", str(LONG_CHUNK), "--block-size", "32"),
+        *("--kv-space-gib", "1", "--server-args=--enforce-eager"),
+    ]
     return [
         _bench("capacity_run", *capacity),
+        _bench("long_run", *long),
         _bench("overhead_run", "overhead", *TINY, "--policy", "h2o"),
         _bench("chat_run", *chat),
         _bench("soak_run", *soak),
@@ -78,6 +85,11 @@ def background_runs() -> list[Run]:
 @pytest.fixture(scope="module")
 def capacity_run(background):
     return background.results("capacity_run")[0]
+
+
+@pytest.fixture(scope="module")
+def long_run(background):
+    return background.results("long_run")[0]
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +137,23 @@ def test_capacity_command_compares_vanilla_and_kvserve(capacity_run, background)
     printed = background.printed("capacity_run")
     assert "Engine time by phase" in printed
     assert "Ratios kvserve / vanilla" in printed and f"| {PROMPT_TOKENS / BUDGET:.1f} |" in printed
+
+
+def test_long_command_streams_a_prompt_through_a_bounded_cache_and_against_full(long_run, background):
+    full, evicting = long_run["results"]
+    assert (full["policy"], evicting["policy"], evicting["budget"]) == ("full", "keydiff", BUDGET)
+    assert full["prompt_tokens"] == evicting["prompt_tokens"] > BUDGET + LONG_CHUNK
+    assert full["evicted"] == 0 and evicting["evicted"] > 0  # it compacted while the prompt streamed in
+    for row in (full, evicting):
+        assert row["ttft_s"] > 0 and 0 <= row["score"] <= 1
+        assert row["phase_seconds"]["worker"] > 0
+    # what the server reported while the evicting request ran never passed B + one chunk + one block per list
+    shape = long_run["args"]
+    per_list = 32 / (shape["layers"] * shape["kv_heads"])
+    assert evicting["peak_allocated_pages"] * per_list <= BUDGET + LONG_CHUNK + 32
+    assert evicting["phase_seconds"]["compaction"] > 0 and full["phase_seconds"]["compaction"] == 0
+    printed = background.printed("long_run")
+    assert "keydiff B=64 every chunk" in printed and "| setting | worker |" in printed
 
 
 def test_overhead_command_runs_full_and_scoring_without_eviction(overhead_run):

@@ -14,7 +14,7 @@ import pytest
 from background import Run
 from engine_settings import EQUIVALENCE_MAX_TOKENS, equivalence_prompts
 
-from kvserve.cli import parallel_env
+from kvserve.parallelism import parallel_env
 
 TESTS = Path(__file__).parent
 

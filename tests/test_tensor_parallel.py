@@ -14,11 +14,10 @@ import torch
 from background import Run
 from tensor_run import BUDGET, SETTINGS
 
-from kvserve.cli import parallel_env
 from kvserve.config import parse_kv_config
 from kvserve.errors import InvalidSetting
 from kvserve.model_support import check_against_model
-from kvserve.parallelism import parallelism_refusal
+from kvserve.parallelism import parallel_env, parallelism_refusal
 
 TESTS = Path(__file__).parent
 TENSOR = 2

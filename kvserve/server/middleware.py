@@ -26,6 +26,7 @@ from kvserve.model_support import EvictionSupport, ServedEngine, eviction_suppor
 from kvserve.server.checkpoint_documents import CompressedPrefixes, PrefixCompression, plan_prefix_compression
 from kvserve.server.documents import COMPRESS_PATH, Collected, compress_request, compress_response
 from kvserve.server.evicted import EvictedTally, open_tally
+from kvserve.server.vllm_gaps import reject_what_vllm_cannot_serve
 
 HEADER_PREFIX = b"x-kv-"
 MAX_HEADER_VALUE = 256
@@ -77,42 +78,6 @@ def merge_into_body(body: dict[str, Any], header_xargs: dict[str, str]) -> dict[
     if xargs:
         body["vllm_xargs"] = xargs
     return body
-
-
-# vLLM 0.32 removed these request fields and ignores them with a log line: the output would silently be unconstrained.
-REMOVED_GUIDED_FIELDS = {
-    "guided_json": "json",
-    "guided_regex": "regex",
-    "guided_choice": "choice",
-    "guided_grammar": "grammar",
-    "guided_whitespace_pattern": "whitespace_pattern",
-}
-
-
-def reject_what_vllm_cannot_serve(body: dict[str, Any], path: str) -> None:
-    """Requests vLLM 0.32 would answer wrongly (found by `kvserve bench load`'s fuzz): a 400 saying why instead."""
-    for field, replacement in REMOVED_GUIDED_FIELDS.items():
-        if field in body:
-            raise InvalidSetting(
-                field,
-                f"{field} was removed in vLLM 0.32 and would be ignored (the output would "
-                f'not be constrained); send "structured_outputs": {{"{replacement}": ...}} instead',
-            )
-    n = body.get("n")
-    if (
-        path == "/v1/completions"
-        and body.get("stream")
-        and body.get("echo")
-        and body.get("logprobs") is not None
-        and isinstance(n, int)
-        and n > 1
-    ):
-        raise InvalidSetting(
-            "echo",
-            "echo with logprobs on a stream with n > 1 breaks in vLLM 0.32 (the echoed "
-            "prompt's tokens and log-probabilities fall out of step: an error mid-stream); drop one "
-            "of stream, echo and logprobs, or ask for n=1",
-        )
 
 
 def error_body(field: str, message: str) -> bytes:

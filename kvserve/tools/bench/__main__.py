@@ -276,6 +276,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-space-gib", default="4", help="VLLM_CPU_KVCACHE_SPACE for both servers")
     parser.add_argument("--server-args", default="", help="more engine flags for both servers, one string")
     parser.add_argument(
+        "--kvserve-args",
+        default="",
+        help="flags for kvserve serve only, one string (e.g. --kv-profile none: a model's calibration profile "
+        "would otherwise choose kvserve's default setting)",
+    )
+    parser.add_argument(
         "--attention",
         choices=("vllm", "kernels"),
         default="vllm",
@@ -365,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
                     *layout[layout.index("--num-gpu-blocks-override") + 2 :],
                 ]
                 servers.append((CEILING, "vanilla", ceiling_args, [Setting("full", None)]))
-            servers.append(("kvserve", "kvserve", layout, kvserve_settings))
+            servers.append(("kvserve", "kvserve", [*layout, *shlex.split(args.kvserve_args)], kvserve_settings))
         results = run(servers, env, workload, Path(log_dir))
     add_capacity_limits(results, args)
     print()

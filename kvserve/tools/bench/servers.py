@@ -57,7 +57,7 @@ def running_server_process(
     server_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     server_env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # kvserve makes a fresh one; vanilla needs none
     if kind == "vanilla":
-        from kvserve.cli import parallel_env
+        from kvserve.parallelism import parallel_env
 
         server_env["VLLM_PLUGINS"] = "none"
         server_env.update(allocator_env(server_env)[0])  # the allocator `kvserve serve` would choose

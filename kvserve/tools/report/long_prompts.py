@@ -5,32 +5,68 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvserve.tools.bench.long_prompts import plot, report
+from kvserve.tools.bench.long_prompts import phase_table, plot, report
 from kvserve.tools.report.sources import DataDir
+from kvserve.tools.report.throughput import capacity_table
 
-LONG = "long/qwen05.json"
+# the lengths up to 16k, then 32k (fewer cases: a full 32k-token prefill takes minutes on 2 cores), same settings
+LONG = ("long/qwen05.json", "long/qwen05-32k.json")
+# several 16k-token requests in a pool that holds two of them without eviction, vanilla vLLM in the same run
+CAPACITY = "long/capacity-16k.json"
 TITLE = "## Long prompts through a bounded cache"
 
 
 def section(data: DataDir, plots: Path, plot_link: str) -> str:
-    source = data.load(LONG)
-    args, rows = source.data["args"], source.data["results"]
+    sources = [data.load(name) for name in LONG]
+    capacity = data.load(CAPACITY)
+    args = sources[0].data["args"]
+    rows = [row for source in sources for row in source.data["results"]]
     plot(rows, str(plots / "long-prompts.png"))
     per_list = args["block_size"] / (args["layers"] * args["kv_heads"])
-    tasks = ", ".join(f"`{task}`" for task in args["tasks"].split(","))
+    policies = ", ".join(f"`{policy}`" for policy in args["policy"].split(","))
     return "\n\n".join(
         [
             TITLE,
             f"One request at a time on {args['model']}, prefill chunks of {args['chunk']:,} tokens "
             f"(`--max-num-batched-tokens`), blocks of {args['block_size']}: `full` computes each chunk against the "
-            f"whole prompt so far, while `{args['policy']}` with `kv_evict_every_chunk` compacts every list back to B "
+            f"whole prompt so far, while {policies} with `kv_evict_every_chunk` compacts every list back to B "
             "after each chunk, so a chunk attends to at most B + itself and the prompt's attention grows linearly. "
-            f"{args['samples']} cases of each task ({tasks}) at each length; TTFT and TPOT are medians over them, the "
-            "scores means (1 = every answer right). Peak entries / list: the most `kvserve:kv_pages_in_use` the "
-            "server reported while a request ran (alone), as entries per (layer, KV head) list; the bound is B + one "
-            "chunk + one block.",
+            f"{cases(sources)}; TTFT and TPOT are medians over them, the scores means with their counts (1 = every "
+            "answer right). Peak entries / list: the most pages the server reported while a request ran (alone), as "
+            "entries per (layer, KV head) list, in use (`kvserve:kv_pages_in_use`: pages holding kept entries) and "
+            "allocated (`vllm:kv_cache_usage_perc`: whole blocks, a chunk's included before it is written); the "
+            "bound is B + one chunk + one block. Polled every 0.2 s, so a momentary peak inside a step can fall "
+            "between polls.",
             report(rows, per_list, args["chunk"], args["block_size"]),
             f"![TTFT against prompt length]({plot_link}/long-prompts.png)",
-            source.caption(),
+            f"Where the engine's time went at {max(r['length'] for r in rows):,} tokens (seconds, medians; "
+            "`kvserve:engine_seconds_total` by phase around each request; model = worker less the rest):",
+            phase_table(rows),
+            *(source.caption() for source in sources),
+            "### Several long prompts in a small pool",
+            f"{capacity_workload(capacity)} Vanilla runs two at a time; with eviction after every chunk each request "
+            "holds at most B + one chunk + one block entries a list, so all of them run at once.",
+            capacity_table(capacity),
+            capacity.caption(),
         ]
     )
+
+
+def capacity_workload(source) -> str:
+    args = source.data["args"]
+    return (
+        f"{args['prompts']} requests of {args['prompt_tokens']:,} prompt tokens and {args['max_tokens']} output tokens "
+        f"on {args['model']}, sent at once, in a pool of {args['num_blocks']} blocks of {args['block_size']} tokens "
+        f"for both servers (it holds two of them whole), engine flags `{args['server_args']}` for both."
+    )
+
+
+def cases(sources: list) -> str:
+    """How many cases of each task ran at which lengths ("2 cases at 4,000-16,000 tokens, 1 at 32,000")."""
+    parts = []
+    for source in sources:
+        lengths = sorted({row["length"] for row in source.data["results"]})
+        span = f"{lengths[0]:,}" if len(lengths) == 1 else f"{lengths[0]:,}-{lengths[-1]:,}"
+        count, tasks = source.data["args"]["samples"], source.data["args"]["tasks"].replace(",", ", ")
+        parts.append(f"{count} case{'s' * (count > 1)} of each of {tasks} at {span} tokens")
+    return ", ".join(parts)

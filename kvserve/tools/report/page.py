@@ -5,10 +5,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvserve.tools.report import costs, kernels, models, multikey, quality, reliability, summary, throughput
+from kvserve.tools.report import (
+    costs,
+    kernels,
+    long_prompts,
+    models,
+    multikey,
+    quality,
+    reliability,
+    summary,
+    throughput,
+)
 from kvserve.tools.report.sources import DataDir
 
-SECTIONS = (summary, quality, models, multikey, throughput, costs, kernels, reliability)
+SECTIONS = (summary, quality, models, multikey, throughput, long_prompts, costs, kernels, reliability)
 
 INTRO = """# Benchmarks
 
@@ -28,6 +38,7 @@ Qwen2.5-Coder-0.5B-Instruct (24 layers, 2 KV heads of 64), has a section of its 
 - [A second model: Qwen2.5-Coder-0.5B-Instruct](#a-second-model-qwen25-coder-05b-instruct)
 - [The hard half: multi-key lookup](#the-hard-half-multi-key-lookup)
 - [How much faster is it at the same memory?](#how-much-faster-is-it-at-the-same-memory)
+- [Long prompts through a bounded cache](#long-prompts-through-a-bounded-cache)
 - [What does each policy cost?](#what-does-each-policy-cost)
 - [The kernels on a GPU](#the-kernels-on-a-gpu)
 - [Does it stay up?](#does-it-stay-up)"""

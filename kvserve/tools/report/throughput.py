@@ -35,6 +35,7 @@ def setting_name(row: dict) -> str:
     allocation = row.get("allocation")
     name += f" {allocation}" if allocation and allocation != "uniform" else ""
     name += f", `kv_checkpoint={checkpoint.lstrip('-')}`" if checkpoint else ""
+    name += ", every chunk" if row.get("evict_every_chunk") else ""
     return name + (", `kv_evict_when=pressure`" if deferred else "")
 
 
@@ -231,8 +232,9 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             fp8_plain.caption(),
             fp8.caption(),
             "### Decode-heavy under tensor parallelism",
-            "Vanilla vLLM and kvserve on one worker and with `--tensor-parallel-size 2` (a core per rank, "
-            "`VLLM_CPU_OMP_THREADS_BIND=0|1`, for both servers), one after another in one run. The default model's 3 "
+            "Vanilla vLLM and kvserve on one worker (vLLM binds it to one core and keeps the other for the server's "
+            "own processes) and with `--tensor-parallel-size 2` (a core per rank, `VLLM_CPU_OMP_THREADS_BIND=0|1`, "
+            "for both servers), one after another in one run. The default model's 3 "
             "KV heads do not split over 2 ranks, so this is the tiny random-weight Llama (4 layers, 2 KV heads), "
             "whose compute is small beside its vocabulary projection and vLLM's per-step costs: "
             + workload(ranks)

@@ -1,0 +1,43 @@
+"""Requests vLLM 0.32 would answer wrongly (found by `kvserve bench load`'s fuzz): the HTTP middleware answers them
+with a 400 saying why instead."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.errors import InvalidSetting
+
+# vLLM 0.32 removed these request fields and ignores them with a log line: the output would silently be unconstrained.
+REMOVED_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "guided_whitespace_pattern": "whitespace_pattern",
+}
+
+
+def reject_what_vllm_cannot_serve(body: dict[str, Any], path: str) -> None:
+    """Requests vLLM 0.32 would answer wrongly (found by `kvserve bench load`'s fuzz): a 400 saying why instead."""
+    for field, replacement in REMOVED_GUIDED_FIELDS.items():
+        if field in body:
+            raise InvalidSetting(
+                field,
+                f"{field} was removed in vLLM 0.32 and would be ignored (the output would "
+                f'not be constrained); send "structured_outputs": {{"{replacement}": ...}} instead',
+            )
+    n = body.get("n")
+    if (
+        path == "/v1/completions"
+        and body.get("stream")
+        and body.get("echo")
+        and body.get("logprobs") is not None
+        and isinstance(n, int)
+        and n > 1
+    ):
+        raise InvalidSetting(
+            "echo",
+            "echo with logprobs on a stream with n > 1 breaks in vLLM 0.32 (the echoed "
+            "prompt's tokens and log-probabilities fall out of step: an error mid-stream); drop one "
+            "of stream, echo and logprobs, or ask for n=1",
+        )
