@@ -30,6 +30,7 @@ from kvserve.config import env_defaults
 from kvserve.errors import InvalidSetting
 from kvserve.model_support import ServedEngine
 from kvserve.policies import POLICIES
+from kvserve.policies.knobs import parse_int
 from kvserve.server.documents import Collected, document_ids, tokenizer_of
 
 # what vLLM's chat rendering would read and this module's own rendering would not
@@ -61,7 +62,7 @@ def plan_prefix_compression(body: dict[str, Any], path: str, engine: ServedEngin
         raise InvalidSetting("kv_budget", f"kv_checkpoint with {policy} compresses the prompt's prefix to kv_budget")
     tokenizer = tokenizer_of(engine)
     document = _prefix(body, path, checkpoint, tokenizer)
-    if len(document) <= _int("kv_budget", budget):
+    if len(document) <= parse_int("kv_budget", budget):
         body = {key: value for key, value in body.items() if key != "vllm_xargs"}
         return PrefixCompression(request_body={**body, "vllm_xargs": {"kv_policy": "full"}}, document_tokens=0)
     compress_body = {"prompt": document, "vllm_xargs": xargs}
@@ -110,17 +111,10 @@ def _prefix(body: dict[str, Any], path: str, checkpoint: str, tokenizer) -> list
         if not isinstance(raw, str) and not (isinstance(raw, list) and raw and isinstance(raw[0], int)):
             raise InvalidSetting("prompt", "kv_checkpoint with kvzip compresses one prompt's prefix: send one prompt")
         prompt = document_ids({"prompt": raw}, tokenizer)
-    interval = _int("kv_checkpoint", checkpoint)
+    interval = parse_int("kv_checkpoint", checkpoint)
     if interval <= 0:
         raise InvalidSetting("kv_checkpoint", f"must be turns or a token count > 0 with kvzip, got {checkpoint}")
     return prompt[: (len(prompt) - 1) // interval * interval]
-
-
-def _int(field: str, value: Any) -> int:
-    try:
-        return int(str(value))
-    except ValueError:
-        raise InvalidSetting(field, f"must be an integer, got {value!r}") from None
 
 
 class CompressedPrefixes:
