@@ -14,6 +14,8 @@ LONG = ("long/qwen05.json", "long/qwen05-32k.json")
 # several 16k-token requests in a pool that holds two of them without eviction, vanilla vLLM in the same run
 CAPACITY = "long/capacity-16k.json"
 TITLE = "## Long prompts through a bounded cache"
+# every-chunk eviction in transformers under rules the server does not run yet (python -m kvserve.tools.eval.streaming)
+STREAMING = ("long/streaming-8k.json", "long/streaming-16k.json")
 
 
 def section(data: DataDir, plots: Path, plot_link: str) -> str:
@@ -43,6 +45,7 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             "`kvserve:engine_seconds_total` by phase around each request; model = worker less the rest):",
             phase_table(rows),
             *(source.caption() for source in sources),
+            *streaming_study(data),
             "### Several long prompts in a small pool",
             f"{capacity_workload(capacity)} Vanilla runs two at a time; with eviction after every chunk each request "
             "holds at most B + one chunk + one block entries a list, so all of them run at once.",
@@ -70,3 +73,49 @@ def cases(sources: list) -> str:
         count, tasks = source.data["args"]["samples"], source.data["args"]["tasks"].replace(",", ", ")
         parts.append(f"{count} case{'s' * (count > 1)} of each of {tasks} at {span} tokens")
     return ", ".join(parts)
+
+
+def streaming_study(data: DataDir) -> list[str]:
+    """The reference study of what keeps a needle while the prompt streams in: one row per case, per rule its score
+    and the share of the needle's entries the deeper half of the layers held when decoding began."""
+    studies = [data.load(name) for name in STREAMING]
+    rows = [row for study in studies for row in study.data["results"]]
+    args = studies[0].data["args"]
+    scorers = list(dict.fromkeys(row["scorer"] for row in rows))
+    cases = list(dict.fromkeys((row["task"], row["length"], row["index"]) for row in rows))
+    lines = [
+        "| task | tokens | case | needle at | " + " | ".join(f"`{s}`" for s in scorers) + " |",
+        "|---" * (4 + len(scorers)) + "|",
+    ]
+    for task, length, index in cases:
+        by_rule = {r["scorer"]: r for r in rows if (r["task"], r["length"], r["index"]) == (task, length, index)}
+        first = next(iter(by_rule.values()))
+        cells = []
+        for rule in scorers:
+            row = by_rule.get(rule)
+            if row is None:
+                cells.append("-")
+                continue
+            deep = row["needle_kept"][len(row["needle_kept"]) // 2 :]
+            kept = "" if rule == "full" else f" ({100 * sum(deep) / len(deep):.0f}% kept)"
+            cells.append(f"{row['score']:.2f}{kept}")
+        lines.append(f"| {task} | {length:,} | #{index} | {first['needle_at']:,} | " + " | ".join(cells) + " |")
+    for task in dict.fromkeys(task for task, _, _ in cases):
+        totals = []
+        for rule in scorers:
+            scored = [r["score"] for r in rows if r["task"] == task and r["scorer"] == rule]
+            totals.append(f"**{sum(score >= 1.0 for score in scored)} of {len(scored)}** right")
+        lines.append(f"| {task}, all | | | | " + " | ".join(totals) + " |")
+    return [
+        "### What keeps the needle: a reference study",
+        f"The same every-chunk eviction computed in transformers on {args['model']} "
+        f"(`python -m kvserve.tools.eval.streaming`: chunks of {args['chunk']:,}, B={args['budget']}, kvserve's own "
+        "policy classes choosing), to try rules the server does not run yet. `lookahead`: SnapKV's votes cast by "
+        f"the question's queries, the prompt's last {args['tail']} tokens run alone at their own positions before "
+        "the document streams in (a server holds the whole prompt when it admits it); `mix`: each entry's better "
+        "percentile rank under `lookahead` and `keydiff`. Per rule: the answer's score and, in brackets, the share "
+        "of the needle's entries (the answer's first appearance, 5 tokens before to 20 after) that the deeper half "
+        "of the layers held when decoding began.",
+        "\n".join(lines),
+        *(study.caption() for study in studies),
+    ]
