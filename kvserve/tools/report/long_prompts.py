@@ -15,7 +15,7 @@ LONG = ("long/qwen05.json", "long/qwen05-32k.json")
 CAPACITY = "long/capacity-16k.json"
 TITLE = "## Long prompts through a bounded cache"
 # every-chunk eviction in transformers under rules the server does not run yet (python -m kvserve.tools.eval.streaming)
-STREAMING = ("long/streaming-8k.json", "long/streaming-16k.json")
+STREAMING = ("long/streaming-8k.json", "long/streaming-16k.json", "long/streaming-32k.json")
 
 
 def section(data: DataDir, plots: Path, plot_link: str) -> str:
