@@ -17,8 +17,8 @@ left. Rules (`--scorers`):
 
 Measured on Qwen2.5-Coder-0.5B (docs/benchmarks.md, "Long prompts"):
 
-    python -m kvserve.tools.eval.streaming --model "$(kvserve setup-model qwen2.5-coder-0.5b)" --lengths 8000,16000 \\
-        --scorers full,keydiff,lookahead,mix --out docs/eval/long/streaming-reference.json
+    python -m kvserve.tools.eval.streaming --model "$(kvserve setup-model qwen2.5-coder-0.5b)" --lengths 16000 \\
+        --tasks passkey --samples 2 --scorers full,keydiff,lookahead,mix --out docs/eval/long/streaming-16k.json
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ PROG = "python -m kvserve.tools.eval.streaming"
 SCORERS = ("full", "keydiff", "snapkv", "lookahead", "mix")
 WINDOW = 32  # the newest entries every rule keeps, and SnapKV's voting window (both policies' defaults)
 KERNEL = 15  # SnapKV's pooling kernel as `kvserve serve` defaults it
+KEYDIFF, SNAPKV = KeyDiff(window=WINDOW), SnapKV(window=WINDOW, kernel_size=KERNEL)
 
 
 def percentile_ranks(scores: torch.Tensor) -> torch.Tensor:
@@ -78,22 +79,20 @@ class QueryCapture:
 class Streamed:
     answer: str
     prefill_s: float
-    needle_kept: list[float]  # per layer: the share of the needle's positions its heads kept (mean over heads)
     kept_positions: list[torch.Tensor]  # per layer: [H, n] the prompt positions each head held when decoding began
 
 
 def keep_indices(rule: str, obs: LayerObservation, budget: int, question: LayerObservation | None) -> torch.Tensor:
     """[H, budget] ascending cache indices each head keeps under `rule`."""
-    keydiff, snapkv = KeyDiff(window=WINDOW), SnapKV(window=WINDOW, kernel_size=KERNEL)
     if rule == "keydiff":
-        return keydiff.keep_indices(obs, budget)
+        return KEYDIFF.keep_indices(obs, budget)
     if rule == "snapkv":
-        return snapkv.keep_indices(obs, budget)
+        return SNAPKV.keep_indices(obs, budget)
     assert question is not None
     if rule == "lookahead":
-        return snapkv.keep_indices(question, budget)
+        return SNAPKV.keep_indices(question, budget)
     if rule == "mix":
-        scores = torch.maximum(percentile_ranks(snapkv.score(question)), percentile_ranks(keydiff.score(obs)))
+        scores = torch.maximum(percentile_ranks(SNAPKV.score(question)), percentile_ranks(KEYDIFF.score(obs)))
         return top_with_protected(scores, recent_mask(obs, WINDOW), budget)
     raise ValueError(f"scorer must be one of {', '.join(SCORERS)}, not {rule!r}")
 
@@ -108,14 +107,13 @@ def stream(
     tail: int,
     max_new: int,
     tokenizer,
-    needle: tuple[int, int] = (0, 0),
 ) -> Streamed:
     """Reads `ids` in chunks, compacting every layer to `budget` per KV head after each chunk under `rule`, then
     decodes `max_new` tokens greedily."""
     from transformers import DynamicCache
 
     config = model.config
-    head_dim = config.hidden_size // config.num_attention_heads
+    scale = model.model.layers[0].self_attn.scaling  # the model's own softmax scale
     prompt = torch.tensor([ids])
     total = len(ids)
     question_queries: dict[int, torch.Tensor] = {}
@@ -158,7 +156,7 @@ def stream(
                     keys=keys,
                     values=values,
                     positions=positions[index],
-                    scale=head_dim**-0.5,
+                    scale=scale,
                     window_queries=newest[index],
                     window_positions=torch.arange(start + width - newest[index].shape[0], start + width),
                     budget=budget,
@@ -185,11 +183,15 @@ def stream(
             output = model(token[None], position_ids=torch.tensor([[total + step]]), past_key_values=cache)
             logits = output.logits[:, -1]
         capture.mask = None  # the model is the caller's again
+    return Streamed(tokenizer.decode(answer), prefill_s, kept_positions)
+
+
+def needle_kept(kept_positions: list[torch.Tensor], needle: tuple[int, int]) -> list[float]:
+    """Per layer, the share of the needle's positions [low, high) its heads kept (mean over heads)."""
     low, high = needle
-    kept = [
+    return [
         round(float(((p >= low) & (p < high)).float().sum(1).mean()) / max(high - low, 1), 3) for p in kept_positions
     ]
-    return Streamed(tokenizer.decode(answer), prefill_s, kept, kept_positions)
 
 
 def needle_span(tokenizer, prompt: str, answer: str) -> tuple[int, int]:
@@ -243,7 +245,6 @@ def main(argv: list[str] | None = None) -> None:
                         args.tail,
                         case.max_tokens,
                         tokenizer,
-                        needle,
                     )
                     row = {
                         "task": task,
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
                         "answer": streamed.answer,
                         "needle_at": needle[0],
                         "prefill_s": streamed.prefill_s,
-                        "needle_kept": streamed.needle_kept,
+                        "needle_kept": needle_kept(streamed.kept_positions, needle),
                     }
                     rows.append(row)
                     print(

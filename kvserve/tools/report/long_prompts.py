@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvserve.tools.bench.long_prompts import phase_table, plot, report
+from kvserve.tools.report.markdown import table
 from kvserve.tools.report.sources import DataDir
 from kvserve.tools.report.throughput import capacity_table
 
@@ -82,30 +83,28 @@ def streaming_study(data: DataDir) -> list[str]:
     rows = [row for study in studies for row in study.data["results"]]
     args = studies[0].data["args"]
     scorers = list(dict.fromkeys(row["scorer"] for row in rows))
-    cases = list(dict.fromkeys((row["task"], row["length"], row["index"]) for row in rows))
-    lines = [
-        "| task | tokens | case | needle at | " + " | ".join(f"`{s}`" for s in scorers) + " |",
-        "|---" * (4 + len(scorers)) + "|",
-    ]
-    for task, length, index in cases:
+    studied = list(dict.fromkeys((row["task"], row["length"], row["index"]) for row in rows))
+    cells = []
+    for task, length, index in studied:
         by_rule = {r["scorer"]: r for r in rows if (r["task"], r["length"], r["index"]) == (task, length, index)}
         first = next(iter(by_rule.values()))
-        cells = []
+        scores = []
         for rule in scorers:
             row = by_rule.get(rule)
             if row is None:
-                cells.append("-")
+                scores.append("-")
                 continue
             deep = row["needle_kept"][len(row["needle_kept"]) // 2 :]
             kept = "" if rule == "full" else f" ({100 * sum(deep) / len(deep):.0f}% kept)"
-            cells.append(f"{row['score']:.2f}{kept}")
-        lines.append(f"| {task} | {length:,} | #{index} | {first['needle_at']:,} | " + " | ".join(cells) + " |")
-    for task in dict.fromkeys(task for task, _, _ in cases):
+            scores.append(f"{row['score']:.2f}{kept}")
+        cells.append([task, f"{length:,}", f"#{index}", f"{first['needle_at']:,}", *scores])
+    for task in dict.fromkeys(task for task, _, _ in studied):
         totals = []
         for rule in scorers:
             scored = [r["score"] for r in rows if r["task"] == task and r["scorer"] == rule]
             totals.append(f"**{sum(score >= 1.0 for score in scored)} of {len(scored)}** right")
-        lines.append(f"| {task}, all | | | | " + " | ".join(totals) + " |")
+        cells.append([f"{task}, all", "", "", "", *totals])
+    headers = ["task", "tokens", "case", "needle at", *(f"`{rule}`" for rule in scorers)]
     return [
         "### What keeps the needle: a reference study",
         f"The same every-chunk eviction computed in transformers on {args['model']} "
@@ -116,6 +115,6 @@ def streaming_study(data: DataDir) -> list[str]:
         "percentile rank under `lookahead` and `keydiff`. Per rule: the answer's score and, in brackets, the share "
         "of the needle's entries (the answer's first appearance, 5 tokens before to 20 after) that the deeper half "
         "of the layers held when decoding began.",
-        "\n".join(lines),
+        table(headers, cells),
         *(study.caption() for study in studies),
     ]
