@@ -40,10 +40,12 @@ GENERAL_KEYS = (
     "kv_span",
     "kv_evict_when",
     "kv_checkpoint",
+    "kv_lookahead",
 )
-# Set only by kvserve itself: the request is a document's reconstruction (`kvserve.server.documents`); the HTTP
-# middleware refuses it from clients
-INTERNAL_KEYS = ("kv_reconstruct",)
+# Set only by kvserve itself, and refused from clients by the HTTP middleware: the request is a document's
+# reconstruction (`kvserve.server.documents`); the request records its prompt's queries as a question's, or its chunk
+# compactions are voted on by those queries (`kvserve.server.lookahead`)
+INTERNAL_KEYS = ("kv_reconstruct", "kv_question_probe", "kv_question", "kv_question_start")
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,12 @@ class KVConfig:
     # the prompt is the policy's document (`document`), an instruction and the document again: compact the document
     # by the model's reconstruction of it and publish it for the requests that start with it (kv_reconstruct)
     reconstruct: bool = False
+    # kv_lookahead (`kvserve/server/lookahead.py`): the request records its prompt's queries under this key (a probe:
+    # the question run alone), or its prefill compactions are voted on by the queries recorded under this key, the
+    # question's first token being at position question_start of its prompt
+    question_probe: str = ""
+    question: str = ""
+    question_start: int = 0
 
     @property
     def defers(self) -> bool:
@@ -240,7 +248,7 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
         span=span,
         evict_when=evict_when,
     )
-    return _with_document(_with_checkpoint(config, request, defaults), request)
+    return _with_question(_with_document(_with_checkpoint(config, request, defaults), request), request)
 
 
 def _with_document(config: KVConfig, request: dict[str, Any]) -> KVConfig:
@@ -266,6 +274,37 @@ def _with_document(config: KVConfig, request: dict[str, Any]) -> KVConfig:
     if why is not None:
         raise InvalidSetting("kv_document", why)
     return replace(config, reconstruct=reconstruct)
+
+
+def _with_question(config: KVConfig, request: dict[str, Any]) -> KVConfig:
+    """kv_lookahead, which only kvserve's HTTP front end serves (it runs the question first), as the settings it
+    writes: `kv_question_probe` on the question's own run, `kv_question` and `kv_question_start` on the request."""
+    if "kv_lookahead" in request:
+        raise InvalidSetting(
+            "kv_lookahead",
+            "is served by kvserve's HTTP front end (/v1/completions, /v1/chat/completions), which runs the prompt's "
+            "last tokens first; the engine alone cannot",
+        )
+    probe, key = request.get("kv_question_probe"), request.get("kv_question")
+    if probe is not None:
+        if key is not None or not config.make_policy().window_size():
+            raise InvalidSetting("kv_question_probe", "records a window of queries: a policy with a window, alone")
+        return replace(config, question_probe=str(probe))
+    if key is None:
+        if "kv_question_start" in request:
+            raise InvalidSetting("kv_question_start", "needs kv_question")
+        return config
+    start = parse_int("kv_question_start", request.get("kv_question_start", -1))
+    why = None
+    if start < 0:
+        why = "needs kv_question_start, the question's first position in the prompt"
+    elif "window_sums" not in POLICIES[config.policy].pass_statistics:
+        why = f"{config.policy} casts no votes from a window of queries"
+    elif not config.evict_every_chunk:
+        why = "votes on prefill chunks' compactions: it needs kv_evict_every_chunk"
+    if why is not None:
+        raise InvalidSetting("kv_question", why)
+    return replace(config, question=str(key), question_start=start)
 
 
 def _with_checkpoint(config: KVConfig, request: dict[str, Any], defaults: dict[str, Any]) -> KVConfig:

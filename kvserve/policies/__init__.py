@@ -19,6 +19,7 @@ from kvserve.policies.knobs import Knob, knob
 from kvserve.policies.kvzip import KVzip
 from kvserve.policies.mat import MAT
 from kvserve.policies.snapkv import SnapKV
+from kvserve.policies.snapkv_keydiff import SnapKVKeyDiff
 from kvserve.policies.streamingllm import StreamingLLM
 from kvserve.policies.tova import TOVA
 
@@ -36,6 +37,7 @@ BASE_POLICIES: tuple[type[Policy], ...] = (
     KeyDiff,
     DuoAttention,
     KVzip,
+    SnapKVKeyDiff,
 )
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in BASE_POLICIES}
@@ -65,6 +67,7 @@ __all__ = [
     "ScoredPolicy",
     "Selection",
     "SnapKV",
+    "SnapKVKeyDiff",
     "StreamingLLM",
     "TOVA",
     "caote_variant",

@@ -93,10 +93,18 @@ class LayerObservation:
         group = num_q_heads // self.num_heads
         grouped = queries.float().reshape(q, self.num_heads, group, dim).permute(1, 2, 0, 3)
         logits = torch.einsum("hgqd,hnd->hgqn", grouped, self.keys.float()) * self.scale * logit_scale
-        visible = (self.positions[:, None, None, :] <= query_positions[None, None, :, None]) & (self.positions >= 0)[
-            :, None, None, :
-        ]  # -1: a shorter head's padding
-        return torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        positions = self.positions
+        if (
+            positions.numel()
+            and query_positions.numel()
+            and (int(positions.min()) < 0 or int(positions.max()) > int(query_positions.min()))
+        ):
+            # (no mask where every query sees every entry: a question's queries voting from the prompt's end)
+            visible = (positions[:, None, None, :] <= query_positions[None, None, :, None]) & (positions >= 0)[
+                :, None, None, :
+            ]  # -1: a shorter head's padding
+            logits = logits.masked_fill(~visible, float("-inf"))
+        return torch.softmax(logits, dim=-1)
 
     def attention_column_sums(
         self, queries: torch.Tensor, query_positions: torch.Tensor, chunk: int = 256
@@ -274,6 +282,12 @@ def top_with_protected(
         return torch.sort(keyed, dim=-1).values.remainder(scores.shape[-1])
     keep = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :budget]
     return torch.sort(keep, dim=-1).values
+
+
+def percentile_ranks(scores: torch.Tensor) -> torch.Tensor:
+    """[H, n] -> [H, n]: each entry's rank within its head, 0 (lowest score) to 1 (ties: the earlier entry lower)."""
+    ranks = scores.float().argsort(dim=1, stable=True).argsort(dim=1).float()
+    return ranks / max(scores.shape[1] - 1, 1)
 
 
 def recent_mask(obs: LayerObservation, count: int) -> torch.Tensor:

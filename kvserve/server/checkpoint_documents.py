@@ -31,10 +31,7 @@ from kvserve.errors import InvalidSetting
 from kvserve.model_support import ServedEngine
 from kvserve.policies import POLICIES
 from kvserve.policies.knobs import parse_int
-from kvserve.server.documents import Collected, document_ids, tokenizer_of
-
-# what vLLM's chat rendering would read and this module's own rendering would not
-CHAT_FIELDS_NOT_RENDERED = ("tools", "chat_template", "chat_template_kwargs", "continue_final_message", "documents")
+from kvserve.server.documents import Collected, document_ids, prompt_ids, tokenizer_of
 
 
 @dataclass(frozen=True)
@@ -80,37 +77,23 @@ def plan_prefix_compression(body: dict[str, Any], path: str, engine: ServedEngin
 
 def _prefix(body: dict[str, Any], path: str, checkpoint: str, tokenizer) -> list[int]:
     """The prefix to compress, from the prompt's tokens as vLLM will see them."""
-    if path == "/v1/chat/completions":
-        for field in CHAT_FIELDS_NOT_RENDERED:
-            if body.get(field) is not None:
-                raise InvalidSetting(field, "kv_checkpoint with kvzip renders the chat itself to find its prefix")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise InvalidSetting("messages", "must be a non-empty list of chat messages")
-        if not getattr(tokenizer, "chat_template", None):
-            raise InvalidSetting("messages", "this model has no chat template")
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        prompt = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
-        if checkpoint == "turns":
-            earlier = document_ids({"messages": messages[:-1]}, tokenizer) if len(messages) > 1 else []
-            if prompt[: len(earlier)] != earlier:
-                raise InvalidSetting(
-                    "kv_checkpoint",
-                    "turns with kvzip needs a chat template that renders a conversation's earlier turns as the start "
-                    "of the whole; give kv_checkpoint as a token count",
-                )
-            return earlier
-    else:
-        if checkpoint == "turns":
+    if checkpoint == "turns" and path != "/v1/chat/completions":
+        raise InvalidSetting(
+            "kv_checkpoint",
+            "turns with kvzip compresses the conversation before its last message: send it to "
+            "/v1/chat/completions, or give kv_checkpoint as a token count",
+        )
+    prompt = prompt_ids(body, path, tokenizer, "kv_checkpoint with kvzip")
+    if checkpoint == "turns":
+        messages = body["messages"]
+        earlier = document_ids({"messages": messages[:-1]}, tokenizer) if len(messages) > 1 else []
+        if prompt[: len(earlier)] != earlier:
             raise InvalidSetting(
                 "kv_checkpoint",
-                "turns with kvzip compresses the conversation before its last message: send it to "
-                "/v1/chat/completions, or give kv_checkpoint as a token count",
+                "turns with kvzip needs a chat template that renders a conversation's earlier turns as the start "
+                "of the whole; give kv_checkpoint as a token count",
             )
-        raw = body.get("prompt")
-        if not isinstance(raw, str) and not (isinstance(raw, list) and raw and isinstance(raw[0], int)):
-            raise InvalidSetting("prompt", "kv_checkpoint with kvzip compresses one prompt's prefix: send one prompt")
-        prompt = document_ids({"prompt": raw}, tokenizer)
+        return earlier
     interval = parse_int("kv_checkpoint", checkpoint)
     if interval <= 0:
         raise InvalidSetting("kv_checkpoint", f"must be turns or a token count > 0 with kvzip, got {checkpoint}")

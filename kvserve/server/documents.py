@@ -23,6 +23,8 @@ from kvserve.policies import POLICIES
 from kvserve.policies.kvzip import REPEAT_INSTRUCTION
 
 COMPRESS_PATH = "/v1/kvserve/compress"
+# what vLLM's chat rendering would read and this module's own rendering would not
+CHAT_FIELDS_NOT_RENDERED = ("tools", "chat_template", "chat_template_kwargs", "continue_final_message", "documents")
 SET_HERE = ("kv_document", *INTERNAL_KEYS)  # the route sets these itself
 
 
@@ -43,12 +45,32 @@ def document_ids(body: dict[str, Any], tokenizer) -> list[int]:
         return list(prompt)
     if prompt is not None:
         raise InvalidSetting("prompt", "must be a non-empty string or a non-empty list of token ids")
+    return chat_ids(messages, tokenizer, reply=False, instead="give the document as prompt")
+
+
+def chat_ids(messages: Any, tokenizer, reply: bool, instead: str = "") -> list[int]:
+    """Chat messages rendered by the model's template (with the start of the reply when `reply`); InvalidSetting
+    names `messages` when they are not a chat or the model has no template (`instead`: what to send then)."""
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise InvalidSetting("messages", "must be a non-empty list of chat messages")
     if not getattr(tokenizer, "chat_template", None):
-        raise InvalidSetting("messages", "this model has no chat template: give the document as prompt")
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+        raise InvalidSetting("messages", "this model has no chat template" + (f": {instead}" if instead else ""))
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=reply, tokenize=True)
     return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+
+def prompt_ids(body: dict[str, Any], path: str, tokenizer, setting: str) -> list[int]:
+    """A generation request's prompt tokens as vLLM will see them (one prompt; a chat rendered with its generation
+    prompt), for a `setting` that needs them before the engine does; InvalidSetting names what cannot be read."""
+    if path == "/v1/chat/completions":
+        for field in CHAT_FIELDS_NOT_RENDERED:
+            if body.get(field) is not None:
+                raise InvalidSetting(field, f"{setting} renders the chat itself to read its prompt")
+        return chat_ids(body.get("messages"), tokenizer, reply=True)
+    raw = body.get("prompt")
+    if not isinstance(raw, str) and not (isinstance(raw, list) and raw and isinstance(raw[0], int)):
+        raise InvalidSetting("prompt", f"{setting} reads one prompt's tokens: send one prompt")
+    return document_ids({"prompt": raw}, tokenizer)
 
 
 def instruction_ids(tokenizer) -> list[int]:

@@ -26,6 +26,7 @@ from kvserve.model_support import EvictionSupport, ServedEngine, eviction_suppor
 from kvserve.server.checkpoint_documents import CompressedPrefixes, PrefixCompression, plan_prefix_compression
 from kvserve.server.documents import COMPRESS_PATH, Collected, compress_request, compress_response
 from kvserve.server.evicted import EvictedTally, open_tally
+from kvserve.server.lookahead import Lookahead, plan_lookahead
 from kvserve.server.vllm_gaps import reject_what_vllm_cannot_serve
 
 HEADER_PREFIX = b"x-kv-"
@@ -107,6 +108,7 @@ class KVHeadersMiddleware:
             return
         raw = await _read_body(receive)
         plan: PrefixCompression | None = None
+        lookahead: Lookahead | None = None
         try:
             header_xargs = headers_to_xargs(scope["headers"])
             try:
@@ -118,11 +120,13 @@ class KVHeadersMiddleware:
                 body = merge_into_body(body, header_xargs)
                 for key in INTERNAL_KEYS:
                     if key in (body.get("vllm_xargs") or {}):
-                        raise InvalidSetting(key, f"is set by {COMPRESS_PATH}, not by a request")
+                        raise InvalidSetting(key, "is set by kvserve itself, not by a request")
                 engine = self.served(scope)
                 if engine is not None:
                     plan = plan_prefix_compression(body, scope["path"], engine)
                     body = body if plan is None else plan.request_body
+                    lookahead = plan_lookahead(body, scope["path"], engine)
+                    body = body if lookahead is None else lookahead.request_body
                 # here, a streamed request still gets a 400 rather than an error event (without an engine known, the
                 # checks that need the model wait for vLLM's validation)
                 config = served_settings(body.get("vllm_xargs"), engine, remember=True)
@@ -154,6 +158,15 @@ class KVHeadersMiddleware:
                 (b"x-kv-document", done.encode()),
                 (b"x-kv-document-tokens", str(plan.document_tokens).encode()),
             ]
+        if lookahead is not None:
+            extra_headers.append((b"x-kv-lookahead", str(lookahead.tokens or "none").encode()))
+            if lookahead.probe_body is not None:  # the question alone first: the workers keep its queries
+                asked = await self._engine_completion(
+                    scope, receive, lookahead.probe_body, lookahead.probe_config, self.served(scope)
+                )
+                if asked.status != 200:
+                    await _send_json(send, asked.status or 500, asked.body)
+                    return
         tally = open_tally()
         await self.app(scope, _replay(raw, receive), _with_applied_headers(send, config, layers, tally, extra_headers))
         if plan is not None and plan.compress_body is not None and not tally.tokens:

@@ -26,6 +26,7 @@ from kvserve.worker import allocated
 from kvserve.worker.gated import gated_layer_step
 from kvserve.worker.layouts import CachePages
 from kvserve.worker.pages import cdiv
+from kvserve.worker.questions import keep_question, question_window
 from kvserve.worker.request import LayerState, QueryWindow
 from kvserve.worker.step import RowPlan, StepContext
 
@@ -123,6 +124,8 @@ def _evict(
     window = policy.window_size()
     if window:
         _record_window(layer, queries, plan, window)
+        if plan.state.config.question_probe:
+            keep_question(plan, layer, layer_idx, window)
     if not policy.stat_names and plan.compaction is None:
         return
     if plan.compaction is None and given is not None:  # a decode step of H2O, EMS or MAT: one operation
@@ -132,9 +135,11 @@ def _evict(
             return
     lengths = plan.lengths(layer_idx)
     obs = _observe(plan, layer, layer_idx, cache, lengths, scale)
-    obs.measured = measure_pass(
-        policy, obs, queries, cache, table, lengths, compacting=plan.compaction is not None, given=given
-    )
+    question = question_window(plan, layer_idx, obs)
+    if question is not None:  # a prefill chunk's compaction, voted on by the question's queries (kv_lookahead)
+        obs.window_queries, obs.window_positions = question
+    own_window = plan.compaction is not None and question is None
+    obs.measured = measure_pass(policy, obs, queries, cache, table, lengths, compacting=own_window, given=given)
     if plan.compaction is not None or _reads_entries(policy, obs.measured):
         obs.keys, obs.values = cache.read_lists(table, lengths)
     if policy.stat_names:

@@ -148,6 +148,8 @@ class WorkerRequest:
     rotary: Mapping[int, Rotary] = field(default_factory=dict)  # each paged layer's RoPE, by page-view index
     model: str = ""  # the served model's name, for policies trained per model
     released: list[int] = field(default_factory=list)  # vLLM blocks it gave back last step, to drop from vLLM's view
+    # kv_lookahead (`kvserve/worker/questions.py`): the question's queries this request records (a probe) or reads
+    question: dict[int, torch.Tensor] | None = None
 
     def layer(self, idx: int) -> LayerState:
         return self.layers.setdefault(idx, LayerState())

@@ -23,6 +23,7 @@ from kvserve.messages import CheckpointId, PageReport, StagePages, StageRelease,
 from kvserve.worker.checkpoints import CheckpointLists, lists_of, resume_from
 from kvserve.worker.eviction import record_times
 from kvserve.worker.pages import HeadPages, PageLayout, blocks_to_release, copy_pages
+from kvserve.worker.questions import Questions
 from kvserve.worker.ranks import RankMessage, TensorRanks
 from kvserve.worker.request import GateRuntime, WorkerRequest
 from kvserve.worker.stages import StageLink
@@ -63,6 +64,7 @@ class WorkerRequests:
         self.ranks = ranks  # tensor parallelism: the other ranks of this stage
         self.requests: dict[str, WorkerRequest] = {}
         self.checkpoints: dict[CheckpointId, CheckpointLists] = {}  # published checkpoints' lists (kv_checkpoint)
+        self.questions = Questions()  # kv_lookahead: the question's queries, from its probe to its request
         # until the engine core hears of them (`report`): why requests failed, and compacted requests' lists
         self.failures: dict[str, str] = {}
         self.reports: dict[str, PageReport] = {}
@@ -86,7 +88,9 @@ class WorkerRequests:
                     request.released = list(released)
 
     def finish(self, req_id: str) -> None:
-        self.requests.pop(req_id, None)
+        request = self.requests.pop(req_id, None)
+        if request is not None and request.config.question:  # the question's queries served their request
+            self.questions.drop(request.config.question)
         # a worker whose output never reaches the engine core (a tensor-parallel rank > 0) never hands these over
         self.reports.pop(req_id, None)
         self.failures.pop(req_id, None)
@@ -105,6 +109,13 @@ class WorkerRequests:
             rotary=self.rotary,
             model=self.model,
         )
+        if settings.question_probe:
+            request.question = self.questions.recording(settings.question_probe)
+        elif settings.question:
+            request.question = self.questions.get(settings.question)
+            if request.question is None:  # (its probe ran on this server just before; only a flood pushes it out)
+                self.failures[req_id] = "kv_lookahead: the question's queries are gone from this worker"
+                return
         if settings.ragged:
             try:
                 request.gate = gate(req_id)

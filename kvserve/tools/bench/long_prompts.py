@@ -36,6 +36,7 @@ from kvserve.tools.bench.servers import running_server
 from kvserve.tools.bench.workload import phase_delta
 from kvserve.tools.eval.client import Setting, metric_sum
 from kvserve.tools.eval.tasks import make_case, score
+from kvserve.tools.markdown import table
 
 SERVED_NAME = "bench"
 
@@ -112,15 +113,19 @@ def ask(client: httpx.Client, url: str, prompt: str, max_tokens: int, setting: S
 def settings(args: argparse.Namespace) -> list[Setting]:
     budgets = [int(b) for b in args.budgets.split(",")]
     evicting = [
-        Setting(policy, budget, evict_every_chunk=True, span=args.span)
+        Setting(policy, budget, evict_every_chunk=True, span=args.span, lookahead=int(lookahead))
         for policy in args.policy.split(",")
+        for lookahead in args.lookahead.split(",")
         for budget in budgets
     ]
     return [Setting("full", None), *evicting]
 
 
 def label(row: dict) -> str:
-    return "full" if row["policy"] == "full" else f"{row['policy']} B={row['budget']} every chunk"
+    if row["policy"] == "full":
+        return "full"
+    lookahead = f", lookahead {row['lookahead']}" if row.get("lookahead") else ""
+    return f"{row['policy']} B={row['budget']} every chunk{lookahead}"
 
 
 def report(rows: list[dict], pages_per_token_list: float, chunk: int, block: int) -> str:
@@ -128,8 +133,7 @@ def report(rows: list[dict], pages_per_token_list: float, chunk: int, block: int
     chunk + block, and each task's mean score."""
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     header = ["length", "setting", "TTFT s", "vs full", "TPOT s", "peak entries / list, in use / allocated"]
-    header += ["bound", *tasks]
-    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    cells = []
     for length in sorted({r["length"] for r in rows}):
         at = [r for r in rows if r["length"] == length]
         full_ttft = statistics.median(r["ttft_s"] for r in at if r["policy"] == "full")
@@ -144,9 +148,8 @@ def report(rows: list[dict], pages_per_token_list: float, chunk: int, block: int
             scores = [_mean_score([r for r in mine if r["task"] == task]) for task in tasks]
             tpot = f"{statistics.median(tpots):.3f}" if tpots else "-"
             held = f"{peak:,.0f} / {allocated:,.0f}"
-            cells = [f"{length:,}", name, f"{ttft:.1f}", f"{ttft / full_ttft:.2f}x", tpot, held, bound]
-            lines.append("| " + " | ".join([*cells, *scores]) + " |")
-    return "\n".join(lines)
+            cells.append([f"{length:,}", name, f"{ttft:.1f}", f"{ttft / full_ttft:.2f}x", tpot, held, bound, *scores])
+    return table([*header, "bound", *tasks], cells)
 
 
 def _mean_score(rows: list[dict]) -> str:
@@ -160,20 +163,19 @@ def phase_table(rows: list[dict]) -> str:
     """At the longest length, where each setting's engine time went (medians over its cases, seconds): the model's
     own layers, attention, eviction's statistics and compaction, page bookkeeping, scheduling."""
     length = max(r["length"] for r in rows)
-    header = ["setting", "worker", "model", "attention", "statistics", "compaction", "pages", "schedule"]
-    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    own = ("attention", "statistics", "compaction", "pages")
     at = [r for r in rows if r["length"] == length and "phase_seconds" in r]
+    cells = []
     for name in dict.fromkeys(label(r) for r in at):
         phases = [r["phase_seconds"] for r in at if label(r) == name]
 
         def median(phase: str, phases=phases) -> float:
             return statistics.median(p[phase] for p in phases)
 
-        model = median("worker") - sum(median(p) for p in ("attention", "statistics", "compaction", "pages"))
-        cells = [median("worker"), model, *(median(p) for p in ("attention", "statistics", "compaction", "pages"))]
-        cells.append(median("schedule"))
-        lines.append(f"| {name} | " + " | ".join(f"{value:.1f}" for value in cells) + " |")
-    return "\n".join(lines)
+        model = median("worker") - sum(median(p) for p in own)
+        seconds = [median("worker"), model, *(median(p) for p in own), median("schedule")]
+        cells.append([name, *(f"{value:.1f}" for value in seconds)])
+    return table(["setting", "worker", "model", *own, "schedule"], cells)
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -213,6 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budgets", default="1024,2048")
     parser.add_argument("--policy", default="keydiff", help="the policy (or a comma list) that evicts every chunk")
     parser.add_argument("--span", type=int, default=1, help="kv_span of the evicting settings")
+    parser.add_argument(
+        "--lookahead", default="0", help="kv_lookahead of the evicting settings (a comma list; 0: the chunk's votes)"
+    )
     parser.add_argument("--tasks", default="passkey,multikey_one")
     parser.add_argument("--samples", type=int, default=2, help="cases per task and length")
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (--max-num-batched-tokens)")
@@ -277,6 +282,7 @@ def main(argv: list[str] | None = None) -> None:
                         index=case.index,
                         policy=setting.policy,
                         budget=setting.budget,
+                        lookahead=setting.lookahead,
                         score=score(row["answer"], case.references),
                     )
                     rows.append(row)

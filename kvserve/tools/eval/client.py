@@ -29,6 +29,7 @@ class Setting:
     match: str | None = None
     evict_when: str = "eager"  # kv_evict_when
     checkpoint: int | str = 0  # kv_checkpoint: tokens between checkpoints, or "turns" (0: none)
+    lookahead: int = 0  # kv_lookahead: the prompt's last tokens whose queries vote first (0: none)
 
     @property
     def label(self) -> str:
@@ -41,6 +42,7 @@ class Setting:
         parts += [self.evict_when] * (self.evict_when != "eager")
         if self.checkpoint:
             parts.append("checkpoint-turns" if self.checkpoint == "turns" else f"checkpoint{self.checkpoint}")
+        parts += [f"lookahead{self.lookahead}"] * (self.lookahead > 0)
         return "/".join(parts)
 
     def compresses_documents(self) -> bool:
@@ -68,6 +70,8 @@ class Setting:
             headers["x-kv-evict-every-chunk"] = "true"
         if self.evict_when != "eager":
             headers["x-kv-evict-when"] = self.evict_when
+        if self.lookahead:
+            headers["x-kv-lookahead"] = str(self.lookahead)
         if self.policy != "full":  # always sent: the row's label must hold whatever the server's defaults are
             headers["x-kv-allocation"] = self.allocation
             headers["x-kv-span"] = str(self.span)

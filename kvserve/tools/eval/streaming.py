@@ -13,7 +13,11 @@ left. Rules (`--scorers`):
   question is) are run alone first, at their own positions, and their queries score every chunk. A server holds the
   whole prompt when it admits it, so the question is known before the document streams in; run alone, its queries
   have not seen the document (the price of knowing them early);
-- `mix`: each entry's better percentile rank under `lookahead` and `keydiff`, so each rule's best half survives.
+- `mix`: each entry's better percentile rank under `lookahead` and `keydiff`, so each rule's best half survives
+  (the policy `snapkv_keydiff`).
+
+The server runs `lookahead` and `mix` as `kv_lookahead=T` with `snapkv` or `snapkv_keydiff`
+(`kvserve/server/lookahead.py`); tests/test_lookahead.py holds the two to the same choices.
 
 Measured on Qwen2.5-Coder-0.5B (docs/benchmarks.md, "Long prompts"):
 
@@ -26,14 +30,16 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from kvserve.policies.base import LayerObservation, recent_mask, top_with_protected
+from kvserve.policies.base import LayerObservation
 from kvserve.policies.keydiff import KeyDiff
 from kvserve.policies.snapkv import SnapKV
+from kvserve.policies.snapkv_keydiff import SnapKVKeyDiff
 from kvserve.provenance import command_line, provenance
 
 PROG = "python -m kvserve.tools.eval.streaming"
@@ -41,11 +47,7 @@ SCORERS = ("full", "keydiff", "snapkv", "lookahead", "mix")
 WINDOW = 32  # the newest entries every rule keeps, and SnapKV's voting window (both policies' defaults)
 KERNEL = 15  # SnapKV's pooling kernel as `kvserve serve` defaults it
 KEYDIFF, SNAPKV = KeyDiff(window=WINDOW), SnapKV(window=WINDOW, kernel_size=KERNEL)
-
-
-def percentile_ranks(scores: torch.Tensor) -> torch.Tensor:
-    """[H, n] -> [H, n]: each entry's rank within its head, 0 (lowest score) to 1."""
-    return scores.float().argsort(dim=1).argsort(dim=1).float() / max(scores.shape[1] - 1, 1)
+MIX = SnapKVKeyDiff(window=WINDOW, kernel_size=KERNEL)  # the served `snapkv_keydiff`
 
 
 class QueryCapture:
@@ -58,6 +60,7 @@ class QueryCapture:
 
         self.queries: dict[int, torch.Tensor] = {}  # layer -> [q, Hq, D]
         self.mask: torch.Tensor | None = None  # [1, 1, q, held + q] bool, True: attends
+        self.handles = []
         for index, layer in enumerate(model.model.layers):
             attention = layer.self_attn
 
@@ -72,7 +75,12 @@ class QueryCapture:
                     return args, {**kwargs, "attention_mask": additive}
                 return None
 
-            attention.register_forward_pre_hook(capture, with_kwargs=True)
+            self.handles.append(attention.register_forward_pre_hook(capture, with_kwargs=True))
+
+    def remove(self) -> None:
+        """The model as it was (a test's shared model goes on to other tests)."""
+        for handle in self.handles:
+            handle.remove()
 
 
 @dataclass
@@ -91,9 +99,8 @@ def keep_indices(rule: str, obs: LayerObservation, budget: int, question: LayerO
     assert question is not None
     if rule == "lookahead":
         return SNAPKV.keep_indices(question, budget)
-    if rule == "mix":
-        scores = torch.maximum(percentile_ranks(SNAPKV.score(question)), percentile_ranks(KEYDIFF.score(obs)))
-        return top_with_protected(scores, recent_mask(obs, WINDOW), budget)
+    if rule == "mix":  # KeyDiff reads no queries: the question's observation holds the same keys
+        return MIX.keep_indices(question, budget)
     raise ValueError(f"scorer must be one of {', '.join(SCORERS)}, not {rule!r}")
 
 
@@ -103,13 +110,14 @@ def stream(
     ids: list[int],
     rule: str,
     budget: int,
-    chunk: int,
+    chunk: int | Sequence[int],
     tail: int,
     max_new: int,
     tokenizer,
 ) -> Streamed:
-    """Reads `ids` in chunks, compacting every layer to `budget` per KV head after each chunk under `rule`, then
-    decodes `max_new` tokens greedily."""
+    """Reads `ids` in chunks (of `chunk` tokens, or of the sizes listed, as a server's scheduler cut them),
+    compacting every layer to `budget` per KV head after each chunk under `rule`, then decodes `max_new` tokens
+    greedily."""
     from transformers import DynamicCache
 
     config = model.config
@@ -130,8 +138,9 @@ def stream(
             )
             question_queries = dict(capture.queries)
         cache = DynamicCache(config=config)
-        for start in range(0, total, chunk):
-            piece = prompt[:, start : start + chunk]
+        starts = range(0, total, chunk) if isinstance(chunk, int) else [sum(chunk[:i]) for i in range(len(chunk))]
+        for start, end in zip(starts, [*starts[1:], total], strict=True):
+            piece = prompt[:, start:end]
             width = piece.shape[1]
             held = cache.get_seq_length()
             mask = torch.ones(width, held + width, dtype=torch.bool)

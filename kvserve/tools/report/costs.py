@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvserve.tools.report.markdown import ratio, table
+from kvserve.tools.markdown import ratio, table
 from kvserve.tools.report.sources import DataDir, Source
 from kvserve.tools.report.throughput import setting_name, workload
 

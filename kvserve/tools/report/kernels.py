@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvserve.tools.report.markdown import table
+from kvserve.tools.markdown import table
 from kvserve.tools.report.sources import DataDir, Source
 
 RUNS = ("kernels/h100-bf16.json", "kernels/h100-fp16.json", "kernels/h200-bf16.json", "kernels/h200-fp16.json")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvserve.tools.bench.long_prompts import phase_table, plot, report
-from kvserve.tools.report.markdown import table
+from kvserve.tools.markdown import table
 from kvserve.tools.report.sources import DataDir
 from kvserve.tools.report.throughput import capacity_table
 
@@ -15,8 +15,10 @@ LONG = ("long/qwen05.json", "long/qwen05-32k.json")
 # several 16k-token requests in a pool that holds two of them without eviction, vanilla vLLM in the same run
 CAPACITY = "long/capacity-16k.json"
 TITLE = "## Long prompts through a bounded cache"
-# every-chunk eviction in transformers under rules the server does not run yet (python -m kvserve.tools.eval.streaming)
+# every-chunk eviction in transformers, the server's rules and the question's (python -m kvserve.tools.eval.streaming)
 STREAMING = ("long/streaming-8k.json", "long/streaming-16k.json", "long/streaming-32k.json")
+# the question's votes served (kv_lookahead with snapkv_keydiff), full beside it in the same run
+LOOKAHEAD = ("long/lookahead-16k.json", "long/lookahead-32k.json")
 
 
 def section(data: DataDir, plots: Path, plot_link: str) -> str:
@@ -47,6 +49,7 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             phase_table(rows),
             *(source.caption() for source in sources),
             *streaming_study(data),
+            *served_lookahead(data),
             "### Several long prompts in a small pool",
             f"{capacity_workload(capacity)} Vanilla runs two at a time; with eviction after every chunk each request "
             "holds at most B + one chunk + one block entries a list, so all of them run at once.",
@@ -109,12 +112,31 @@ def streaming_study(data: DataDir) -> list[str]:
         "### What keeps the needle: a reference study",
         f"The same every-chunk eviction computed in transformers on {args['model']} "
         f"(`python -m kvserve.tools.eval.streaming`: chunks of {args['chunk']:,}, B={args['budget']}, kvserve's own "
-        "policy classes choosing), to try rules the server does not run yet. `lookahead`: SnapKV's votes cast by "
+        "policy classes choosing), to try rules before serving them. `lookahead`: SnapKV's votes cast by "
         f"the question's queries, the prompt's last {args['tail']} tokens run alone at their own positions before "
         "the document streams in (a server holds the whole prompt when it admits it); `mix`: each entry's better "
-        "percentile rank under `lookahead` and `keydiff`. Per rule: the answer's score and, in brackets, the share "
+        "percentile rank under `lookahead` and `keydiff` (the policy `snapkv_keydiff`; the server runs both as "
+        "`kv_lookahead`, next section). Per rule: the answer's score and, in brackets, the share "
         "of the needle's entries (the answer's first appearance, 5 tokens before to 20 after) that the deeper half "
         "of the layers held when decoding began.",
         table(headers, cells),
         *(study.caption() for study in studies),
+    ]
+
+
+def served_lookahead(data: DataDir) -> list[str]:
+    """`kv_lookahead` served: full against the question's votes every chunk, one server, the same cases."""
+    sources = [data.load(name) for name in LOOKAHEAD]
+    args = sources[0].data["args"]
+    rows = [row for source in sources for row in source.data["results"]]
+    per_list = args["block_size"] / (args["layers"] * args["kv_heads"])
+    return [
+        "### Served: the question's votes while the prompt streams in (`kv_lookahead`)",
+        f"`kvserve bench long --lookahead {args['lookahead']}` on {args['model']}: `{args['policy']}` with "
+        f"`kv_evict_every_chunk` and `kv_lookahead={args['lookahead']}`, span {args['span']}: the server first runs "
+        f"the prompt's last {args['lookahead']} tokens alone (one token generated), then compacts every "
+        f"{args['chunk']:,}-token chunk by their queries' votes or KeyDiff's rank, whichever is better. Its TTFT "
+        f"includes the question's own run. {cases(sources)}; columns as above.",
+        report(rows, per_list, args["chunk"], args["block_size"]),
+        *(source.caption() for source in sources),
     ]

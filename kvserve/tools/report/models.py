@@ -9,8 +9,8 @@ from kvserve.tools.bench.__main__ import plot as capacity_plot
 from kvserve.tools.bench.chat import plot as chat_plot
 from kvserve.tools.eval.client import label_of
 from kvserve.tools.eval.suite import Cell, Suite, length_group
+from kvserve.tools.markdown import table
 from kvserve.tools.report.costs import overhead_table
-from kvserve.tools.report.markdown import table
 from kvserve.tools.report.quality import (
     DEFAULT_POLICY,
     FLOOR,

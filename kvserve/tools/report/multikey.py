@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvserve.tools.eval.suite import Suite, length_group
 from kvserve.tools.eval.tasks import score
-from kvserve.tools.report.markdown import table
+from kvserve.tools.markdown import table
 from kvserve.tools.report.models import by_length_table
 from kvserve.tools.report.sources import DataDir, Source
 

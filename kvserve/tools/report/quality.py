@@ -14,7 +14,7 @@ from kvserve.tools.eval.perplexity import perplexities
 from kvserve.tools.eval.quality import mean_scores
 from kvserve.tools.eval.report import allocation_table
 from kvserve.tools.eval.suite import Cell, Suite, cell_text, length_group
-from kvserve.tools.report.markdown import table
+from kvserve.tools.markdown import table
 from kvserve.tools.report.plots import pyplot, save
 from kvserve.tools.report.sources import DataDir, Source
 

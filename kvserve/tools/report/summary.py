@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvserve.config import BUILTIN_DEFAULTS, parse_kv_config
+from kvserve.tools.markdown import ratio, table
 from kvserve.tools.report import models
-from kvserve.tools.report.markdown import ratio, table
 from kvserve.tools.report.quality import base_policy, best_labels, load_suite, single_needle_cells
 from kvserve.tools.report.sources import DataDir
 from kvserve.tools.report.throughput import DECODE_HEAVY

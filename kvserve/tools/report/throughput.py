@@ -9,7 +9,7 @@ from pathlib import Path
 from kvserve.tools.bench.__main__ import CEILING
 from kvserve.tools.bench.__main__ import plot as capacity_plot
 from kvserve.tools.bench.chat import plot as chat_plot
-from kvserve.tools.report.markdown import ratio, table
+from kvserve.tools.markdown import ratio, table
 from kvserve.tools.report.sources import DataDir, Source
 
 DECODE_HEAVY = ("suite/capacity-duo.json", "capacity-decode-heavy.json")
