@@ -109,6 +109,19 @@ def test_chunk_compactions_keep_what_the_question_votes_for_in_the_reference(eng
     assert list(asked.outputs[0].token_ids) == [engine.tokenizer.encode(reference.answer, add_special_tokens=False)[0]]
 
 
+def test_a_request_whose_question_is_gone_fails_alone(engine):
+    """Its queries were never recorded here (or a flood pushed them out): the request ends with finish_reason
+    "error" and says why; the engine and its pool go on."""
+    free_before = engine.free_blocks()
+    kv = chunk_settings("snapkv", kv_question=uuid.uuid4().hex, kv_question_start=200)
+    (failed,) = engine.generate([prompt(engine, 300, seed=63)], 4, kv)
+    assert failed.outputs[0].finish_reason == "error"
+    assert "question's queries are gone" in failed.kv_transfer_params["kv_policy_failure"]
+    assert engine.free_blocks() == free_before
+    (served,) = engine.generate([prompt(engine, 300, seed=63)], 4, chunk_settings("snapkv"))
+    assert served.outputs[0].finish_reason == "length"
+
+
 def test_questions_are_bounded_and_dropped():
     store = Questions(capacity=2)
     for key in "abc":
