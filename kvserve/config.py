@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kvserve.errors import InvalidSetting
-from kvserve.policies import POLICIES, POLICY_NAMES, Policy
+from kvserve.policies import BASE_POLICIES, POLICIES, POLICY_NAMES, Policy
 from kvserve.policies.knobs import KEY_PREFIX, parse_bool, parse_int
 from kvserve.policy_settings import allocation_and_span, evict_when_of
 
@@ -295,16 +295,21 @@ def _with_question(config: KVConfig, request: dict[str, Any]) -> KVConfig:
             raise InvalidSetting("kv_question_start", "needs kv_question")
         return config
     start = parse_int("kv_question_start", request.get("kv_question_start", -1))
-    why = None
-    if start < 0:
-        why = "needs kv_question_start, the question's first position in the prompt"
-    elif "window_sums" not in POLICIES[config.policy].pass_statistics:
-        why = f"{config.policy} casts no votes from a window of queries"
-    elif not config.evict_every_chunk:
-        why = "votes on prefill chunks' compactions: it needs kv_evict_every_chunk"
+    why = "needs kv_question_start, the question's first position in the prompt" if start < 0 else None
+    why = why or question_refusal(config)
     if why is not None:
         raise InvalidSetting("kv_question", why)
     return replace(config, question=str(key), question_start=start)
+
+
+def question_refusal(config: KVConfig) -> str | None:
+    """Why this request's prefill compactions cannot be voted on by its question's queries (kv_lookahead), or None."""
+    if not config.evicts or "window_sums" not in POLICIES[config.policy].pass_statistics:
+        voting = ", ".join(cls.name for cls in BASE_POLICIES if "window_sums" in cls.pass_statistics)
+        return f"needs a policy whose window of queries votes ({voting}, ...), not {config.policy}"
+    if not config.evict_every_chunk:
+        return "votes on prefill chunks' compactions: it needs kv_evict_every_chunk"
+    return None
 
 
 def _with_checkpoint(config: KVConfig, request: dict[str, Any], defaults: dict[str, Any]) -> KVConfig:

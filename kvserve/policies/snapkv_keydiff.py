@@ -21,6 +21,8 @@ from kvserve.policies.keydiff import KeyDiff
 from kvserve.policies.knobs import knob
 from kvserve.policies.snapkv import SnapKV
 
+DIVERSITY = KeyDiff()  # (its score reads no setting: made once, not per compaction)
+
 
 @dataclass(frozen=True, kw_only=True)
 class SnapKVKeyDiff(SnapKV):
@@ -30,5 +32,5 @@ class SnapKVKeyDiff(SnapKV):
 
     def score(self, obs: LayerObservation) -> torch.Tensor:
         votes = super().score(obs)
-        diversity = KeyDiff(window=self.window).score(obs)
+        diversity = DIVERSITY.score(obs)
         return torch.maximum(percentile_ranks(votes), percentile_ranks(diversity))

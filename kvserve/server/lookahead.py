@@ -19,10 +19,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.config import KVConfig
+from kvserve.config import KVConfig, question_refusal
 from kvserve.errors import InvalidSetting
 from kvserve.model_support import ServedEngine, served_settings
-from kvserve.policies import BASE_POLICIES, POLICIES
 from kvserve.policies.knobs import parse_int
 from kvserve.server.documents import prompt_ids, tokenizer_of
 
@@ -53,12 +52,9 @@ def plan_lookahead(body: dict[str, Any], path: str, engine: ServedEngine) -> Loo
     if tokens == 0:
         return Lookahead(request_body=plain)
     config = served_settings(xargs, engine)  # the rest of its settings, checked as they are
-    if not config.evicts or "window_sums" not in POLICIES[config.policy].pass_statistics:
-        voting = ", ".join(cls.name for cls in BASE_POLICIES if "window_sums" in cls.pass_statistics)
-        why = f"needs a policy whose window of queries votes ({voting}, ...), not {config.policy}"
+    why = question_refusal(config)
+    if why is not None:
         raise InvalidSetting("kv_lookahead", why)
-    if not config.evict_every_chunk:
-        raise InvalidSetting("kv_lookahead", "votes on prefill chunks' compactions: set kv_evict_every_chunk too")
     prompt = prompt_ids(body, path, tokenizer_of(engine), "kv_lookahead")
     if len(prompt) <= config.budget:
         return Lookahead(request_body=plain)

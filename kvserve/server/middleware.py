@@ -162,7 +162,7 @@ class KVHeadersMiddleware:
             extra_headers.append((b"x-kv-lookahead", str(lookahead.tokens or "none").encode()))
             if lookahead.probe_body is not None:  # the question alone first: the workers keep its queries
                 asked = await self._engine_completion(
-                    scope, receive, lookahead.probe_body, lookahead.probe_config, self.served(scope)
+                    scope, receive, lookahead.probe_body, lookahead.probe_config, engine
                 )
                 if asked.status != 200:
                     await _send_json(send, asked.status or 500, asked.body)

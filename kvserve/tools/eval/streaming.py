@@ -1,5 +1,5 @@
-"""`python -m kvserve.tools.eval.streaming`: eviction while a long prompt streams in, computed in transformers, for
-scoring rules the server does not run yet.
+"""`python -m kvserve.tools.eval.streaming`: eviction while a long prompt streams in, computed in transformers, to
+try scoring rules before the server runs them and to hold the server to them.
 
 The model reads the prompt in chunks (as vLLM's chunked prefill does), and after every chunk each (layer, KV head)
 keeps `budget` entries chosen by kvserve's own policy classes (`kvserve.policies`): each chunk attends to at most B
