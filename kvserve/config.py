@@ -14,6 +14,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from kvserve.document_settings import with_document
 from kvserve.errors import InvalidSetting
 from kvserve.policies import BASE_POLICIES, POLICIES, POLICY_NAMES, Policy
 from kvserve.policies.knobs import KEY_PREFIX, parse_bool, parse_int
@@ -43,9 +44,9 @@ GENERAL_KEYS = (
     "kv_lookahead",
 )
 # Set only by kvserve itself, and refused from clients by the HTTP middleware: the request is a document's
-# reconstruction (`kvserve.server.documents`); the request records its prompt's queries as a question's, or its chunk
-# compactions are voted on by those queries (`kvserve.server.lookahead`)
-INTERNAL_KEYS = ("kv_reconstruct", "kv_question_probe", "kv_question", "kv_question_start")
+# reconstruction, or one piece of it (`kvserve.server.documents`); the request records its prompt's queries as a
+# question's, or its chunk compactions are voted on by those queries (`kvserve.server.lookahead`)
+INTERNAL_KEYS = ("kv_reconstruct", "kv_reconstruct_piece", "kv_question_probe", "kv_question", "kv_question_start")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,12 @@ class KVConfig:
     # the prompt is the policy's document (`document`), an instruction and the document again: compact the document
     # by the model's reconstruction of it and publish it for the requests that start with it (kv_reconstruct)
     reconstruct: bool = False
+    # a document reconstructed piece by piece (`kv_reconstruct_piece` KEY:START:END, kvserve/worker/pieces.py): this
+    # request's copy is the document's tokens START..END; the pieces' scores meet under KEY, and the piece that ends
+    # the document compacts with all of them (piece_end 0: the whole document in one copy)
+    piece_key: str = ""
+    piece_start: int = 0
+    piece_end: int = 0
     # kv_lookahead (`kvserve/server/lookahead.py`): the request records its prompt's queries under this key (a probe:
     # the question run alone), or its prefill compactions are voted on by the queries recorded under this key, the
     # question's first token being at position question_start of its prompt
@@ -99,6 +106,11 @@ class KVConfig:
         return int(dict(self.knobs).get("document", 0))
 
     @property
+    def compresses_document(self) -> bool:
+        """It reconstructs the document's last piece (or the whole document): it compacts and publishes the lists."""
+        return self.reconstruct and (not self.piece_end or self.piece_end == self.document)
+
+    @property
     def ragged(self) -> bool:
         """The policy decides per head how many entries to keep (Attention-Gate); the budget, if any, caps them."""
         return self.evicts and POLICIES[self.policy].ragged
@@ -126,7 +138,12 @@ class KVConfig:
             return PrefixSharing(reads=True, publishes=True)
         # heads / global decide their counts while they compact, so the pages to keep out of shared blocks are not
         # known beforehand; a gate masks attention inside the prompt, so its keys are not a plain request's
-        shares = not self.ragged and not self.own_counts and self.allocation in ("uniform", "pyramid")
+        # (a request that resumes from a compressed document, or reconstructs one of its earlier pieces, never
+        # compacts: its allocation changes nothing it reads or computes)
+        never_compacts = bool(self.document) and not self.compresses_document
+        shares = (
+            not self.ragged and not self.own_counts and (self.allocation in ("uniform", "pyramid") or never_compacts)
+        )
         queries = self.make_policy().prompt_queries_read() if shares else None
         return PrefixSharing(
             # A compaction after every chunk makes later chunks' keys depend on where chunks end, so such a request
@@ -136,7 +153,7 @@ class KVConfig:
             # (a document's reconstruction publishes only the compressed document: its instruction and copy are no
             # prefix anyone asks for, and plain blocks would need copies that a prompt twice the document's length
             # has no room for near max_model_len)
-            publishes=shares and not self.evict_every_chunk and not self.reconstruct,
+            publishes=shares and not self.evict_every_chunk and not self.compresses_document,
             computed_tail=max(queries or 0, 1),
             # per-layer budgets round up to a page each: a compaction may need one block beyond cdiv(B, bs)
             spare_blocks=1 if self.allocation == "pyramid" else 0,
@@ -248,32 +265,7 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
         span=span,
         evict_when=evict_when,
     )
-    return _with_question(_with_document(_with_checkpoint(config, request, defaults), request), request)
-
-
-def _with_document(config: KVConfig, request: dict[str, Any]) -> KVConfig:
-    """A document compressed once (`kv_document`): refused with whatever would make its compressed lists depend on
-    more than the document and the settings, or unable to fill whole blocks; `kv_reconstruct` marks the request that
-    compresses it."""
-    reconstruct = parse_bool("kv_reconstruct", request.get("kv_reconstruct", False))
-    document = config.document
-    if not document:
-        if reconstruct:
-            raise InvalidSetting("kv_reconstruct", "needs kv_document: the tokens of the document it reconstructs")
-        return config
-    why = None
-    if config.budget is None:
-        why = "compresses the document to kv_budget, and none is given"
-    elif config.budget >= document:
-        why = f"must be longer than kv_budget ({config.budget}): a document that fits is not compressed"
-    elif config.evict_every_chunk or config.allocation != "uniform" or config.defers or config.checkpoints_only:
-        why = (
-            "compresses the document once, each list to kv_budget, where its reconstruction ends: it takes no "
-            "kv_evict_every_chunk, kv_allocation other than uniform, kv_evict_when=pressure or kv_checkpoint"
-        )
-    if why is not None:
-        raise InvalidSetting("kv_document", why)
-    return replace(config, reconstruct=reconstruct)
+    return _with_question(with_document(_with_checkpoint(config, request, defaults), request), request)
 
 
 def _with_question(config: KVConfig, request: dict[str, Any]) -> KVConfig:

@@ -244,10 +244,14 @@ def _check_tensor_parallel(config: KVConfig, tensor_ranks: int) -> None:
     """Under tensor parallelism each rank holds and scores only its own KV heads (and their query heads): settings
     that need every head at once are refused rather than served differently from one rank."""
     if config.allocation in ("heads", "global"):
+        default_allocation = POLICIES[config.policy].default_allocation
         raise InvalidSetting(
             "kv_allocation",
             f"{config.allocation} ranks entries across all KV heads; under tensor parallelism ({tensor_ranks} ranks) "
-            "each rank holds only its own heads. Use uniform (spans work)",
+            "each rank holds only its own heads. Use uniform (spans work)"
+            + (
+                f"; {config.allocation} is {config.policy}'s default" if default_allocation == config.allocation else ""
+            ),
         )
     if config.policy == "attention_gate":
         raise InvalidSetting(

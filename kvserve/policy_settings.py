@@ -49,7 +49,7 @@ def allocation_and_span(
     protected: int,
 ) -> tuple[str, int]:
     """kv_allocation and kv_span, refused (with the reason) where the policy cannot use them."""
-    allocation = request.get("kv_allocation", defaults.get("kv_allocation", "uniform"))
+    allocation = request.get("kv_allocation", defaults.get("kv_allocation", cls.default_allocation))
     if allocation not in ALLOCATIONS:
         raise InvalidSetting("kv_allocation", f"must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
     span = parse_int("kv_span", request.get("kv_span", own.get("kv_span", cls.default_span)))

@@ -215,13 +215,25 @@ def kvzip_reference(model, document: list[int], instruction: list[int], budget: 
     """KVzip's choice (arXiv:2505.23416): the document, the instruction and the document again through the model;
     each document entry scores the most attention any query after the document, in any query head of its KV group,
     gave it; the first `sinks` and the top scores are kept. Returns (keep [L][H, B], scores [L][H, len(document)])."""
-    ids = document + instruction + document
-    out = model(input_ids=torch.tensor([ids]), output_attentions=True)
+    return kvzip_pieces_reference(model, document, [instruction + document], budget, sinks)
+
+
+@torch.no_grad()
+def kvzip_pieces_reference(model, document: list[int], suffixes: list[list[int]], budget: int, sinks: int):
+    """KVzip reconstructed piece by piece: the document then each suffix (an instruction and a piece of the copy)
+    through the model, one run per piece; each document entry scores the most attention any query after the
+    document, in any run and any query head of its KV group, gave it. Returns (keep [L][H, B], scores [L][H, n])."""
     num_kv, n = model.config.num_key_value_heads, len(document)
+    peaks = None
+    for suffix in suffixes:
+        out = model(input_ids=torch.tensor([document + suffix]), output_attentions=True)
+        layers = []
+        for attn in out.attentions:  # [1, Hq, q, k]
+            reconstruction = attn[0, :, n:, :n]  # queries past the document, keys of the document
+            layers.append(reconstruction.reshape(num_kv, -1, reconstruction.shape[1], n).amax(dim=(1, 2)))
+        peaks = layers if peaks is None else [torch.maximum(a, b) for a, b in zip(peaks, layers, strict=True)]
     keeps, scores = [], []
-    for attn in out.attentions:  # [1, Hq, q, k]
-        reconstruction = attn[0, :, n:, :n]  # queries past the document, keys of the document
-        peak = reconstruction.reshape(num_kv, -1, reconstruction.shape[1], n).amax(dim=(1, 2))  # [H, n]
+    for peak in peaks:  # [H, n]
         ranked = peak.masked_fill(torch.arange(n) < sinks, float("inf"))
         top = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :budget]
         keeps.append(torch.sort(top, dim=-1).values)

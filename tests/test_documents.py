@@ -14,15 +14,16 @@ import uuid
 
 import httpx
 import pytest
+import torch
 from engine_settings import BLOCK_SIZE
-from hf_reference import generate_after_kept_prefix, kvzip_reference
+from hf_reference import generate_after_kept_prefix, kvzip_pieces_reference, kvzip_reference
 from test_checkpoints import counter
 from test_engine import _assert_same_kept
 from test_prefix_cache import evicted, question, run, salted
 
 from kvserve.config import parse_kv_config
 from kvserve.errors import InvalidSetting
-from kvserve.server.documents import instruction_ids
+from kvserve.server.documents import instruction_ids, reconstruction_pieces
 from kvserve.tools.eval.haystack import haystack
 
 BUDGET = 2 * BLOCK_SIZE
@@ -40,7 +41,7 @@ def instruction(engine) -> list[int]:
 def test_a_compressed_document_keeps_what_its_reconstruction_attends_to_and_its_questions_resume(engine, hf_model):
     document = haystack(engine.tokenizer, 300, seed=31)
     salt = uuid.uuid4().hex
-    kv = compress_settings(document, kv_span=1)  # the per-token choice the reference makes
+    kv = compress_settings(document, kv_span=1, kv_allocation="uniform")  # B per list: the reference's choice
     published = counter("checkpoints_published")
     free = engine.free_blocks()
     (compressed,) = run(
@@ -73,6 +74,116 @@ def test_a_compressed_document_keeps_what_its_reconstruction_attends_to_and_its_
     assert engine.free_blocks() == free  # nothing held once they finished (cached blocks count as free)
 
 
+def test_kvzip_ranks_every_layer_and_head_together_and_publishes_whole_pages(engine, hf_model):
+    """kvzip's default allocation (`global`, the paper's): one ranking of the raw reconstruction scores over every
+    (layer, KV head, token), L x H x B kept in all, each list rounded to whole pages; the document is published and
+    its question resumes from the uneven lists; the pool is whole after."""
+    document = haystack(engine.tokenizer, 300, seed=34)
+    salt = uuid.uuid4().hex
+    kv = compress_settings(document, kv_span=1)
+    free = engine.free_blocks()
+    published = counter("checkpoints_published")
+    (compressed,) = run(
+        engine, [salted(document + instruction(engine) + document, salt)], {**kv, "kv_reconstruct": 1}, 1
+    )
+    assert counter("checkpoints_published") == published + 1
+    state = engine.eviction_state(compressed.request_id)
+    _, ref_scores = kvzip_reference(hf_model, document, instruction(engine), BUDGET, SINKS)
+    scores = torch.stack(ref_scores)  # [L, H, n]
+    num_layers, num_heads, n = scores.shape
+    ranked = scores.masked_fill(torch.arange(n) < SINKS, float("inf"))
+    # the ranking's own counts: every list fills the one page it must hold with its best entries, then the best of
+    # all the remaining entries, whichever list they are in, fill the rest of L x H x B
+    beyond_first_page = torch.sort(ranked, dim=-1, descending=True, stable=True).values[..., BLOCK_SIZE:]
+    rest = num_layers * num_heads * (BUDGET - BLOCK_SIZE)
+    threshold = torch.sort(beyond_first_page.flatten(), descending=True).values[rest - 1]
+    exact = BLOCK_SIZE + (beyond_first_page >= threshold).sum(-1)
+    counts = torch.stack([state.layers[layer].counts(num_heads) for layer in range(num_layers)]).long()
+    assert int(counts.sum()) == num_layers * num_heads * BUDGET  # the memory B promises, no more
+    assert not bool((counts % BLOCK_SIZE).any())  # whole pages, so that the document is published as blocks
+    assert bool(((counts - exact).abs() < BLOCK_SIZE).all())  # within a page of the ranking's own counts
+    assert len(set(counts.flatten().tolist())) > 1  # the lists really keep different counts
+    for layer in range(num_layers):
+        kept = state.layers[layer].kept_positions
+        for head in range(num_heads):
+            count = int(counts[layer, head])
+            ours = kept[head, :count]
+            assert int(ours.max()) < len(document) and set(range(SINKS)) <= set(ours.tolist())
+            best = torch.sort(ranked[layer, head], descending=True, stable=True)
+            _assert_same_kept(
+                ours[None], torch.sort(best.indices[:count]).values[None], scores[layer, head][None], layer
+            )
+
+    asked = question(engine, "What is this text about?")
+    (answer,) = run(engine, [salted(document + asked, salt)], kv, max_tokens=6)
+    assert answer.num_cached_tokens == len(document)  # it resumed from the uneven lists
+    assert evicted(answer) == len(document) - BUDGET
+    assert engine.free_blocks() == free
+
+
+def test_a_document_reconstructed_piece_by_piece_keeps_what_every_pieces_reconstruction_attends_to(engine, hf_model):
+    """The compress route's pieces (here of 128 tokens: three for a 300-token document), run in order: the last one
+    compacts with the most attention any piece's reconstruction gave each entry (a transformers reference running
+    each piece alone), publishes the document, and its question resumes from it; the pool is whole after."""
+    document = haystack(engine.tokenizer, 300, seed=35)
+    pieces = reconstruction_pieces(document, engine.tokenizer, max_model_len=2048, piece_tokens=128)
+    assert [(piece.start, piece.end) for piece in pieces] == [(0, 128), (128, 256), (256, len(document))]
+    salt = uuid.uuid4().hex
+    kv = compress_settings(document, kv_span=1, kv_allocation="uniform")
+    free = engine.free_blocks()
+    published = counter("checkpoints_published")
+    for piece in pieces:
+        (out,) = run(
+            engine,
+            [salted(piece.prompt, salt)],
+            {**kv, "kv_reconstruct": 1, "kv_reconstruct_piece": f"doc35:{piece.start}:{piece.end}"},
+            1,
+        )
+        assert evicted(out) == (len(document) - BUDGET if piece is pieces[-1] else 0)  # only the last one compacts
+    assert counter("checkpoints_published") == published + 1
+    state = engine.eviction_state(out.request_id)
+    suffixes = [piece.prompt[len(document) :] for piece in pieces]
+    ref_keep, ref_scores = kvzip_pieces_reference(hf_model, document, suffixes, BUDGET, SINKS)
+    for layer, keep in enumerate(ref_keep):
+        _assert_same_kept(state.layers[layer].kept_positions, keep, ref_scores[layer], layer)
+    # the pieces' scores are not the whole copy's: the test can tell them apart
+    _, whole_scores = kvzip_reference(hf_model, document, instruction(engine), BUDGET, SINKS)
+    assert any(not torch.allclose(a, b) for a, b in zip(ref_scores, whole_scores, strict=True))
+
+    asked = question(engine, "What is this text about?")
+    (answer,) = run(engine, [salted(document + asked, salt)], kv, max_tokens=6)
+    assert answer.num_cached_tokens == len(document)
+    kept = [state.layers[layer].kept_positions for layer in sorted(state.layers)]
+    assert list(answer.outputs[0].token_ids) == generate_after_kept_prefix(hf_model, document, kept, asked, 6)
+    assert engine.free_blocks() == free
+
+
+def test_a_last_piece_whose_earlier_pieces_never_ran_fails_alone(engine):
+    document = haystack(engine.tokenizer, 300, seed=36)
+    last = reconstruction_pieces(document, engine.tokenizer, max_model_len=2048, piece_tokens=128)[-1]
+    kv = {**compress_settings(document), "kv_reconstruct": 1, "kv_reconstruct_piece": f"never:{last.start}:300"}
+    free = engine.free_blocks()
+    (out,) = run(engine, [salted(last.prompt, uuid.uuid4().hex)], kv, 4)
+    assert out.outputs[0].finish_reason == "error"
+    assert "earlier pieces" in out.kv_transfer_params["kv_policy_failure"]
+    assert engine.free_blocks() == free
+    (fine,) = run(engine, [document[:50]], None, 2)  # the engine still serves
+    assert len(fine.outputs[0].token_ids) == 2
+
+
+def test_reconstruction_pieces_fit_max_model_len_and_one_piece_is_the_whole_copy(engine):
+    document = haystack(engine.tokenizer, 300, seed=37)
+    (whole,) = reconstruction_pieces(document, engine.tokenizer, max_model_len=2048)
+    assert whole.prompt == document + instruction(engine) + document and (whole.start, whole.end) == (0, 300)
+    long_document = haystack(engine.tokenizer, 1500, seed=38)  # over half of a 2,048-token context
+    pieces = reconstruction_pieces(long_document, engine.tokenizer, max_model_len=2048)
+    assert len(pieces) > 1 and all(len(piece.prompt) < 2048 for piece in pieces)
+    assert [token for piece in pieces for token in piece.prompt[-(piece.end - piece.start) :]] == long_document
+    with pytest.raises(InvalidSetting) as refused:  # room for pieces of fewer than MIN_PIECE tokens
+        reconstruction_pieces(haystack(engine.tokenizer, 1900, seed=39), engine.tokenizer, max_model_len=2048)
+    assert refused.value.field == "prompt"
+
+
 def test_a_reconstruction_whose_prompt_is_not_its_document_twice_publishes_nothing(engine):
     document = haystack(engine.tokenizer, 200, seed=32)
     other = haystack(engine.tokenizer, 200, seed=33)
@@ -90,6 +201,7 @@ def test_a_reconstruction_whose_prompt_is_not_its_document_twice_publishes_nothi
         ({"kv_policy": "kvzip", "kv_document": 300}, "kv_budget"),  # no budget
         ({"kv_policy": "kvzip", "kv_budget": 64, "kv_document": 300, "kv_checkpoint": 64}, "kv_checkpoint"),
         ({"kv_policy": "kvzip", "kv_budget": 64, "kv_document": 300, "kv_allocation": "pyramid"}, "kv_document"),
+        ({"kv_policy": "kvzip", "kv_budget": 64, "kv_document": 300, "kv_allocation": "heads"}, "kv_document"),
         ({"kv_policy": "kvzip", "kv_budget": 64, "kv_reconstruct": 1}, "kv_reconstruct"),
         ({"kv_policy": "snapkv", "kv_budget": 64, "kv_reconstruct": 1}, "kv_reconstruct"),
     ],
@@ -126,6 +238,21 @@ def test_compress_over_http_then_ask(server):
     assert asked.headers["x-kv-policy-applied"] == "kvzip"
 
 
+def test_a_document_longer_than_half_the_context_compresses_piece_by_piece_over_http(server):
+    """1,200 tokens under max_model_len 2,048: the document and its whole copy would not fit, its pieces do."""
+    tokenizer = _tokenizer()
+    text = tokenizer.decode(haystack(tokenizer, 1200, seed=40)) + "\n"
+    salt = uuid.uuid4().hex
+    made = _post(server, "/v1/kvserve/compress", {"prompt": text, "cache_salt": salt}, {"x-kv-budget": str(BUDGET)})
+    assert made.status_code == 200, made.text
+    tokens = made.json()["document_tokens"]
+    assert 2 * tokens > 2048 and made.json()["kv_tokens_evicted"] == tokens - BUDGET
+    body = {"prompt": text + "What is this text about? It is about", "max_tokens": 4, "cache_salt": salt}
+    asked = _post(server, "/v1/completions", {**body, **made.json()["kv"]})
+    assert asked.status_code == 200, asked.text
+    assert asked.json()["usage"]["kv_tokens_evicted"] == tokens - BUDGET  # it resumed from the compressed lists
+
+
 def test_a_chat_document_compressed_as_messages_serves_the_chats_that_start_with_it(server):
     """The document as a chat's first message: the route renders it as the chat template renders the start of any
     chat that begins with it, so a chat completion with one more message resumes from it."""
@@ -159,7 +286,7 @@ def test_a_chat_document_compressed_as_messages_serves_the_chats_that_start_with
         ("/v1/kvserve/compress", {"prompt": "a short document"}, {"x-kv-budget": "64"}, "kv_document"),
         ("/v1/kvserve/compress", {"prompt": "text " * 200, "kv_policy": "snapkv"}, {"x-kv-budget": "64"}, "kv_policy"),
         ("/v1/kvserve/compress", {"prompt": "text " * 200, "kv_document": 5}, {"x-kv-budget": "64"}, "kv_document"),
-        ("/v1/kvserve/compress", {"prompt": "text " * 1200}, {"x-kv-budget": "64"}, "prompt"),  # over max_model_len
+        ("/v1/kvserve/compress", {"prompt": "text " * 2040}, {"x-kv-budget": "64"}, "prompt"),  # no room for a piece
         ("/v1/kvserve/compress", {"prompt": 7}, {"x-kv-budget": "64"}, "prompt"),
         ("/v1/kvserve/compress", {"prompt": "x", "messages": []}, {"x-kv-budget": "64"}, "prompt"),
     ],
@@ -242,7 +369,7 @@ def test_kvzip_with_turn_checkpoints_compresses_the_conversation_before_its_last
         ("/v1/completions", {"prompt": "text " * 300, "kv_checkpoint": "turns"}, "kv_checkpoint"),
         ("/v1/completions", {"prompt": ["text " * 300, "more"], "kv_checkpoint": 128}, "prompt"),
         ("/v1/completions", {"prompt": "text " * 300, "kv_checkpoint": "many"}, "kv_checkpoint"),
-        ("/v1/completions", {"prompt": "text " * 1500, "kv_checkpoint": 128}, "prompt"),  # 2x over max_model_len
+        ("/v1/completions", {"prompt": "text " * 2000, "kv_checkpoint": 128}, "prompt"),  # pieces under 128
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "hi"}], "kv_checkpoint": 128, "tools": []},
@@ -255,3 +382,32 @@ def test_bad_kvzip_checkpoint_requests_are_400s_naming_the_field(server, path, b
     refused = _post(server, path, body)
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["param"] == field
+
+
+def test_the_route_runs_the_pieces_in_order_and_stops_at_a_failed_one():
+    import asyncio
+    import json
+
+    from kvserve.server.documents import Collected, reconstruct
+
+    def answer(status: int, evicted: int) -> Collected:
+        collected = Collected()
+        collected.status, collected.body = status, json.dumps({"usage": {"kv_tokens_evicted": evicted}}).encode()
+        return collected
+
+    def route(answers: list[Collected]) -> tuple[Collected, list[str]]:
+        ran = []
+
+        async def run(completion: dict, config) -> Collected:
+            ran.append(completion["piece"])
+            return answers[len(ran) - 1]
+
+        pieces = [{"piece": name} for name in ("a", "b", "c")]
+        return asyncio.run(reconstruct(run, pieces, [None] * 3)), ran
+
+    done, ran = route([answer(200, 0), answer(200, 0), answer(200, 236)])
+    assert ran == ["a", "b", "c"] and done.status == 200
+    failed, ran = route([answer(200, 0), answer(400, 0), answer(200, 236)])
+    assert ran == ["a", "b"] and failed.status == 400  # the next piece never runs
+    quiet, _ = route([answer(200, 0), answer(200, 0), answer(200, 0)])
+    assert quiet.status == 500 and b"without compacting" in quiet.body  # the last piece compacted nothing

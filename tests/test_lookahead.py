@@ -21,7 +21,7 @@ from test_server import metric
 from kvserve.config import parse_kv_config
 from kvserve.errors import InvalidSetting
 from kvserve.tools.eval.streaming import KERNEL, WINDOW, QueryCapture, stream
-from kvserve.worker.questions import Questions
+from kvserve.worker.keyed import KeyedLayers
 
 QUESTION, BUDGET = 32, 128
 RULES = {"snapkv": "lookahead", "snapkv_keydiff": "mix"}  # served policy -> the reference's rule
@@ -123,7 +123,7 @@ def test_a_request_whose_question_is_gone_fails_alone(engine):
 
 
 def test_questions_are_bounded_and_dropped():
-    store = Questions(capacity=2)
+    store = KeyedLayers(capacity=2)
     for key in "abc":
         store.recording(key)[0] = torch.zeros(1)
     assert store.get("a") is None and store.get("c") is not None and len(store) == 2

@@ -68,19 +68,20 @@ def position_key(
 def document_key(progress: Progress, hash_block_size: int, config: KVConfig) -> bytes | None:
     """The key of a compressed document (`kv_document`): its first `document` tokens under these settings, the same
     for the request that compresses it (`kv_reconstruct`) and for every request that resumes from it."""
-    settings = replace(config, reconstruct=False)
+    settings = replace(config, reconstruct=False, piece_key="", piece_start=0, piece_end=0)
     return position_key(progress.block_hashes, progress.tokens, config.document, hash_block_size, settings)
 
 
-def reconstructs_its_document(progress: Progress, document: int) -> bool:
-    """The prompt is the document, an instruction, then the document again (what the compress route sends): only
-    then are the compressed lists the document's, so a request that says `kv_reconstruct` without it publishes
-    nothing."""
-    copy = progress.prompt_tokens - document
+def reconstructs_its_document(progress: Progress, document: int, start: int = 0) -> bool:
+    """The prompt is the document, an instruction, then the document again from token `start` to its end (what the
+    compress route sends: the whole copy, or the last piece's): only then are the compressed lists the document's,
+    so a request that says `kv_reconstruct` without it publishes nothing."""
+    copied = document - start
+    copy = progress.prompt_tokens - copied
     if copy < document:
         return False
     prompt = progress.tokens
-    return all(prompt[copy + index] == prompt[index] for index in range(document))
+    return all(prompt[copy + index] == prompt[start + index] for index in range(copied))
 
 
 def chunk_end(record: CoreRequest, progress: Progress, block_size: int) -> int:
@@ -146,9 +147,9 @@ def publish_key(record: CoreRequest, progress: Progress, logical: int, hash_bloc
     if record.private:  # it stopped publishing (no room for a copy)
         return None
     if settings.document:
-        if not settings.reconstruct or logical < progress.prompt_tokens:
+        if not settings.compresses_document or logical < progress.prompt_tokens:
             return None
-        if not reconstructs_its_document(progress, settings.document):
+        if not reconstructs_its_document(progress, settings.document, settings.piece_start):
             logger.warning(
                 "request %s: kv_reconstruct, but its prompt is not its document, an instruction and the document "
                 "again; its lists are not published",

@@ -14,9 +14,9 @@ of that step (which must hold the compaction's spare blocks):
   rule for every later token, prompt or reply (chunks are cut there too); a prompt that ends where no turn does
   compacts there as eager eviction does;
 - `kv_document=N` (KVzip): a request that reconstructs the document (`kv_reconstruct`: its prompt is the document,
-  an instruction and the document again) compacts once, where its prompt ends, keeping B of the document's entries;
-  a request that starts with the document never compacts (it resumes from the compressed document, or on a miss is
-  served in full);
+  an instruction and the document again, or its last piece) compacts once, where its prompt ends, keeping B of the
+  document's entries; the reconstruction of an earlier piece, and a request that starts with the document, never
+  compact (the latter resumes from the compressed document, or on a miss is served in full);
 - `kv_evict_when=pressure`: none of the above until the pool is short (`kvserve.core.pressure`); until its first
   compaction the request is a `full` one, and the first step it runs under pressure compacts it by the rules above.
 
@@ -60,7 +60,7 @@ def entries_to_keep(
     lists were compacted before (by itself, or by the checkpoint it resumed from); `longest`: its longest list at
     that last compaction (None: never compacted)."""
     if settings.document:  # a document's reconstruction compacts once, where it ends; its questions never do
-        if settings.reconstruct and step.prompt_done and not compacted:
+        if settings.compresses_document and step.prompt_done and not compacted:
             return settings.budget
         return None
     if settings.defers and not under_pressure and not compacted:

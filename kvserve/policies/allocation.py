@@ -113,3 +113,32 @@ def normalised(scores: torch.Tensor, protected: torch.Tensor, padding: torch.Ten
     free = ~protected if padding is None else ~protected & ~padding
     weights = torch.where(free, scores.float().clamp(min=0), torch.zeros_like(scores, dtype=torch.float32))
     return weights / weights.sum().clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def whole_pages(
+    counts: list[torch.Tensor], total_pages: int, block_size: int, min_pages: int, limits: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """`counts` (per layer [H] entries, from `shares`) rounded to whole pages of `block_size` entries, `total_pages`
+    pages in all (largest remainders first, ties to the earlier list), every list at least `min_pages` and at most
+    the whole pages it holds. A compressed document is published as whole blocks (`kvserve/worker/checkpoints.py`),
+    so each of its lists must end at a page's end and together they must fill whole blocks."""
+    exact = torch.cat([c.double() for c in counts]) / block_size
+    most = torch.cat([lim.long() for lim in limits]) // block_size
+    low = torch.full_like(most, min_pages).minimum(most)
+    pages = exact.floor().long().clamp(min=0).maximum(low).minimum(most)
+    missing = total_pages - int(pages.sum())
+    remainder = exact - pages.double()
+    while missing != 0:
+        room = pages < most if missing > 0 else pages > low
+        if not bool(room.any()):
+            break
+        order = torch.sort(
+            torch.where(room, remainder, float("-inf") if missing > 0 else float("inf")),
+            descending=missing > 0,
+            stable=True,
+        ).indices
+        step = order[: min(abs(missing), int(room.sum()))]
+        pages[step] += 1 if missing > 0 else -1
+        remainder[step] -= 1 if missing > 0 else -1
+        missing = total_pages - int(pages.sum())
+    return list((pages * block_size).split([len(c) for c in counts]))

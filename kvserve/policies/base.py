@@ -191,6 +191,12 @@ class Policy:
     # True: the policy scores a document by the model's reconstruction of it (KVzip), so it serves only requests that
     # compress a document or resume from one (`kv_document`, kvserve/core/checkpoints.py)
     reconstructs: ClassVar[bool] = False
+    # kv_allocation when neither the request nor the server's defaults give one
+    default_allocation: ClassVar[str] = "uniform"
+    # True: the scores mean the same in every layer and head (KVzip's: the attention an entry received), so
+    # `kv_allocation=global` ranks them as they are, with no floor beyond the protected entries; False: each layer's
+    # scores are normalised first and every head keeps a floor (kvserve/policies/allocation.py)
+    comparable_scores: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         for knob in self.knobs().values():  # also turns a header's text ("16") into the declared type

@@ -8,14 +8,21 @@ softmax(q_t,g . K / sqrt(D))[k]. An entry nothing needed to rebuild the text is 
 the choice serves every later question: this is the query-agnostic scorer behind `kv_document`, which compresses a
 document once and lets every request that starts with it resume from the compressed lists (docs/guide.md,
 "Compress once, ask many"). The softmax is over everything a query sees (the document, the instruction and the copy
-so far), as in the paper's definition; its chunked form (2k-token pieces, attending to sinks and the piece) only
-saves memory on 100k-token contexts.
+so far), as in the paper's definition. A document is reconstructed in pieces of at most 2,048 tokens, as the paper
+does, one request each (`kvserve/server/documents.py`, `kvserve/worker/pieces.py`): each piece's queries see the
+whole document, and an entry scores its maximum over every piece.
 
 `document` (N > 0) says the prompt's first N tokens are the document and later queries reconstruct it: only those
 queries vote, and only the document's entries can be kept (the engine drops the instruction and the copy). With 0,
 every query votes and any entry can be kept: the same statistic over the prompt itself. The first `sink_tokens` are
-always kept, as the paper's attention sinks. The paper allots budgets across heads from one global ranking; here each
-(layer, KV head) keeps B, as every policy does with `kv_allocation=uniform`.
+always kept, as the paper's attention sinks.
+
+Budgets follow the scores, as the paper allots them: by default (`kv_allocation=global`) every (layer, KV head,
+token) score is ranked together, as it is (an attention probability means the same in every layer and head, so
+nothing is normalised and no head keeps more than its sinks regardless), and the request keeps the best L x H x B;
+a compressed document's counts are then rounded to whole pages so that it is published as whole blocks
+(`kvserve.policies.allocation.whole_pages`). `kv_allocation=uniform` keeps B in every list instead (what
+each allotment keeps against kvpress's KVzipPress: `kvserve eval parity`, docs/benchmarks.md "Parity with kvpress").
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ class KVzip(ScoredPolicy):
     # single tokens, as the authors select KV pairs; on the default model's multi-key lookup at 1k tokens and B=512,
     # spans of 8 answered 2 of 12 cases and single tokens 4 of 12 (a reconstruction's peaks are per token)
     default_span: ClassVar[int] = 1
+    default_allocation: ClassVar[str] = "global"
+    comparable_scores: ClassVar[bool] = True
 
     def protected_tokens(self) -> int:
         return self.sink_tokens

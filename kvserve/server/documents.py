@@ -5,15 +5,22 @@ model's chat template without a generation prompt), plus the usual `kv_*` settin
 `kv_policy` defaults to `kvzip`, `kv_budget` is the entries each layer and KV head keeps of the document). The route
 sends the engine one completion whose prompt is the document, KVzip's repeat instruction and the document again
 (`kv_document=N`, `kv_reconstruct`): the engine compacts the document's entries by the model's reconstruction of it
-and publishes them in the prefix cache (`kvserve/core/checkpoints.py`). It answers with the document's token count,
-the time it took, and the `kv` settings to send with every request that starts with the document: those resume from
-the compressed lists (their `usage.kv_tokens_evicted` says how many of the document's tokens were left out; 0 means
-the compressed document was gone from the cache and the request was served in full).
+and publishes them in the prefix cache (`kvserve/core/checkpoints.py`). A document longer than one piece
+(RECONSTRUCTION_PIECE tokens, or what max_model_len leaves beside the document) is reconstructed piece by piece, one
+completion per piece of the copy, run in order; the last one compacts with every piece's scores
+(`kvserve/worker/pieces.py`), so any document that fits max_model_len with a short piece beside it compresses. It
+answers with the document's token count, the time it took, and the `kv` settings to send with every request that
+starts with the document: those resume from the compressed lists (their `usage.kv_tokens_evicted` says how many of
+the document's tokens were left out; 0 means the compressed document was gone from the cache and the request was
+served in full).
 """
 
 from __future__ import annotations
 
 import json
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvserve.config import INTERNAL_KEYS
@@ -23,6 +30,12 @@ from kvserve.policies import POLICIES
 from kvserve.policies.kvzip import REPEAT_INSTRUCTION
 
 COMPRESS_PATH = "/v1/kvserve/compress"
+# tokens of the copy each reconstruction request repeats: the paper's pieces (arXiv:2505.23416, section 3.2)
+RECONSTRUCTION_PIECE = 2048
+CONTINUE_INSTRUCTION = "\n\nRepeat the part of the previous context exactly, starting with"
+# fewer tokens a piece would take more requests than the document's own prefill is worth
+MIN_PIECE = 128
+PIECE_OVERLAP = 8  # the previous piece's last tokens a later piece's instruction quotes, as the authors' code does
 # what vLLM's chat rendering would read and this module's own rendering would not
 CHAT_FIELDS_NOT_RENDERED = ("tools", "chat_template", "chat_template_kwargs", "continue_final_message", "documents")
 SET_HERE = ("kv_document", *INTERNAL_KEYS)  # the route sets these itself
@@ -73,27 +86,68 @@ def prompt_ids(body: dict[str, Any], path: str, tokenizer, setting: str) -> list
     return document_ids({"prompt": raw}, tokenizer)
 
 
+def reply_start(tokenizer) -> str:
+    """What follows the instruction: a chat model's end of a user turn and start of the reply, or a blank line."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "\n\n"
+    marker = "\x00kvzip\x00"
+    turn = [{"role": "user", "content": marker}]
+    rendered = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+    return rendered.partition(marker)[2]  # "<|im_end|>\n<|im_start|>assistant\n"
+
+
 def instruction_ids(tokenizer) -> list[int]:
     """KVzip's repeat instruction, then (a chat model) its template's end of a user turn and start of the reply."""
-    instruction = REPEAT_INSTRUCTION
-    if getattr(tokenizer, "chat_template", None):
-        marker = "\x00kvzip\x00"
-        turn = [{"role": "user", "content": marker}]
-        rendered = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
-        instruction += rendered.partition(marker)[2]  # "<|im_end|>\n<|im_start|>assistant\n"
-    else:
-        instruction += "\n\n"
-    return list(tokenizer.encode(instruction, add_special_tokens=False))
+    return list(tokenizer.encode(REPEAT_INSTRUCTION + reply_start(tokenizer), add_special_tokens=False))
 
 
-def reconstruction_prompt(document: list[int], tokenizer) -> list[int]:
-    """The document, KVzip's repeat instruction, and the document again (the copy is teacher-forced)."""
-    return document + instruction_ids(tokenizer) + document
+def continuation_ids(tokenizer, quoted: list[int]) -> list[int]:
+    """A later piece's instruction: repeat the part that starts after the `quoted` tokens (the previous piece's
+    last ones), then the start of the reply."""
+    return (
+        list(tokenizer.encode(CONTINUE_INSTRUCTION, add_special_tokens=False))
+        + quoted
+        + list(tokenizer.encode(reply_start(tokenizer), add_special_tokens=False))
+    )
 
 
-def compress_request(body: dict[str, Any], engine: ServedEngine) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """(the engine completion's body, the settings a question sends, the document's tokens); InvalidSetting names
-    the field of a request that cannot be served."""
+@dataclass(frozen=True)
+class Piece:
+    """One request of a document's reconstruction: its prompt copies the document's tokens start..end."""
+
+    prompt: list[int]
+    start: int
+    end: int
+
+
+def reconstruction_pieces(
+    document: list[int], tokenizer, max_model_len: int, piece_tokens: int = RECONSTRUCTION_PIECE
+) -> list[Piece]:
+    """The requests that reconstruct `document`: each is the document, an instruction and one piece of at most
+    `piece_tokens` of its copy (fewer where the document leaves less room below max_model_len); one request when
+    the whole copy is one piece. InvalidSetting names `prompt` when the document leaves room for pieces of fewer than
+    MIN_PIECE tokens."""
+    first = instruction_ids(tokenizer)
+    later = continuation_ids(tokenizer, document[:PIECE_OVERLAP])
+    room = max_model_len - 1 - len(document) - max(len(first), len(later))
+    if room < min(MIN_PIECE, len(document)):
+        raise InvalidSetting(
+            "prompt",
+            f"the document's {len(document)} tokens leave room for pieces of {max(room, 0)} tokens below "
+            f"max_model_len ({max_model_len}) beside its reconstruction's instruction; at least {MIN_PIECE} are needed",
+        )
+    size = min(piece_tokens, room)
+    pieces = []
+    for start in range(0, len(document), size):
+        end = min(start + size, len(document))
+        instruction = first if start == 0 else continuation_ids(tokenizer, document[start - PIECE_OVERLAP : start])
+        pieces.append(Piece(document + instruction + document[start:end], start, end))
+    return pieces
+
+
+def compress_request(body: dict[str, Any], engine: ServedEngine) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
+    """(the engine completions to run in order, one per piece of the reconstruction; the settings a question sends;
+    the document's tokens); InvalidSetting names the field of a request that cannot be served."""
     xargs = dict(body.get("vllm_xargs") or {})
     for key in SET_HERE:
         if key in xargs:
@@ -105,26 +159,26 @@ def compress_request(body: dict[str, Any], engine: ServedEngine) -> tuple[dict[s
         raise InvalidSetting("kv_policy", f"{COMPRESS_PATH} scores the document by its reconstruction: one of {names}")
     tokenizer = tokenizer_of(engine)
     document = document_ids(body, tokenizer)
-    prompt = reconstruction_prompt(document, tokenizer)
-    max_len = engine.model_config.max_model_len
-    if len(prompt) + 1 > max_len:
-        raise InvalidSetting(
-            "prompt",
-            f"the document's {len(document)} tokens take {len(prompt)} with their reconstruction, which must stay "
-            f"below max_model_len ({max_len})",
-        )
+    pieces = reconstruction_pieces(document, tokenizer, engine.model_config.max_model_len)
     question_settings = {**xargs, "kv_document": len(document)}
     served_settings(question_settings, engine)  # what its questions send must be servable too
-    completion = {
-        "prompt": prompt,
-        "max_tokens": 1,  # nothing is generated: the prompt's compaction publishes the document
-        "temperature": 0,
-        "vllm_xargs": {**question_settings, "kv_reconstruct": "true"},
-    }
-    for passed in ("model", "cache_salt"):  # a salt keeps a tenant's documents to its own requests
-        if passed in body:
-            completion[passed] = body[passed]
-    return completion, question_settings, len(document)
+    key = uuid.uuid4().hex  # where the pieces' scores meet in the workers (kvserve/worker/pieces.py)
+    completions = []
+    for piece in pieces:
+        piece_settings = {**question_settings, "kv_reconstruct": "true"}
+        if len(pieces) > 1:
+            piece_settings["kv_reconstruct_piece"] = f"{key}:{piece.start}:{piece.end}"
+        completion = {
+            "prompt": piece.prompt,
+            "max_tokens": 1,  # nothing is generated: the last piece's compaction publishes the document
+            "temperature": 0,
+            "vllm_xargs": piece_settings,
+        }
+        for passed in ("model", "cache_salt"):  # a salt keeps a tenant's documents to its own requests
+            if passed in body:
+                completion[passed] = body[passed]
+        completions.append(completion)
+    return completions, question_settings, len(document)
 
 
 def compress_response(completion: bytes, question_settings: dict[str, Any], tokens: int, seconds: float) -> bytes:
@@ -162,3 +216,22 @@ class Collected:
             self.status = message["status"]
         elif message["type"] == "http.response.body":
             self.body += message.get("body", b"")
+
+
+async def reconstruct(
+    run: Callable[[dict, Any], Awaitable[Collected]], completions: list[dict], configs: list[Any]
+) -> Collected:
+    """A document's reconstruction, piece by piece in order (each piece's scores must be in before the last one
+    compacts): the first failed piece's response, or the last one's."""
+    for completion, config in zip(completions, configs, strict=True):
+        collected = await run(completion, config)
+        if collected.status != 200:
+            return collected
+    if not (json.loads(collected.body).get("usage") or {}).get("kv_tokens_evicted"):
+        # the last piece did not compact (a worker failed it in the step it also finished in): nothing published
+        message = "the document's reconstruction ended without compacting it; nothing was published"
+        collected.status = 500
+        collected.body = json.dumps(
+            {"error": {"message": message, "type": "InternalServerError", "code": 500}}
+        ).encode()
+    return collected

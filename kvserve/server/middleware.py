@@ -14,6 +14,7 @@ unauthenticated request gets vLLM's 401 before anything here reads it.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from kvserve.errors import InvalidSetting
 from kvserve.messages import EVICTED_KEY
 from kvserve.model_support import EvictionSupport, ServedEngine, eviction_support, served_settings
 from kvserve.server.checkpoint_documents import CompressedPrefixes, PrefixCompression, plan_prefix_compression
-from kvserve.server.documents import COMPRESS_PATH, Collected, compress_request, compress_response
+from kvserve.server.documents import COMPRESS_PATH, Collected, compress_request, compress_response, reconstruct
 from kvserve.server.evicted import EvictedTally, open_tally
 from kvserve.server.lookahead import Lookahead, plan_lookahead
 from kvserve.server.vllm_gaps import reject_what_vllm_cannot_serve
@@ -177,13 +178,14 @@ class KVHeadersMiddleware:
         its response is kept, not sent."""
         engine = self.served(scope)
         try:
-            completion, _, _ = compress_request(body, engine)
-            config = served_settings(completion["vllm_xargs"], engine)
+            completions, _, _ = compress_request(body, engine)
+            configs = [served_settings(completion["vllm_xargs"], engine) for completion in completions]
         except InvalidSetting as exc:
             collected = Collected()
             collected.status, collected.body = 400, error_body(exc.field, str(exc))
             return collected
-        return await self._engine_completion(scope, receive, completion, config, engine)
+        run = functools.partial(self._engine_completion, scope, receive, engine=engine)
+        return await reconstruct(run, completions, configs)
 
     async def _compress(self, scope, receive, send) -> None:
         """`POST /v1/kvserve/compress` (`kvserve/server/documents.py`): one engine completion through vLLM's own
@@ -200,12 +202,13 @@ class KVHeadersMiddleware:
             if engine is None:
                 raise InvalidSetting("model", "the served engine is not known to kvserve yet")
             body = merge_into_body(body, headers_to_xargs(scope["headers"]))
-            completion, question_settings, tokens = compress_request(body, engine)
-            config = served_settings(completion["vllm_xargs"], engine, remember=True)
+            completions, question_settings, tokens = compress_request(body, engine)
+            configs = [served_settings(c["vllm_xargs"], engine, remember=True) for c in completions]
         except InvalidSetting as exc:
             await _send_json(send, 400, error_body(exc.field, str(exc)))
             return
-        collected = await self._engine_completion(scope, receive, completion, config, engine)
+        run = functools.partial(self._engine_completion, scope, receive, engine=engine)
+        collected = await reconstruct(run, completions, configs)
         if collected.status != 200:
             await _send_json(send, collected.status or 500, collected.body)
             return

@@ -18,7 +18,16 @@ import numpy as np
 import torch
 
 from kvserve.policies import LayerObservation, ScoredPolicy, Selection
-from kvserve.policies.allocation import head_floor, normalised, pyramid_budgets, ranked, shares, span_scores, top_counts
+from kvserve.policies.allocation import (
+    head_floor,
+    normalised,
+    pyramid_budgets,
+    ranked,
+    shares,
+    span_scores,
+    top_counts,
+    whole_pages,
+)
 from kvserve.worker.layouts import CachePages
 from kvserve.worker.request import LayerState
 from kvserve.worker.step import RowPlan
@@ -65,7 +74,8 @@ def select(
     protected = policy.protected_mask(obs) if padding is None else policy.protected_mask(obs) & ~padding
     scores = span_scores(policy.score(obs), obs.positions, config.span)
     if counts is None and config.allocation == "global":
-        keys = ranked(normalised(scores, protected, padding), protected, padding)
+        comparable = scores if policy.comparable_scores else normalised(scores, protected, padding)
+        keys = ranked(comparable, protected, padding)
         plan.deferred.append(Deferred(layer_idx, layer, obs, cache, table, keys, limits))
         return None
     keys = ranked(scores, protected, padding)
@@ -94,9 +104,17 @@ def finish_global(plan: RowPlan) -> list[tuple[Deferred, Selection]]:
     layout's operations address the whole page view, so each deferred layer is still compacted where it lies)."""
     deferred, plan.deferred = plan.deferred, []
     budget, policy = plan.compaction.keep_tokens, plan.state.policy
-    floor = head_floor(budget, policy.protected_tokens())
+    # comparable scores need no safeguard (KVzip ranks every entry together, keeping only its sinks regardless)
+    floor = policy.protected_tokens() if policy.comparable_scores else head_floor(budget, policy.protected_tokens())
     total = sum(item.obs.num_heads for item in deferred) * budget
-    counts = shares([item.keys for item in deferred], total, floor, [item.limits for item in deferred])
+    limits = [item.limits for item in deferred]
+    block_size = plan.state.pages.layout.block_size
+    whole = plan.state.config.reconstruct  # a compressed document is published as whole blocks: whole pages per list
+    if whole:  # a list holds at least one page, so it keeps that page's worth of its best entries
+        floor = -(-max(floor, 1) // block_size) * block_size
+    counts = shares([item.keys for item in deferred], total, floor, limits)
+    if whole:
+        counts = whole_pages(counts, total // block_size, block_size, floor // block_size, limits)
     selections = []
     for item, layer_counts in zip(deferred, counts, strict=True):
         item.layer.share = layer_counts

@@ -26,6 +26,7 @@ from kvserve.worker import allocated
 from kvserve.worker.gated import gated_layer_step
 from kvserve.worker.layouts import CachePages
 from kvserve.worker.pages import cdiv
+from kvserve.worker.pieces import meet_pieces
 from kvserve.worker.questions import keep_question, question_window
 from kvserve.worker.request import LayerState, QueryWindow
 from kvserve.worker.step import RowPlan, StepContext
@@ -145,6 +146,9 @@ def _evict(
     if policy.stat_names:
         query_positions = plan.query_positions().to(queries.device)
         layer.stats = obs.stats = policy.update_stats(obs, queries, query_positions)
+        merged = meet_pieces(plan, layer, layer_idx)
+        if merged is not None:  # the last piece of a document's reconstruction: every piece's scores
+            layer.stats = obs.stats = merged
     if plan.compaction is not None:
         _compact(plan, layer, layer_idx, obs, cache, table)
 

@@ -5,46 +5,16 @@ tokens alone (the probe, `kv_question_probe`), whose every layer's queries this 
 itself (`kv_question`), whose prefill chunks are compacted by those queries' votes (`kvserve/worker/eviction.py`).
 The probe runs at positions 0 .. T-1, so its queries are kept unrotated and rotated to the question's own positions
 where they are read: RoPE makes attention depend on relative positions only, so the tail run alone at 0 has the same
-queries as at its place in the prompt. Under tensor parallelism every rank keeps its own heads' queries; under
-pipeline parallelism every stage its own layers'.
-
-An entry lives until the request that reads it finishes. The store is bounded: a request that never arrives (its
-client went away between the two) leaves an entry that newer ones push out.
+queries as at its place in the prompt. The store is a `KeyedLayers` (kvserve/worker/keyed.py).
 """
 
 from __future__ import annotations
-
-from collections import OrderedDict
 
 import torch
 
 from kvserve.policies import LayerObservation
 from kvserve.worker.request import LayerState
 from kvserve.worker.step import RowPlan
-
-QuestionQueries = dict[int, torch.Tensor]  # page-view layer -> [T, Hq, D] float32 queries before RoPE
-
-
-class Questions:
-    def __init__(self, capacity: int = 64) -> None:
-        self.capacity = capacity
-        self._by_key: OrderedDict[str, QuestionQueries] = OrderedDict()
-
-    def recording(self, key: str) -> QuestionQueries:
-        """The entry a probe fills, layer by layer, as its prompt is computed."""
-        entry = self._by_key[key] = {}
-        while len(self._by_key) > self.capacity:
-            self._by_key.popitem(last=False)
-        return entry
-
-    def get(self, key: str) -> QuestionQueries | None:
-        return self._by_key.get(key)
-
-    def drop(self, key: str) -> None:
-        self._by_key.pop(key, None)
-
-    def __len__(self) -> int:
-        return len(self._by_key)
 
 
 def keep_question(plan: RowPlan, layer: LayerState, layer_idx: int, window: int) -> None:

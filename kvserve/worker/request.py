@@ -150,6 +150,8 @@ class WorkerRequest:
     released: list[int] = field(default_factory=list)  # vLLM blocks it gave back last step, to drop from vLLM's view
     # kv_lookahead (`kvserve/worker/questions.py`): the question's queries this request records (a probe) or reads
     question: dict[int, torch.Tensor] | None = None
+    # a document reconstructed piece by piece (`kvserve/worker/pieces.py`): the pieces' document scores per layer
+    pieces: dict[int, torch.Tensor] | None = None
 
     def layer(self, idx: int) -> LayerState:
         return self.layers.setdefault(idx, LayerState())

@@ -22,8 +22,8 @@ from kvserve.config import KVConfig
 from kvserve.messages import CheckpointId, PageReport, StagePages, StageRelease, StepPlan, StepReport
 from kvserve.worker.checkpoints import CheckpointLists, lists_of, resume_from
 from kvserve.worker.eviction import record_times
+from kvserve.worker.keyed import KeyedLayers
 from kvserve.worker.pages import HeadPages, PageLayout, blocks_to_release, copy_pages
-from kvserve.worker.questions import Questions
 from kvserve.worker.ranks import RankMessage, TensorRanks
 from kvserve.worker.request import GateRuntime, WorkerRequest
 from kvserve.worker.stages import StageLink
@@ -64,7 +64,8 @@ class WorkerRequests:
         self.ranks = ranks  # tensor parallelism: the other ranks of this stage
         self.requests: dict[str, WorkerRequest] = {}
         self.checkpoints: dict[CheckpointId, CheckpointLists] = {}  # published checkpoints' lists (kv_checkpoint)
-        self.questions = Questions()  # kv_lookahead: the question's queries, from its probe to its request
+        self.questions = KeyedLayers()  # kv_lookahead: the question's queries, from its probe to its request
+        self.pieces = KeyedLayers(capacity=16)  # a document's reconstruction scores, from piece to piece
         # until the engine core hears of them (`report`): why requests failed, and compacted requests' lists
         self.failures: dict[str, str] = {}
         self.reports: dict[str, PageReport] = {}
@@ -91,6 +92,8 @@ class WorkerRequests:
         request = self.requests.pop(req_id, None)
         if request is not None and request.config.question:  # the question's queries served their request
             self.questions.drop(request.config.question)
+        if request is not None and request.config.piece_key and request.config.compresses_document:
+            self.pieces.drop(request.config.piece_key)  # the last piece compacted with them
         # a worker whose output never reaches the engine core (a tensor-parallel rank > 0) never hands these over
         self.reports.pop(req_id, None)
         self.failures.pop(req_id, None)
@@ -115,6 +118,14 @@ class WorkerRequests:
             request.question = self.questions.get(settings.question)
             if request.question is None:  # (its probe ran on this server just before; only a flood pushes it out)
                 self.failures[req_id] = "kv_lookahead: the question's queries are gone from this worker"
+                return
+        if settings.piece_key:
+            first = settings.piece_start == 0
+            request.pieces = self.pieces.recording(settings.piece_key) if first else self.pieces.get(settings.piece_key)
+            if (
+                request.pieces is None
+            ):  # (its earlier pieces ran just before; only a flood of documents pushes them out)
+                self.failures[req_id] = "the document's earlier pieces' reconstruction scores are gone from this worker"
                 return
         if settings.ragged:
             try:

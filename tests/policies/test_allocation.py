@@ -20,6 +20,7 @@ from kvserve.policies.allocation import (
     shares,
     span_scores,
     top_counts,
+    whole_pages,
 )
 
 
@@ -101,6 +102,47 @@ def test_shares_of_heads_holding_fewer_entries_than_the_floor():
     keys = torch.tensor([[3.0, 2.0, 1.0, 0.0], [9.0, -math.inf, -math.inf, -math.inf]])  # head 1 holds one entry
     (counts,) = shares([keys], 6, 2, [torch.tensor([4, 1])])
     assert counts.tolist() == [4, 1]  # head 1 keeps all it has; the rest of the total goes where entries exist
+
+
+def ref_whole_pages(counts: list[int], total_pages: int, page: int, min_pages: int, limits: list[int]) -> list[int]:
+    """The rounding in words, with exact fractions: each list's count in pages, at least `min_pages` and at most the
+    whole pages it holds; then one page at a time to the list with the largest remainder (earliest first) until
+    `total_pages`, or from the list with the smallest remainder (earliest first) while over."""
+    exact = [Fraction(count, page) for count in counts]
+    most = [limit // page for limit in limits]
+    low = [min(min_pages, m) for m in most]
+    pages = [min(max(math.floor(e), lo), m) for e, lo, m in zip(exact, low, most, strict=True)]
+    while sum(pages) < total_pages and any(p < m for p, m in zip(pages, most, strict=True)):
+        i = max((i for i in range(len(pages)) if pages[i] < most[i]), key=lambda i: (exact[i] - pages[i], -i))
+        pages[i] += 1
+    while sum(pages) > total_pages and any(p > lo for p, lo in zip(pages, low, strict=True)):
+        i = min((i for i in range(len(pages)) if pages[i] > low[i]), key=lambda i: (exact[i] - pages[i], i))
+        pages[i] -= 1
+    return [p * page for p in pages]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_whole_pages_rounds_a_global_ranking_to_pages_keeping_the_total(seed):
+    generator = torch.Generator().manual_seed(seed)
+    layers, heads, budget, page = 4, 3, 64, 16
+    scores = [torch.rand(heads, 300, generator=generator) ** (1 + layer) for layer in range(layers)]
+    limits = [torch.full((heads,), 300) for _ in range(layers)]
+    protected = torch.zeros(heads, 300, dtype=torch.bool)
+    counts = shares([ranked(s, protected, None) for s in scores], layers * heads * budget, page, limits)
+    pages = whole_pages(counts, layers * heads * budget // page, page, 1, limits)
+    flat = [int(c) for layer in pages for c in layer]
+    assert sum(flat) == layers * heads * budget and all(c % page == 0 and c >= page for c in flat)
+    expected = ref_whole_pages(
+        [int(c) for layer in counts for c in layer], layers * heads * budget // page, page, 1, [300] * layers * heads
+    )
+    assert flat == expected
+    assert all(abs(p - int(c)) < page for p, c in zip(flat, (int(c) for layer in counts for c in layer), strict=True))
+
+
+def test_whole_pages_never_gives_a_list_more_pages_than_it_holds():
+    counts = [torch.tensor([40, 10, 10])]
+    pages = whole_pages(counts, 4, 16, 1, [torch.tensor([40, 16, 300])])
+    assert pages[0].tolist() == [32, 16, 16]  # 40 entries hold two whole pages only
 
 
 @pytest.mark.parametrize(

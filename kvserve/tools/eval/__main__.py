@@ -29,6 +29,7 @@ import json
 from pathlib import Path
 
 from kvserve.provenance import command_line, provenance
+from kvserve.tools.eval import parity
 from kvserve.tools.eval.client import Server, settings
 from kvserve.tools.eval.ruler import DEFAULT_TASKS, RULER_TASKS
 from kvserve.tools.eval.tasks import TASKS
@@ -175,7 +176,15 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser(
         "suite", help="the verdict over ruler/tasks results: judged tasks, ratios to full", add_help=False
     )
+    parity.add_parser(commands)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "parity":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if not args.table_only:
+            record_run(args.out, argv)
+        args.handler(args)
+        return
     if args.command == "passkey":
         from kvserve.tools.eval import passkey
 

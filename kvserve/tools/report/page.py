@@ -11,6 +11,7 @@ from kvserve.tools.report import (
     long_prompts,
     models,
     multikey,
+    parity,
     quality,
     reliability,
     summary,
@@ -18,7 +19,7 @@ from kvserve.tools.report import (
 )
 from kvserve.tools.report.sources import DataDir
 
-SECTIONS = (summary, quality, models, multikey, throughput, long_prompts, costs, kernels, reliability)
+SECTIONS = (summary, quality, models, multikey, parity, throughput, long_prompts, costs, kernels, reliability)
 
 INTRO = """# Benchmarks
 
@@ -37,6 +38,7 @@ Qwen2.5-Coder-0.5B-Instruct (24 layers, 2 KV heads of 64), has a section of its 
 - [How much quality do I keep at 8x?](#how-much-quality-do-i-keep-at-8x)
 - [A second model: Qwen2.5-Coder-0.5B-Instruct](#a-second-model-qwen25-coder-05b-instruct)
 - [The hard half: multi-key lookup](#the-hard-half-multi-key-lookup)
+- [Parity with kvpress](#parity-with-kvpress)
 - [How much faster is it at the same memory?](#how-much-faster-is-it-at-the-same-memory)
 - [Long prompts through a bounded cache](#long-prompts-through-a-bounded-cache)
 - [What does each policy cost?](#what-does-each-policy-cost)

@@ -1,0 +1,93 @@
+"""The reference side of `kvserve eval parity`: the same cases through kvpress's presses (NVIDIA's kvpress, the
+reference implementations of KVzip, SnapKV, TOVA, ...), in kvpress's own environment.
+
+This file is run as a script by the reference environment's Python (`../shared/reference/kvpress-venv.sh` builds
+one: kvpress 0.5.5 needs transformers<5.3, vLLM's CPU build >=5.16), so it imports nothing from kvserve:
+
+    .kvpress-venv/bin/python kvserve/tools/eval/kvpress_side.py CASES.json OUT.jsonl
+
+CASES.json (written by `kvserve/tools/eval/parity.py`): the model's directory, the settings ({"label", "press",
+"budget"}) and the cases ({"key", "context_ids", "question_ids", "references", "max_tokens"}). Each case's context
+is compressed by the press alone (kvpress's pipeline: the question is not in it), then the question is asked and
+answered greedily by the pipeline's own code (`KVPressTextGenerationPipeline._forward`). A budget B means what it
+means to kvserve: the press keeps B entries per (layer, KV head) of the context on average, compression_ratio =
+1 - B / context tokens. One JSON line per (setting, case) is appended to OUT.jsonl; lines already there are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# a press by the name `kvserve eval parity` gives it: kvpress's class and its arguments beside compression_ratio
+PRESSES = {
+    "kvzip": ("KVzipPress", {}),  # one ranking over all layers and heads (kvpress's default, layerwise=False)
+    "kvzip_layerwise": ("KVzipPress", {"layerwise": True}),  # each layer keeps the same share, ranked over its heads
+    "snapkv": ("SnapKVPress", {}),
+    "tova": ("TOVAPress", {}),
+    "streamingllm": ("StreamingLLMPress", {}),
+    "expected_attention": ("ExpectedAttentionPress", {}),
+    "keydiff": ("KeyDiffPress", {}),
+}
+
+
+def make_press(name: str, ratio: float):
+    import kvpress
+
+    if ratio <= 0:
+        return None
+    class_name, kwargs = PRESSES[name]
+    return getattr(kvpress, class_name)(compression_ratio=ratio, **kwargs)
+
+
+def main(cases_path: str, out_path: str) -> None:
+    import kvpress  # noqa: F401  (registers the pipeline and patches attention for masked heads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    spec = json.loads(Path(cases_path).read_text())
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    done = set()
+    out = Path(out_path)
+    if out.exists():
+        rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+        done = {(row["label"], tuple(row["key"])) for row in rows if row["side"] == "kvpress"}
+    for setting in spec["settings"]:
+        for case in spec["cases"]:
+            if (setting["label"], tuple(case["key"])) in done:
+                continue
+            context = torch.tensor([case["context_ids"]])
+            budget = setting["budget"]
+            ratio = 0.0 if budget is None else max(0.0, 1.0 - budget / context.shape[1])
+            press = None if setting["press"] == "full" else make_press(setting["press"], ratio)
+            started = time.perf_counter()
+            with torch.inference_mode():
+                answer = pipe._forward(
+                    {"context_ids": context, "questions_ids": [torch.tensor([case["question_ids"]])]},
+                    max_new_tokens=case["max_tokens"],
+                    press=press,
+                )[0]
+            row = {
+                "side": "kvpress",
+                "label": setting["label"],
+                "key": case["key"],
+                "answer": answer,
+                "references": case["references"],
+                "context_tokens": context.shape[1],
+                "compression_ratio": round(ratio, 4),
+                "seconds": round(time.perf_counter() - started, 2),
+            }
+            with out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"kvpress {setting['label']} {case['key']}: {answer!r}", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

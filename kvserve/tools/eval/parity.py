@@ -1,0 +1,271 @@
+"""`kvserve eval parity`: the same cases through kvpress's presses and through kvserve's server, at the same entries
+kept, compressing the context before the question on both sides.
+
+Why: a method is done when it scores at least what its reference implementation scores on the same model and cases.
+kvpress (NVIDIA's library of KV-cache presses on transformers) is that reference for KVzip, SnapKV, TOVA,
+StreamingLLM, Expected Attention and KeyDiff.
+
+The cases are the quality suite's (`kvserve/tools/eval/tasks.py`), put in the form kvpress's pipeline gives them: the
+document as a chat's user message (the model's chat template around it), then the question, the template's end of
+the user turn and start of the reply, and the start of the answer. Both sides get exactly these tokens:
+- kvpress (`kvpress_side.py`, in kvpress's own environment): the context is prefilled under the press, then the
+  pipeline's own greedy decoding answers the question (kept in full);
+- kvserve (a running server): the context is compressed first with `POST /v1/kvserve/compress` (`kv_document`),
+  whatever the policy, and the question resumes from the compressed lists, kept in full.
+A budget B is B entries per (layer, KV head) of the context on average on both sides (kvpress: compression_ratio =
+1 - B / context tokens). kvpress's presses keep B in every head of a layer, except KVzip, which by default ranks all
+layers and heads together (`kvzip_layerwise`: each layer keeps the same share); kvserve's rows say their
+`kv_allocation`.
+
+    kvserve eval parity --url http://127.0.0.1:8000 --model-dir "$(kvserve setup-model qwen2.5-coder-0.5b)" \\
+        --policies kvzip,snapkv --budgets 256,512 --tasks passkey,multikey_one --lengths 1000,2000,4000 \\
+        --samples 4 --out docs/eval/parity/qwen05.jsonl
+
+The table (`--table-only` reprints it from the file): per policy and budget, each side's mean score with its 95%
+interval (Wilson), and kvserve minus kvpress.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.tools.eval.client import Server, Setting, append_row, load_rows
+from kvserve.tools.eval.suite import wilson
+from kvserve.tools.eval.tasks import make_cases, score, split_question
+from kvserve.tools.markdown import table
+
+KVPRESS_SIDE = Path(__file__).with_name("kvpress_side.py")
+# kvserve's policy -> the knobs that make it the kvpress press of the same name (`kvpress_side.PRESSES`) compares
+# with: SnapKV's window of 64 queries and pooling over 5 keys, KeyDiff without a protected window (kvpress's keep
+# none); the others' defaults already are kvpress's (4 sinks). kvserve's rows keep single tokens (kv_span 1), as
+# every press does.
+REFERENCE_KNOBS: dict[str, tuple[tuple[str, str], ...]] = {
+    "kvzip": (),
+    "snapkv": (("window", "64"), ("kernel_size", "5")),
+    "tova": (),
+    "streamingllm": (),
+    "expected_attention": (),
+    "keydiff": (("window", "0"),),
+}
+REFERENCE_PRESS = tuple(REFERENCE_KNOBS)
+
+
+@dataclass(frozen=True)
+class ParityCase:
+    key: tuple
+    context_ids: list[int]
+    question_ids: list[int]
+    references: tuple[str, ...]
+    max_tokens: int
+
+
+def pipeline_form(tokenizer, prompt: str) -> tuple[list[int], list[int]]:
+    """(context ids, question ids) of a suite prompt as kvpress's pipeline builds them: the document in a user
+    message of the chat template, the question after it with the template's end of turn and start of the reply, then
+    the answer's opening words ("The pass key is")."""
+    document, question = split_question(prompt)
+    asked, mark, answer_start = question.rpartition("?")
+    if not mark:
+        raise ValueError(f"the case's question has no '?': {question!r}")
+    separator = "#" * (len(document) + 10)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": document + separator}], add_generation_prompt=True, tokenize=False
+    )
+    context, suffix = rendered.split(separator)
+    question_text = asked + "?" + suffix + answer_start.strip()
+    return tokenizer.encode(context, add_special_tokens=False), tokenizer.encode(
+        question_text, add_special_tokens=False
+    )
+
+
+def parity_cases(tokenizer, tasks: list[str], lengths: list[int], samples: int, seed: int) -> list[ParityCase]:
+    cases = []
+    for case in make_cases(tokenizer, tasks, lengths, samples, seed):
+        context_ids, question_ids = pipeline_form(tokenizer, case.prompt)
+        cases.append(ParityCase(list(case.key), context_ids, question_ids, case.references, case.max_tokens))
+    return cases
+
+
+def question_inside(case: ParityCase) -> ParityCase:
+    """The same prompt with the question inside the compressed part: the press compresses all but the prompt's last
+    token, as kvserve compacts a whole prompt where it ends (its default, eager eviction)."""
+    prompt = case.context_ids + case.question_ids
+    return ParityCase(case.key, prompt[:-1], prompt[-1:], case.references, case.max_tokens)
+
+
+def compresses_before_question(policy: str) -> bool:
+    """kvserve compacts before the question, at the context's end, only through a compressed document
+    (`kv_document`), which KVzip's reconstruction scores; every other policy is compared with the question inside."""
+    return policy.startswith("kvzip")
+
+
+def settings_of(policies: list[str], budgets: list[int]) -> list[tuple[str, int | None]]:
+    rows: list[tuple[str, int | None]] = [("full", None)]
+    for policy in policies:
+        if policy not in REFERENCE_PRESS and policy != "kvzip_layerwise":
+            raise SystemExit(
+                f"kvserve eval parity: no kvpress reference for {policy!r}; one of {', '.join(REFERENCE_PRESS)}"
+            )
+        rows += [(policy, budget) for budget in budgets]
+    return rows
+
+
+def run_reference(python: str, model_dir: str, cases: list[ParityCase], settings, out: str) -> None:
+    """kvpress's side, in its own environment (a subprocess); its rows are appended to `out`."""
+    outside = [(policy, budget) for policy, budget in settings if compresses_before_question(policy) or not budget]
+    inside = [(policy, budget) for policy, budget in settings if (policy, budget) not in outside]
+    for group, form in ((outside, lambda case: case), (inside, question_inside)):
+        if group:
+            _reference_run(python, model_dir, [form(case) for case in cases], group, out)
+
+
+def _reference_run(python: str, model_dir: str, cases: list[ParityCase], settings, out: str) -> None:
+    spec = {
+        "model": model_dir,
+        "settings": [
+            {"label": label_of(policy, budget), "press": policy, "budget": budget} for policy, budget in settings
+        ],
+        "cases": [
+            {
+                "key": case.key,
+                "context_ids": case.context_ids,
+                "question_ids": case.question_ids,
+                "references": list(case.references),
+                "max_tokens": case.max_tokens,
+            }
+            for case in cases
+        ],
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    subprocess.run([python, str(KVPRESS_SIDE), f.name, out], check=True)
+
+
+def label_of(policy: str, budget: int | None, allocation: str = "uniform") -> str:
+    label = policy if budget is None else f"{policy}@{budget}"
+    return label + (f"/{allocation}" if allocation != "uniform" else "")
+
+
+def run_kvserve(server: Server, cases: list[ParityCase], settings, allocation: str, out: str) -> None:
+    """kvserve's side: each context compressed first (`kv_document`), then the question resumes from it."""
+    done = {(row["label"], tuple(row["key"])) for row in load_rows(out) if row.get("side") == "kvserve"}
+    for policy, budget in settings:
+        if policy == "kvzip_layerwise":
+            continue
+        if allocation != "uniform" and not compresses_before_question(policy):
+            continue  # kvpress's other presses keep B in every head: compared with kvserve's uniform only
+        label = label_of(policy, budget, allocation if budget else "uniform")
+        knobs = REFERENCE_KNOBS.get(policy, ())
+        setting = Setting(policy=policy, budget=budget, allocation=allocation if budget else "uniform", knobs=knobs)
+        document = budget is not None and compresses_before_question(policy)
+        for case in cases:
+            if (label, tuple(case.key)) in done:
+                continue
+            prompt = case.context_ids + case.question_ids
+            extra = {}
+            if document and budget < len(case.context_ids):
+                compressed = server.compress(setting, case.context_ids)
+                extra["kv_document"] = compressed["kv"]["kv_document"]
+            body = server.complete(setting, prompt, max_tokens=case.max_tokens, **extra)
+            if extra and not body["usage"].get("kv_tokens_evicted"):
+                raise RuntimeError(f"case {case.key}: the question did not resume from its compressed context")
+            text = body["choices"][0]["text"]
+            append_row(
+                out,
+                {
+                    "side": "kvserve",
+                    "label": label,
+                    "key": case.key,
+                    "answer": text,
+                    "references": list(case.references),
+                    "context_tokens": len(case.context_ids),
+                    "kv_tokens_evicted": body["usage"].get("kv_tokens_evicted", 0),
+                },
+            )
+            print(f"kvserve {label} {case.key}: {text!r}", flush=True)
+
+
+def parity_table(rows: list[dict]) -> str:
+    """Per setting: where the question was, each side's mean score over its cases [95% interval], kvserve minus
+    kvpress, and each side's mean as a share of its own `full` (the two sides' full caches differ in bf16 rounding,
+    which flips a few answers of a small model)."""
+    by: dict[tuple[str, str], list[float]] = {}
+    for row in rows:
+        by.setdefault((row["side"], row["label"]), []).append(score(row["answer"], row["references"]))
+    # a kvserve row names its allocation (`kvzip@256/global`): it is compared with kvpress's press at that B
+    references = sorted({label.split("/")[0] for _, label in by}, key=lambda label: (label != "full", label))
+
+    def cell(side: str, label: str) -> str:
+        values = by.get((side, label))
+        if not values:
+            return ""
+        mean = sum(values) / len(values)
+        low, high = wilson(mean, len(values))
+        return f"{mean:.2f} [{low:.2f}, {high:.2f}] (n={len(values)})"
+
+    def share(side: str, label: str) -> str:
+        values, full = by.get((side, label)), by.get((side, "full"))
+        if not values or not full or not sum(full):
+            return ""
+        return f"{sum(values) / len(values) / (sum(full) / len(full)):.0%}"
+
+    body = []
+    for reference in references:
+        ours = sorted(label for side, label in by if side == "kvserve" and label.split("/")[0] == reference)
+        for label in ours or [reference]:
+            kvp, kvs = by.get(("kvpress", reference)), by.get(("kvserve", label))
+            diff = "" if not (kvp and kvs) else f"{sum(kvs) / len(kvs) - sum(kvp) / len(kvp):+.2f}"
+            policy = reference.split("@")[0]
+            where = "" if policy == "full" else "outside" if compresses_before_question(policy) else "inside"
+            shares = f"{share('kvpress', reference)} / {share('kvserve', label)}" if label != "full" else ""
+            body.append([label, where, cell("kvpress", reference), cell("kvserve", label), diff, shares])
+    header = ["setting (kvserve's allocation)", "question", "kvpress", "kvserve", "kvserve - kvpress"]
+    return table([*header, "share of its own full: kvpress / kvserve"], body)
+
+
+def main(args) -> None:
+    if not args.table_only:
+        from transformers import AutoTokenizer
+
+        if not args.model_dir:
+            raise SystemExit("kvserve eval parity: --model-dir is required to run cases")
+        tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+        budgets = [int(b) for b in args.budgets.split(",") if b]
+        settings = settings_of([p for p in args.policies.split(",") if p], budgets)
+        cases = parity_cases(
+            tokenizer, args.tasks.split(","), [int(n) for n in args.lengths.split(",")], args.samples, args.seed
+        )
+        if args.side in ("both", "kvpress"):
+            run_reference(args.reference_python, args.model_dir, cases, settings, args.out)
+        if args.side in ("both", "kvserve"):
+            server = Server(args.url)
+            for allocation in args.allocations.split(","):
+                run_kvserve(server, cases, settings, allocation, args.out)
+    print(parity_table(load_rows(args.out)))
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("parity", help="the same cases through kvpress's presses and kvserve's server")
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="a running kvserve server of the model")
+    parser.add_argument("--model-dir", help="the model's transformers directory (both sides load it)")
+    parser.add_argument("--reference-python", default=".kvpress-venv/bin/python", help="kvpress's environment")
+    parser.add_argument("--policies", default="kvzip", help=f"comma list of {', '.join(REFERENCE_PRESS)}")
+    parser.add_argument("--budgets", default="512")
+    parser.add_argument("--allocations", default="uniform", help="kvserve's kv_allocation values (comma list)")
+    parser.add_argument("--tasks", default="passkey,multikey_one")
+    parser.add_argument("--lengths", default="1000,2000,4000")
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--side", choices=("both", "kvpress", "kvserve"), default="both")
+    parser.add_argument("--table-only", action="store_true")
+    parser.add_argument("--out", required=True, help="JSON lines of both sides' answers; an existing file resumes")
+    parser.set_defaults(handler=main)
+
+
+if __name__ == "__main__":
+    sys.exit("run as `kvserve eval parity ...`")

@@ -1,0 +1,71 @@
+"""`kvserve eval parity` (kvserve/tools/eval/parity.py): both sides must get the same tokens, in the form kvpress's
+pipeline builds them, and its table must be each side's mean and interval. The runs themselves are opt-in (they need
+kvpress's environment and minutes per case); their tables are on the benchmarks page."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.tools.eval.parity import (
+    ParityCase,
+    parity_cases,
+    parity_table,
+    pipeline_form,
+    question_inside,
+    settings_of,
+)
+from kvserve.tools.eval.suite import wilson
+from kvserve.tools.eval.tasks import make_case, score, split_question
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from kvserve.model import ensure_default_model
+
+    return AutoTokenizer.from_pretrained(str(ensure_default_model()))
+
+
+@pytest.mark.parametrize("task", ["passkey", "multikey_one"])
+def test_the_context_and_question_are_the_chat_kvpress_renders(tokenizer, task):
+    case = make_case(tokenizer, task, 1000, 0)
+    context, question = pipeline_form(tokenizer, case.prompt)
+    document, asked = split_question(case.prompt)
+    asked, _, answer_start = asked.rpartition("?")
+    # kvpress's pipeline: the document and the question in one user message, the reply started, then the answer's
+    # first words; the context is exactly what precedes the question
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": document + asked + "?"}], add_generation_prompt=True, tokenize=False
+    )
+    assert tokenizer.decode(context + question) == chat + answer_start.strip()
+    assert tokenizer.decode(context).endswith(document)
+    assert len(context) > 900 and len(question) < 60
+
+
+def test_question_inside_compresses_all_but_the_last_token(tokenizer):
+    (case,) = parity_cases(tokenizer, ["passkey"], [1000], 1, 0)
+    inside = question_inside(case)
+    assert inside.context_ids + inside.question_ids == case.context_ids + case.question_ids
+    assert len(inside.question_ids) == 1
+
+
+def test_the_table_is_each_sides_mean_with_its_interval():
+    case = ParityCase(["passkey", 1000, 0, 0], [1], [2], ("12345",), 8)
+    answers = {"kvpress": [" 12345.", " 12345", " 99"], "kvserve": [" 12345", " 1", " 2"]}
+    rows = [
+        {"side": side, "label": "kvzip@256", "key": case.key, "answer": answer, "references": ["12345"]}
+        for side, side_answers in answers.items()
+        for answer in side_answers
+    ]
+    text = parity_table(rows)
+    for side_answers in answers.values():
+        mean = sum(score(answer, ["12345"]) for answer in side_answers) / len(side_answers)
+        low, high = wilson(mean, len(side_answers))
+        assert f"{mean:.2f} [{low:.2f}, {high:.2f}] (n=3)" in text
+    assert "| kvzip@256 | outside |" in text and "-0.33" in text
+
+
+def test_a_policy_without_a_reference_is_refused():
+    with pytest.raises(SystemExit, match="no kvpress reference for 'h2o'"):
+        settings_of(["h2o"], [256])
