@@ -157,7 +157,7 @@ def run_kvserve(server: Server, cases: list[ParityCase], settings, allocation: s
     for policy, budget in settings:
         if policy == "kvzip_layerwise":
             continue
-        if allocation != "uniform" and not compresses_before_question(policy):
+        if budget is not None and allocation != "uniform" and not compresses_before_question(policy):
             continue  # kvpress's other presses keep B in every head: compared with kvserve's uniform only
         label = label_of(policy, budget, allocation if budget else "uniform")
         knobs = REFERENCE_KNOBS.get(policy, ())
