@@ -23,9 +23,9 @@ def with_document(config: KVConfig, request: dict[str, Any]) -> KVConfig:
     reconstruct = parse_bool("kv_reconstruct", request.get("kv_reconstruct", False))
     document = config.document
     if not document:
-        for key in ("kv_reconstruct", "kv_reconstruct_piece"):
-            if key in request and (key != "kv_reconstruct" or reconstruct):
-                raise InvalidSetting(key, "needs kv_document: the tokens of the document it reconstructs")
+        if reconstruct or "kv_reconstruct_piece" in request:
+            field = "kv_reconstruct" if reconstruct else "kv_reconstruct_piece"
+            raise InvalidSetting(field, "needs kv_document: the tokens of the document it reconstructs")
         return config
     why = None
     if config.budget is None:

@@ -101,16 +101,6 @@ def instruction_ids(tokenizer) -> list[int]:
     return list(tokenizer.encode(REPEAT_INSTRUCTION + reply_start(tokenizer), add_special_tokens=False))
 
 
-def continuation_ids(tokenizer, quoted: list[int]) -> list[int]:
-    """A later piece's instruction: repeat the part that starts after the `quoted` tokens (the previous piece's
-    last ones), then the start of the reply."""
-    return (
-        list(tokenizer.encode(CONTINUE_INSTRUCTION, add_special_tokens=False))
-        + quoted
-        + list(tokenizer.encode(reply_start(tokenizer), add_special_tokens=False))
-    )
-
-
 @dataclass(frozen=True)
 class Piece:
     """One request of a document's reconstruction: its prompt copies the document's tokens start..end."""
@@ -128,8 +118,12 @@ def reconstruction_pieces(
     the whole copy is one piece. InvalidSetting names `prompt` when the document leaves room for pieces of fewer than
     MIN_PIECE tokens."""
     first = instruction_ids(tokenizer)
-    later = continuation_ids(tokenizer, document[:PIECE_OVERLAP])
-    room = max_model_len - 1 - len(document) - max(len(first), len(later))
+    # a later piece's instruction: repeat the part after the quoted tokens (the previous piece's last ones), then the
+    # start of the reply; its two fixed parts tokenized once for every piece
+    repeat_part = list(tokenizer.encode(CONTINUE_INSTRUCTION, add_special_tokens=False))
+    reply = list(tokenizer.encode(reply_start(tokenizer), add_special_tokens=False))
+    longest = max(len(first), len(repeat_part) + min(PIECE_OVERLAP, len(document)) + len(reply))
+    room = max_model_len - 1 - len(document) - longest
     if room < min(MIN_PIECE, len(document)):
         raise InvalidSetting(
             "prompt",
@@ -140,7 +134,8 @@ def reconstruction_pieces(
     pieces = []
     for start in range(0, len(document), size):
         end = min(start + size, len(document))
-        instruction = first if start == 0 else continuation_ids(tokenizer, document[start - PIECE_OVERLAP : start])
+        quoted = document[max(start - PIECE_OVERLAP, 0) : start]
+        instruction = first if start == 0 else repeat_part + quoted + reply
         pieces.append(Piece(document + instruction + document[start:end], start, end))
     return pieces
 
