@@ -19,12 +19,18 @@ from pathlib import Path
 import yaml
 
 from kvserve.allocator import allocator_env
-from kvserve.config import BUILTIN_DEFAULTS, DEFAULTS_ENV, parse_kv_config
+from kvserve.config import (
+    BUILTIN_DEFAULTS,
+    CHECKPOINT_POLICY_KEY,
+    DEFAULTS_ENV,
+    parse_kv_config,
+)
 from kvserve.cpu_dtype import default_dtype, has_dtype_flag
 from kvserve.errors import InvalidSetting
 from kvserve.parallelism import parallel_env
 from kvserve.policies import POLICY_NAMES
 from kvserve.policies.allocation import ALLOCATIONS
+from kvserve.policy_settings import check_checkpoint_policy
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -79,6 +85,14 @@ def _serve_parser() -> argparse.ArgumentParser:
         "decode rule after it) or a token count C (compact at every multiple of C, a multiple of the block size); "
         "the compacted lists enter the prefix cache, so the next chat turn resumes from them",
     )
+    general.add_argument(
+        "--kv-checkpoint-policy",
+        dest="kv_checkpoint_policy",
+        default=None,
+        help="the policy of requests with checkpoints (kv_checkpoint) that name none (default kvzip: each prefix "
+        "compressed once by its reconstruction, before any question; without this flag, a --kv-policy or --kv-config "
+        "policy serves them)",
+    )
     profile = parser.add_argument_group("the model's profile (kvserve calibrate MODEL)")
     profile.add_argument(
         "--kv-profile",
@@ -131,7 +145,8 @@ def defaults_from_args(args: argparse.Namespace) -> dict:
     if "kv_policy" not in defaults:  # knobs alone (`--kv-window 64`) tune the built-in policy, not `full`
         defaults = {**BUILTIN_DEFAULTS, **defaults}
     try:  # fail at start-up, not on the first request
-        parse_kv_config(defaults, defaults={})
+        check_checkpoint_policy(defaults)
+        parse_kv_config({k: v for k, v in defaults.items() if k != CHECKPOINT_POLICY_KEY}, defaults={})
         for policy in _sections(defaults):
             parse_kv_config({"kv_policy": policy}, defaults=defaults)
     except InvalidSetting as exc:

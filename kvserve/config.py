@@ -18,7 +18,12 @@ from kvserve.document_settings import with_document
 from kvserve.errors import InvalidSetting
 from kvserve.policies import BASE_POLICIES, POLICIES, POLICY_NAMES, Policy
 from kvserve.policies.knobs import KEY_PREFIX, parse_bool, parse_int
-from kvserve.policy_settings import allocation_and_span, evict_when_of
+from kvserve.policy_settings import (
+    CHECKPOINT_POLICY_KEY,
+    allocation_and_span,
+    evict_when_of,
+    requested_policy,
+)
 
 # Server-wide defaults travel to the processes that parse settings (the API server; offline, the one process) here.
 DEFAULTS_ENV = "KVSERVE_DEFAULTS"
@@ -29,7 +34,13 @@ DEFAULTS_ENV = "KVSERVE_DEFAULTS"
 # not). The pool is wider than the paper's 7 because a 7-digit value ends 8 entries past the key a question attends
 # to, and a pool that does not reach them loses the value's last digits: on the multi-key lookup (default model)
 # 15 lifted SnapKV from 44% to 80% of full at B=256 and from 68% to 88% at B=512; the suite's other tasks held.
-BUILTIN_DEFAULTS = {"kv_policy": "snapkv", "kv_budget": 1024, "kv_span": 8, "kv_kernel_size": 15}
+BUILTIN_DEFAULTS = {
+    "kv_policy": "snapkv",
+    "kv_budget": 1024,
+    "kv_span": 8,
+    "kv_kernel_size": 15,
+    CHECKPOINT_POLICY_KEY: "kvzip",
+}
 # SamplingParams.extra_args key: the validated settings (`KVConfig.to_wire`), written by vLLM's input validation over
 # whatever a request brings under that name; the engine core reads them (`settings_from`) and parses nothing.
 SETTINGS_KEY = "kvserve_settings"
@@ -214,10 +225,12 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
     request = {k: v for k, v in (request_args or {}).items() if k.startswith(KEY_PREFIX)}
     allowed = set(GENERAL_KEYS) | set(INTERNAL_KEYS) | knob_keys()
     for key in request:
+        if key == CHECKPOINT_POLICY_KEY:
+            raise InvalidSetting(key, "is a server default (kvserve serve --kv-checkpoint-policy); name kv_policy")
         if key not in allowed:
             raise InvalidSetting(key, f"unknown eviction setting; allowed keys: {', '.join(sorted(allowed))}")
 
-    policy = request.get("kv_policy", defaults.get("kv_policy", "full"))
+    policy = requested_policy(request, defaults)
     if not isinstance(policy, str) or policy not in POLICY_NAMES:
         raise InvalidSetting(
             "kv_policy",

@@ -259,6 +259,12 @@ def _check_tensor_parallel(config: KVConfig, tensor_ranks: int) -> None:
             f"attention_gate's gates read every query head of a layer; under tensor parallelism ({tensor_ranks} "
             "ranks) each rank computes only its own",
         )
+    if dict(config.knobs).get("vote_scope") == "layer":
+        raise InvalidSetting(
+            "kv_vote_scope",
+            f"layer averages the votes of every query head of a layer; under tensor parallelism ({tensor_ranks} "
+            "ranks) each rank computes only its own: use group",
+        )
 
 
 def _checkpoint_field(config: KVConfig) -> str:

@@ -1,13 +1,14 @@
 """The general settings whose meaning depends on the policy (`kv_allocation`, `kv_span`, `kv_evict_when`): each is
 refused with the reason where the request's policy cannot use it, and a server default that does not fit the
-policy is dropped. Part of `parse_kv_config` (kvserve/config.py)."""
+policy is dropped; and which policy a request gets when it names none (`requested_policy`). Part of
+`parse_kv_config` (kvserve/config.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from kvserve.errors import InvalidSetting
-from kvserve.policies import Policy, ScoredPolicy
+from kvserve.policies import POLICY_NAMES, Policy, ScoredPolicy
 from kvserve.policies.allocation import ALLOCATIONS
 from kvserve.policies.knobs import parse_int
 
@@ -15,6 +16,35 @@ from kvserve.policies.knobs import parse_int
 # only once the pool is short of blocks (kvserve/vllm/scheduler.py); until then it is served, cached and published
 # like a `full` request.
 EVICT_WHEN = ("eager", "pressure")
+
+
+# A request with `kv_checkpoint=C` that names no policy compacts its prefix before any question is known, where the
+# query-agnostic KVzip keeps the most (docs/benchmarks.md, "Before the question: what kv_checkpoint keeps"): the
+# built-in `kv_checkpoint_policy` (a server default only; a request names its policy with kv_policy). `turns` is not
+# before the question (each turn compacts where its prompt ends, its question voting), so it keeps the server's
+# kv_policy. An operator who names a kv_policy (--kv-policy, --kv-config) without a checkpoint policy has checkpoints
+# served by that policy.
+CHECKPOINT_POLICY_KEY = "kv_checkpoint_policy"
+
+
+def requested_policy(request: dict[str, Any], defaults: dict[str, Any]) -> Any:
+    """The policy a request is served with: its own kv_policy; else, when it compacts at every C tokens (its
+    kv_checkpoint or the server's, a count other than 0), the server's kv_checkpoint_policy if there is one; else the
+    server's kv_policy (full without one)."""
+    if "kv_policy" in request:
+        return request["kv_policy"]
+    checkpoint = str(request.get("kv_checkpoint", defaults.get("kv_checkpoint", 0))).strip().lower()
+    if checkpoint not in ("0", "", "turns") and CHECKPOINT_POLICY_KEY in defaults:
+        return defaults[CHECKPOINT_POLICY_KEY]
+    return defaults.get("kv_policy", "full")
+
+
+def check_checkpoint_policy(defaults: dict[str, Any]) -> None:
+    """The server's kv_checkpoint_policy, if any, is an eviction policy."""
+    policy = defaults.get(CHECKPOINT_POLICY_KEY)
+    if policy is not None and (policy not in POLICY_NAMES or policy == "full"):
+        names = ", ".join(name for name in POLICY_NAMES if name != "full")
+        raise InvalidSetting(CHECKPOINT_POLICY_KEY, f"must be an eviction policy ({names}), got {policy!r}")
 
 
 def evict_when_of(request: dict[str, Any], defaults: dict[str, Any], cls: type[Policy], every_chunk: bool) -> str:

@@ -330,10 +330,13 @@ def test_kvzip_with_a_checkpoint_compresses_the_prefix_once_and_answers_as_an_ex
     assert explicit.status_code == 200, explicit.text
     assert first.json()["choices"][0]["text"] == explicit.json()["choices"][0]["text"]
 
-    again = {**body, "prompt": text + "Which word comes first? The word", **kv, "kv_checkpoint": 128}
+    # a request with checkpoints that names no policy gets the server's kv_checkpoint_policy (built in: kvzip), so
+    # it is the same compression
+    unnamed = {key: value for key, value in kv.items() if key != "kv_policy"}
+    again = {**body, "prompt": text + "Which word comes first? The word", **unnamed, "kv_checkpoint": 128}
     second = _post(server, "/v1/completions", {**again, "cache_salt": salt})
     assert second.status_code == 200, second.text
-    assert second.headers["x-kv-document"] == "reused"
+    assert second.headers["x-kv-document"] == "reused" and second.headers["x-kv-policy-applied"] == "kvzip"
     assert second.json()["usage"]["kv_tokens_evicted"] == prefix_tokens - BUDGET  # it resumed from the first's
 
 
@@ -361,6 +364,40 @@ def test_kvzip_with_turn_checkpoints_compresses_the_conversation_before_its_last
     assert plain.status_code == 200, plain.text
     assert plain.headers["x-kv-document"] == "none" and plain.headers["x-kv-policy-applied"] == "full"
     assert plain.json()["usage"].get("kv_tokens_evicted", 0) == 0
+
+
+def test_the_servers_checkpoints_are_compressed_by_its_checkpoint_policy_where_they_apply(monkeypatch):
+    """The server's own kv_checkpoint=C, with the built-in kv_checkpoint_policy (kvzip), plans the prefix's
+    compression for a request that names neither, as the request's kv_checkpoint does; `turns` keeps the server's
+    kv_policy (a kvzip server's `turns` on a completion is refused, as a request's is); a request naming another
+    policy is left to it."""
+    import json
+
+    from kvserve.config import BUILTIN_DEFAULTS, DEFAULTS_ENV
+    from kvserve.server import checkpoint_documents
+
+    monkeypatch.setattr(checkpoint_documents, "tokenizer_of", lambda engine: _tokenizer())
+    prompt = _tokenizer().decode(haystack(_tokenizer(), 300, seed=38))
+    tokens = len(_tokenizer()(prompt)["input_ids"])
+
+    def plan(defaults: dict, path: str = "/v1/completions", **xargs):
+        monkeypatch.setenv(DEFAULTS_ENV, json.dumps({**BUILTIN_DEFAULTS, "kv_budget": BUDGET, **defaults}))
+        body = {"prompt": prompt, **({"vllm_xargs": xargs} if xargs else {})}
+        return checkpoint_documents.plan_prefix_compression(body, path, engine=None)
+
+    server_default, asked = plan({"kv_checkpoint": 128}), plan({}, kv_checkpoint=128)
+    assert server_default.request_body == asked.request_body and server_default.key == asked.key
+    assert server_default.request_body["vllm_xargs"] == {
+        "kv_policy": "kvzip",
+        "kv_document": (tokens - 1) // 128 * 128,
+    }
+    assert server_default.compress_body["prompt"] == _tokenizer()(prompt)["input_ids"][: (tokens - 1) // 128 * 128]
+    assert plan({"kv_checkpoint": "turns"}) is None  # turns: the server's kv_policy, which compacts by itself
+    with pytest.raises(InvalidSetting) as refused:  # a kvzip server's turns: no turns in a completion
+        plan({"kv_policy": "kvzip", "kv_checkpoint": "turns"})
+    assert refused.value.field == "kv_checkpoint"
+    assert plan({"kv_checkpoint": 128}, kv_policy="snapkv") is None
+    assert plan({"kv_checkpoint": 128}, kv_checkpoint=0) is None
 
 
 @pytest.mark.parametrize(

@@ -69,3 +69,30 @@ def test_the_table_is_each_sides_mean_with_its_interval():
 def test_a_policy_without_a_reference_is_refused():
     with pytest.raises(SystemExit, match="no kvpress reference for 'h2o'"):
         settings_of(["h2o"], [256])
+
+
+def test_duoattention_keeps_b_on_average_with_the_same_heads_on_both_sides():
+    """DuoAttention's plain form at B: as many retrieval heads R (keeping the whole context n) as make
+    R x n + (L x H - R) x (sinks + recent) closest to L x H x B; kvpress's press gets kvserve's head order as its
+    scores, so its lowest-scored heads, streamed, are exactly the heads kvserve's retrieval fraction leaves out."""
+    import numpy as np
+    import torch
+
+    from kvserve.duo.roles import HeadRoles
+    from kvserve.tools.eval.parity import duo_reference, duo_retrieval_heads
+
+    gates = torch.tensor([[0.9, 1.0, 0.2], [1.0, 0.0, 0.5], [0.0, 1.0, 0.7], [0.3, 0.0, 1.0]])  # ties on purpose
+    roles = HeadRoles("m", gates, sink_tokens=16, recent=64)
+    heads, streaming = gates.numel(), 80
+    for budget, context in ((256, 1000), (256, 4000), (512, 2000), (200, 210)):
+        retrieval = duo_retrieval_heads(roles, budget, context)
+        kept = [r * context + (heads - r) * streaming for r in range(1, heads + 1)]
+        closest = min(range(heads), key=lambda r: abs(kept[r] - heads * budget))
+        assert retrieval == closest + 1
+        cases = [ParityCase(["passkey", context, 0, 0], [0] * context, [1], ("1",), 4)]
+        spec = duo_reference(roles, budget, cases)
+        assert spec["retrieval_heads"] == {'["passkey", ' + f"{context}, 0, 0]": retrieval}
+        scores = np.array(spec["roles"]["gates"], dtype=float)
+        streamed = np.zeros(heads, dtype=bool)
+        streamed[np.argsort(scores, axis=None)[: heads - retrieval]] = True  # kvpress's choice
+        assert (~streamed.reshape(gates.shape) == roles.retrieval(retrieval / heads).numpy()).all()

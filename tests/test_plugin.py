@@ -11,7 +11,8 @@ import yaml
 
 from kvserve import REQUIRED_VLLM_VERSION
 from kvserve.cli import BUILTIN_DEFAULTS, defaults_from_args
-from kvserve.config import parse_kv_config
+from kvserve.config import parse_kv_config, requested_policy
+from kvserve.errors import InvalidSetting
 from kvserve.policies import POLICY_NAMES
 from kvserve.vllm import patches as vllm_patches
 
@@ -33,13 +34,41 @@ def test_wrong_vllm_version_is_refused_with_the_needed_version(monkeypatch):
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_are_valid(path):
-    settings = yaml.safe_load(path.read_text())
-    assert parse_kv_config(settings, defaults={}).evicts
+    assert parse_kv_config({}, defaults_from_args(namespace(kv_config=path))).evicts
 
 
 def test_default_config_file_matches_builtin_default():
-    settings = yaml.safe_load((CONFIGS / "default.yaml").read_text())
-    assert parse_kv_config(settings, defaults={}) == parse_kv_config(BUILTIN_DEFAULTS, defaults={})
+    """`--kv-config configs/default.yaml` serves what no flag at all serves: the same settings for a request that
+    names nothing, and kvzip for one with checkpoints."""
+    from_file, builtin = defaults_from_args(namespace(kv_config=CONFIGS / "default.yaml")), dict(BUILTIN_DEFAULTS)
+    assert yaml.safe_load((CONFIGS / "default.yaml").read_text()).keys() >= builtin.keys()
+    assert parse_kv_config({}, from_file) == parse_kv_config({}, builtin)
+    for request in ({"kv_checkpoint": 512}, {"kv_checkpoint": "turns"}, {"kv_checkpoint": 0}):
+        assert requested_policy(request, from_file) == requested_policy(request, builtin)
+
+
+def test_checkpoints_default_to_the_checkpoint_policy_unless_the_operator_names_a_policy():
+    """A request with kv_checkpoint=C that names no policy gets kv_checkpoint_policy (built in: kvzip); one naming a
+    policy keeps it; kv_checkpoint 0 is no checkpoint, turns the server's kv_policy. An operator's --kv-policy
+    without --kv-checkpoint-policy serves checkpoints with that policy; a request cannot set kv_checkpoint_policy
+    (400 naming it)."""
+    builtin = defaults_from_args(namespace())
+    assert requested_policy({"kv_checkpoint": 256}, builtin) == BUILTIN_DEFAULTS["kv_checkpoint_policy"] == "kvzip"
+    assert requested_policy({"kv_checkpoint": 256, "kv_policy": "keydiff"}, builtin) == "keydiff"
+    assert requested_policy({"kv_checkpoint": "0"}, builtin) == requested_policy({}, builtin) == "snapkv"
+    assert requested_policy({}, {**builtin, "kv_checkpoint": 512}) == "kvzip"  # the server's checkpoints too
+    # turns compacts where each turn's prompt ends, its question voting: not before the question
+    assert requested_policy({"kv_checkpoint": "turns"}, builtin) == "snapkv"
+    named = defaults_from_args(namespace(kv_policy="tova", kv_budget="512"))
+    assert requested_policy({"kv_checkpoint": 256}, named) == "tova"
+    chosen = defaults_from_args(namespace(kv_policy="tova", kv_budget="512", kv_checkpoint_policy="keydiff"))
+    assert requested_policy({"kv_checkpoint": 256}, chosen) == "keydiff"
+    for bad in ("full", "lru"):
+        with pytest.raises(SystemExit, match="kv_checkpoint_policy"):
+            defaults_from_args(namespace(kv_checkpoint_policy=bad))
+    with pytest.raises(InvalidSetting) as refused:
+        parse_kv_config({"kv_checkpoint_policy": "kvzip"}, builtin)
+    assert refused.value.field == "kv_checkpoint_policy"
 
 
 def namespace(**kv):
@@ -55,7 +84,7 @@ def test_cli_flags_override_the_config_file():
 
 def test_a_knob_flag_alone_tunes_the_builtin_policy():
     defaults = defaults_from_args(argparse.Namespace(kv_config=None, kv_policy=None, kv_budget=None, kv_window="64"))
-    assert parse_kv_config({}, defaults) == parse_kv_config({**BUILTIN_DEFAULTS, "kv_window": 64}, defaults={})
+    assert parse_kv_config({}, defaults) == parse_kv_config({}, {**BUILTIN_DEFAULTS, "kv_window": 64})
 
 
 def test_cli_rejects_an_invalid_default_at_start_up():

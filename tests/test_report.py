@@ -184,3 +184,17 @@ def test_a_multikey_answer_counts_as_right_exactly_where_the_suite_scores_it_rig
             ), row
     assert miss_kind(" 4705.", "4705172") == MISSES[1] and miss_kind(" 4705179.", "4705172") == MISSES[1]
     assert miss_kind(" 1732526.", "4705172") == MISSES[2] and miss_kind(" The answer is", "4705172") == MISSES[3]
+
+
+def test_what_the_docs_say_kv_checkpoint_keeps_is_what_the_data_gives():
+    """The README and the guide give the checkpoint default's reason in one sentence built from
+    docs/eval/checkpoint/ (each policy's share of full at kv_checkpoint=512 on both models); a changed result changes
+    the sentence, so a copy typed by hand fails here."""
+    from kvserve.tools.report.parity import checkpoint_sentence
+    from kvserve.tools.report.sources import DataDir
+
+    sentence = checkpoint_sentence(DataDir(REPO / "docs" / "eval", REPO))
+    assert re.search(r"KVzip keeps \d+% of full on Qwen2.5-Coder-0.5B \(KeyDiff \d+%, SnapKV \d+%\)", sentence)
+    for doc in ("README.md", "docs/guide.md"):
+        text = " ".join((REPO / doc).read_text().split())  # the sentence may wrap anywhere
+        assert sentence in text, f"{doc} does not say: {sentence}"

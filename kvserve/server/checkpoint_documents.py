@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.config import env_defaults
+from kvserve.config import env_defaults, requested_policy
 from kvserve.errors import InvalidSetting
 from kvserve.model_support import ServedEngine
 from kvserve.policies import POLICIES
@@ -49,12 +49,14 @@ def plan_prefix_compression(body: dict[str, Any], path: str, engine: ServedEngin
     """The plan for a request that asks a reconstructing policy with `kv_checkpoint`; None for any other request (its
     settings are then checked as they are). InvalidSetting names the field of a request this cannot serve."""
     xargs = dict(body.get("vllm_xargs") or {})
-    policy = xargs.get("kv_policy", env_defaults().get("kv_policy", "full"))
+    defaults = env_defaults()
+    policy = requested_policy(xargs, defaults)  # (kv_checkpoint_policy, kvzip, for checkpoints every C tokens)
     cls = POLICIES.get(policy) if isinstance(policy, str) else None
-    if "kv_checkpoint" not in xargs or cls is None or not cls.reconstructs or "kv_document" in xargs:
+    checkpoint = str(xargs.pop("kv_checkpoint", defaults.get("kv_checkpoint", 0))).strip().lower()
+    if checkpoint in ("0", "") or cls is None or not cls.reconstructs or "kv_document" in xargs:
         return None  # (kv_document with kv_checkpoint is refused by the settings' own check)
-    checkpoint = str(xargs.pop("kv_checkpoint")).strip().lower()
-    budget = xargs.get("kv_budget", env_defaults().get("kv_budget"))
+    xargs["kv_policy"] = policy  # both engine requests say which policy the plan is for
+    budget = xargs.get("kv_budget", defaults.get("kv_budget"))
     if budget is None:
         raise InvalidSetting("kv_budget", f"kv_checkpoint with {policy} compresses the prompt's prefix to kv_budget")
     tokenizer = tokenizer_of(engine)

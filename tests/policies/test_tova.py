@@ -41,3 +41,17 @@ def test_tova_window_query_older_than_some_entries_is_causal():
     keep = TOVA().keep_indices(obs, 12)
     reference = ref_tova_scores(obs)
     assert as_lists(keep) == [ref_top(reference[h], [], 12) for h in range(heads)]
+
+
+@pytest.mark.parametrize("group,budget", [(1, 10), (3, 17)])
+def test_tova_layer_scope_keeps_the_top_of_the_layers_mean_row_in_every_head(group, budget):
+    """`vote_scope=layer` (TOVA's own code, kvpress's TOVAPress): every KV head keeps the top of the newest query's
+    attention averaged over all of the layer's query heads, the same positions in each head."""
+    heads, n, dim = 3, 40, 8
+    keys, values, queries = causal_inputs(n, heads, group, dim, seed=44 + group)
+    positions = dense_positions(heads, n)
+    obs = observation(keys, values, positions, queries[-1:], positions[0, -1:].clone(), budget=budget)
+    keep = TOVA(vote_scope="layer").keep_indices(obs, budget)
+    layer_mean = ref_tova_scores(obs).mean(dim=0)  # groups of equal size: the mean of the group means
+    assert as_lists(keep) == [ref_top(layer_mean, [], budget)] * heads
+    assert as_lists(keep) != as_lists(TOVA().keep_indices(obs, budget))  # the group scope keeps others here

@@ -48,7 +48,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--budgets", default="128,256,512")
     parser.add_argument(
-        "--allocations", default="uniform", help="kv_allocation values to run each budgeted policy with (comma list)"
+        "--allocations",
+        default="default",
+        help="kv_allocation values to run each budgeted policy with (comma list; default: each policy's own, "
+        "global for kvzip and uniform for the others)",
     )
     parser.add_argument("--spans", default="1", help="kv_span values to run each score-based policy with")
     parser.add_argument(

@@ -47,10 +47,11 @@ class Setting:
 
     def compresses_documents(self) -> bool:
         """Its policy scores a document by its reconstruction (KVzip): each case's document is compressed with
-        `POST /v1/kvserve/compress` before its question is asked."""
+        `POST /v1/kvserve/compress` before its question is asked; with `kv_checkpoint` the server compresses the
+        prompt's prefix itself instead (`kvserve/server/checkpoint_documents.py`)."""
         from kvserve.policies import POLICIES
 
-        return self.policy in POLICIES and POLICIES[self.policy].reconstructs
+        return not self.checkpoint and self.policy in POLICIES and POLICIES[self.policy].reconstructs
 
     def kv_args(self) -> dict[str, str]:
         """The `kv_*` request keys the server reads from these headers (its own header parsing)."""
@@ -95,13 +96,13 @@ async def stream_chunks(
 def label_of(kv: dict) -> str:
     """kv_* settings (a server default, a profile's recommendation) as the results label of the same setting:
     `{"kv_policy": "snapkv", "kv_span": 8, "kv_kernel_size": 15}` -> `snapkv:kernel_size=15/span8`. Its knobs are
-    the kv_* keys besides the general ones, in the order given."""
-    from kvserve.config import GENERAL_KEYS
+    the kv_* keys besides the general ones (and the server's kv_checkpoint_policy), in the order given."""
+    from kvserve.config import CHECKPOINT_POLICY_KEY, GENERAL_KEYS
 
     knobs = tuple(
         (key.removeprefix("kv_"), str(value))
         for key, value in kv.items()
-        if key.startswith("kv_") and key not in GENERAL_KEYS
+        if key.startswith("kv_") and key not in (*GENERAL_KEYS, CHECKPOINT_POLICY_KEY)
     )
     return Setting(
         kv["kv_policy"],
@@ -143,7 +144,7 @@ def settings(
     policies: list[str],
     budgets: list[int],
     evict_every_chunk: bool = False,
-    allocations: tuple[str, ...] = ("uniform",),
+    allocations: tuple[str, ...] = ("default",),
     spans: tuple[int, ...] = (1,),
     match: str | None = None,
     checkpoint: int = 0,
@@ -153,10 +154,14 @@ def settings(
     and span; the others `uniform` and `pyramid` at span 1; a policy that sets its own counts per head only
     `uniform`). A policy may carry knobs: `duoattention:retrieval_fraction=0.25` (see `parse_policy`). With `match`
     (a setting's label), each budgeted policy runs once per allocation and span at the budget that setting kept on
-    each case, instead of at `budgets`. `checkpoint`: every budgeted policy's kv_checkpoint."""
+    each case, instead of at `budgets`. `checkpoint`: every budgeted policy's kv_checkpoint. The allocation `default`
+    is each policy's own (`global` for kvzip, `uniform` for the others), named in the row's label."""
     from kvserve.policies import POLICIES, ScoredPolicy
 
     parsed = [parse_policy(text) for text in policies]
+
+    def own(policy: str) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(POLICIES[policy].default_allocation if a == "default" else a for a in allocations))
 
     def unbudgeted(policy: str) -> bool:
         return policy == "full" or POLICIES[policy].ragged
@@ -168,9 +173,9 @@ def settings(
         return issubclass(cls, ScoredPolicy) or (allocation in ("uniform", "pyramid") and span == 1)
 
     for policy, _ in parsed:  # a policy none of whose combinations runs is an error, not an empty row
-        if not unbudgeted(policy) and not any(usable(policy, a, s) for a in allocations for s in spans):
+        if not unbudgeted(policy) and not any(usable(policy, a, s) for a in own(policy) for s in spans):
             raise ValueError(
-                f"{policy}: none of allocations {', '.join(allocations)} with spans {', '.join(map(str, spans))} "
+                f"{policy}: none of allocations {', '.join(own(policy))} with spans {', '.join(map(str, spans))} "
                 "applies (it selects by a fixed rule, not by scores: uniform or pyramid at span 1)"
             )
     once = [Setting(p, None, evict_every_chunk and p != "full", knobs=k) for p, k in parsed if unbudgeted(p)]
@@ -179,7 +184,7 @@ def settings(
         for p, knobs in parsed
         if not unbudgeted(p)
         for b in ([None] if match else budgets)
-        for allocation in allocations
+        for allocation in own(p)
         for span in spans
         if usable(p, allocation, span)
     ]
@@ -239,8 +244,8 @@ def check_applied(url: str, setting: Setting, headers: httpx.Headers) -> None:
     reaches a request that names none (attention_gate's gates then keep at most that many recent entries), which
     the row would record as no budget. Vanilla vLLM applies nothing and says so by sending no header."""
     policy = headers.get("x-kv-policy-applied")
-    if policy is None:
-        return
+    if policy is None or headers.get("x-kv-document") == "none":
+        return  # (a kv_checkpoint prefix no longer than the budget: nothing to compress, served in full by design)
     budget = headers.get("x-kv-budget-applied")
     asked = None if setting.budget is None else str(setting.budget)
     if budget != asked and setting.policy != "full":

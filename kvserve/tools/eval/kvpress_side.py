@@ -7,11 +7,15 @@ one: kvpress 0.5.5 needs transformers<5.3, vLLM's CPU build >=5.16), so it impor
     .kvpress-venv/bin/python kvserve/tools/eval/kvpress_side.py CASES.json OUT.jsonl
 
 CASES.json (written by `kvserve/tools/eval/parity.py`): the model's directory, the settings ({"label", "press",
-"budget"}) and the cases ({"key", "context_ids", "question_ids", "references", "max_tokens"}). Each case's context
-is compressed by the press alone (kvpress's pipeline: the question is not in it), then the question is asked and
-answered greedily by the pipeline's own code (`KVPressTextGenerationPipeline._forward`). A budget B means what it
-means to kvserve: the press keeps B entries per (layer, KV head) of the context on average, compression_ratio =
-1 - B / context tokens. One JSON line per (setting, case) is appended to OUT.jsonl; lines already there are skipped.
+"budget"}, and for DuoAttention its head roles and each case's number of retrieval heads) and the cases ({"key",
+"context_ids", "question_ids", "references", "max_tokens"}). Each case's context is compressed by the press alone
+(kvpress's pipeline: the question is not in it), then the question is asked and answered greedily by the pipeline's
+own code (`KVPressTextGenerationPipeline._forward`). A budget B means what it means to kvserve: the press keeps B
+entries per (layer, KV head) of the context on average, compression_ratio = 1 - B / context tokens. DuoAttention
+keeps every entry of its retrieval heads and the sinks and newest entries of the others (the paper's plain form):
+its heads are ranked by the roles kvserve serves with (kvpress would download the authors' patterns, which exist
+only for 7-8B models), with as many retrieval heads as B allows. One JSON line per (setting, case) is appended to
+OUT.jsonl; lines already there are skipped.
 """
 
 from __future__ import annotations
@@ -35,13 +39,30 @@ PRESSES = {
 }
 
 
-def make_press(name: str, ratio: float):
+def make_press(name: str, ratio: float, setting: dict, case_key: list):
     import kvpress
 
+    if name == "duoattention":
+        return duo_press(setting, case_key)
     if ratio <= 0:
         return None
     class_name, kwargs = PRESSES[name]
     return getattr(kvpress, class_name)(compression_ratio=ratio, **kwargs)
+
+
+def duo_press(setting: dict, case_key: list):
+    """kvpress's DuoAttentionPress with kvserve's head roles in place of the downloaded patterns, streaming all but the
+    case's retrieval heads (`retrieval_heads`, keyed by the case's key as JSON)."""
+    import numpy as np
+    from kvpress import DuoAttentionPress
+
+    roles = setting["roles"]
+    gates = np.array(roles["gates"], dtype=float)
+    retrieval = setting["retrieval_heads"][json.dumps(case_key)]
+    press = DuoAttentionPress(head_compression_ratio=(gates.size - retrieval) / gates.size)
+    # an instance attribute shadows the static method that would download the authors' patterns
+    press.load_attention_pattern = lambda model: (roles["sink_tokens"], roles["recent"], gates)
+    return press
 
 
 def main(cases_path: str, out_path: str) -> None:
@@ -66,7 +87,7 @@ def main(cases_path: str, out_path: str) -> None:
             context = torch.tensor([case["context_ids"]])
             budget = setting["budget"]
             ratio = 0.0 if budget is None else max(0.0, 1.0 - budget / context.shape[1])
-            press = None if setting["press"] == "full" else make_press(setting["press"], ratio)
+            press = None if setting["press"] == "full" else make_press(setting["press"], ratio, setting, case["key"])
             started = time.perf_counter()
             with torch.inference_mode():
                 answer = pipe._forward(

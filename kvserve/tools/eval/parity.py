@@ -3,7 +3,7 @@ kept, compressing the context before the question on both sides.
 
 Why: a method is done when it scores at least what its reference implementation scores on the same model and cases.
 kvpress (NVIDIA's library of KV-cache presses on transformers) is that reference for KVzip, SnapKV, TOVA,
-StreamingLLM, Expected Attention and KeyDiff.
+StreamingLLM, Expected Attention, KeyDiff and DuoAttention.
 
 The cases are the quality suite's (`kvserve/tools/eval/tasks.py`), put in the form kvpress's pipeline gives them: the
 document as a chat's user message (the model's chat template around it), then the question, the template's end of
@@ -34,6 +34,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from kvserve.duo.roles import HeadRoles
 from kvserve.tools.eval.client import Server, Setting, append_row, load_rows
 from kvserve.tools.eval.suite import wilson
 from kvserve.tools.eval.tasks import make_cases, score, split_question
@@ -42,15 +45,16 @@ from kvserve.tools.markdown import table
 KVPRESS_SIDE = Path(__file__).with_name("kvpress_side.py")
 # kvserve's policy -> the knobs that make it the kvpress press of the same name (`kvpress_side.PRESSES`) compares
 # with: SnapKV's window of 64 queries and pooling over 5 keys, KeyDiff without a protected window (kvpress's keep
-# none); the others' defaults already are kvpress's (4 sinks). kvserve's rows keep single tokens (kv_span 1), as
-# every press does.
+# none), TOVA ranking by the whole layer's votes (kvpress's, and TOVA's own code); the others' defaults already are
+# kvpress's (4 sinks). kvserve's rows keep single tokens (kv_span 1), as every press does.
 REFERENCE_KNOBS: dict[str, tuple[tuple[str, str], ...]] = {
     "kvzip": (),
     "snapkv": (("window", "64"), ("kernel_size", "5")),
-    "tova": (),
+    "tova": (("vote_scope", "layer"),),
     "streamingllm": (),
     "expected_attention": (),
     "keydiff": (("window", "0"),),
+    "duoattention": (),  # the retrieval fraction is the case's (`duo_retrieval_heads`)
 }
 REFERENCE_PRESS = tuple(REFERENCE_KNOBS)
 
@@ -91,6 +95,32 @@ def parity_cases(tokenizer, tasks: list[str], lengths: list[int], samples: int, 
     return cases
 
 
+def duo_retrieval_heads(roles: HeadRoles, budget: int, context_tokens: int) -> int:
+    """How many heads keep the whole context in DuoAttention's plain form (kvpress's press) so that the model holds
+    L x H x B entries of it, the other heads keeping their sinks and newest entries w: R x n + (L x H - R) x w =
+    L x H x B, R rounded to the nearest head (at least one)."""
+    heads, streaming = roles.gates.numel(), roles.sink_tokens + roles.recent
+    return min(heads, max(1, round(heads * (budget - streaming) / max(context_tokens - streaming, 1))))
+
+
+def duo_reference(roles: HeadRoles, budget: int, cases: list[ParityCase]) -> dict:
+    """DuoAttention's setting for kvpress's side: kvserve's roles as the press's head scores (each head's rank in
+    kvserve's order, so that ties pick the same heads on both sides) and each case's number of retrieval heads."""
+    order = torch.sort(roles.gates.flatten(), descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel() - 1, -1, -1)
+    return {
+        "roles": {
+            "sink_tokens": roles.sink_tokens,
+            "recent": roles.recent,
+            "gates": rank.view_as(roles.gates).tolist(),
+        },
+        "retrieval_heads": {
+            json.dumps(case.key): duo_retrieval_heads(roles, budget, len(case.context_ids)) for case in cases
+        },
+    }
+
+
 def question_inside(case: ParityCase) -> ParityCase:
     """The same prompt with the question inside the compressed part: the press compresses all but the prompt's last
     token, as kvserve compacts a whole prompt where it ends (its default, eager eviction)."""
@@ -128,7 +158,13 @@ def _reference_run(python: str, model_dir: str, cases: list[ParityCase], setting
     spec = {
         "model": model_dir,
         "settings": [
-            {"label": label_of(policy, budget), "press": policy, "budget": budget} for policy, budget in settings
+            {
+                "label": label_of(policy, budget),
+                "press": policy,
+                "budget": budget,
+                **(duo_reference(roles_of(model_dir), budget, cases) if policy == "duoattention" else {}),
+            }
+            for policy, budget in settings
         ],
         "cases": [
             {
@@ -146,13 +182,23 @@ def _reference_run(python: str, model_dir: str, cases: list[ParityCase], setting
     subprocess.run([python, str(KVPRESS_SIDE), f.name, out], check=True)
 
 
+def roles_of(model_dir: str) -> HeadRoles:
+    """The DuoAttention head roles kvserve serves the model with (shipped, or its calibrated profile's)."""
+    from transformers import AutoConfig
+
+    return HeadRoles.for_model(Path(model_dir).name, AutoConfig.from_pretrained(model_dir).num_key_value_heads)
+
+
 def label_of(policy: str, budget: int | None, allocation: str = "uniform") -> str:
     label = policy if budget is None else f"{policy}@{budget}"
     return label + (f"/{allocation}" if allocation != "uniform" else "")
 
 
-def run_kvserve(server: Server, cases: list[ParityCase], settings, allocation: str, out: str) -> None:
-    """kvserve's side: each context compressed first (`kv_document`), then the question resumes from it."""
+def run_kvserve(
+    server: Server, cases: list[ParityCase], settings, allocation: str, out: str, roles: HeadRoles | None = None
+) -> None:
+    """kvserve's side: KVzip's context compressed first (`kv_document`), then the question resumes from it; the other
+    policies compact the whole prompt where it ends. DuoAttention's retrieval fraction is the case's (`roles`)."""
     done = {(row["label"], tuple(row["key"])) for row in load_rows(out) if row.get("side") == "kvserve"}
     for policy, budget in settings:
         if policy == "kvzip_layerwise":
@@ -166,6 +212,12 @@ def run_kvserve(server: Server, cases: list[ParityCase], settings, allocation: s
         for case in cases:
             if (label, tuple(case.key)) in done:
                 continue
+            if policy == "duoattention" and budget is not None:
+                if roles is None:
+                    raise ValueError("DuoAttention's parity rows need the model's head roles")
+                heads = duo_retrieval_heads(roles, budget, len(question_inside(case).context_ids))
+                fraction = heads / roles.gates.numel()
+                setting = Setting(policy=policy, budget=budget, knobs=(("retrieval_fraction", repr(fraction)),))
             prompt = case.context_ids + case.question_ids
             extra = {}
             if document and budget < len(case.context_ids):
@@ -244,8 +296,9 @@ def main(args) -> None:
             run_reference(args.reference_python, args.model_dir, cases, settings, args.out)
         if args.side in ("both", "kvserve"):
             server = Server(args.url)
+            roles = roles_of(args.model_dir) if any(policy == "duoattention" for policy, _ in settings) else None
             for allocation in args.allocations.split(","):
-                run_kvserve(server, cases, settings, allocation, args.out)
+                run_kvserve(server, cases, settings, allocation, args.out, roles)
     print(parity_table(load_rows(args.out)))
 
 
