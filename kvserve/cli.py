@@ -283,24 +283,33 @@ def setup_model_command(argv: list[str]) -> None:
         raise SystemExit(str(exc)) from exc
 
 
+def usage() -> str:
+    """`kvserve --help`: every command, the eval and bench ones read from their own parsers and tables."""
+    from kvserve.tools.bench.__main__ import COMMANDS, SERVER_PAIR_COMMANDS
+    from kvserve.tools.eval.__main__ import build_parser
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    evals = [(f"eval {choice.dest} ...", choice.help or "") for choice in subparsers._choices_actions]
+    benches = [(f"bench {name} ...", text) for name, text in SERVER_PAIR_COMMANDS.items()]
+    benches += [(f"bench {name} ...", text) for name, (_, text) in COMMANDS.items()]
+    commands = [
+        ("serve [MODEL] [--kv-* ...] [vllm flags]", "serve a model with eviction (kvserve serve --help: the flags)"),
+        ("--version", "the version, and the vLLM release it patches"),
+        *evals,
+        *benches,
+        ("report [DATA] -o PAGE", "rebuild the benchmarks page and its plots from the result files"),
+        ("setup-model [NAME]", "fetch and convert a model once (default: the default model)"),
+        ("calibrate [MODEL]", "a model's own head roles and recommended setting (its profile)"),
+    ]
+    width = max(len(command) for command, _ in commands)
+    lines = [f"kvserve {command.ljust(width)}  {text}" for command, text in commands]
+    return "usage: " + "\n       ".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(
-            "usage: kvserve serve [MODEL] [--kv-policy P --kv-budget B ...] [vllm flags]\n"
-            "       kvserve --version                the version, and the vLLM release it patches\n"
-            "       kvserve eval {ruler,tasks,ppl,passkey} ...  quality of eviction settings through a server\n"
-            "       kvserve bench {capacity,overhead} ... kvserve against vanilla vLLM, one run\n"
-            "       kvserve bench documents ...      one document, many questions: compressed once vs recomputed\n"
-            "       kvserve bench load ...           mixed-policy load test of one server (loopback)\n"
-            "       kvserve bench crash ...          kill a server's engine: time to failing /health and exit\n"
-            "       kvserve bench soak ...           engine memory over long evicting requests, per allocator\n"
-            "       kvserve bench layouts ...        cache operations per CPU cache layout (vec, AMX), one process\n"
-            "       kvserve bench kernel ...         kvserve's CPU kernel against vLLM's attention op, one process\n"
-            "       kvserve report [DATA] -o PAGE    rebuild the benchmarks page and its plots from the result files\n"
-            "       kvserve setup-model [NAME]       fetch and convert a model once (default: the default model)\n"
-            "       kvserve calibrate [MODEL]        a model's own head roles and recommended setting (its profile)"
-        )
+        print(usage())
         return
     if argv[0] == "--version":
         from kvserve import REQUIRED_VLLM_VERSION, __version__

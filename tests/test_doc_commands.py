@@ -172,3 +172,20 @@ def test_every_command_a_page_prints_exists_as_printed(page):
 def test_the_check_fails_a_dead_command(line, problem):
     """The checker can fail: each kind of dead command is caught (and a live one passes, in the page tests)."""
     assert any(problem in found for found in problems(line)), problems(line)
+
+
+def test_kvserve_help_lists_every_command_and_each_answers_help():
+    """`kvserve --help` lists each eval command (from eval's own parser) and each bench command (from bench's
+    dispatch tables), and every one it lists exists: its `--help` exits 0 (the check above)."""
+    from kvserve.tools.bench.__main__ import COMMANDS, SERVER_PAIR_COMMANDS
+    from kvserve.tools.eval.__main__ import build_parser
+
+    shown = subprocess.run([str(BIN / "kvserve"), "--help"], capture_output=True, text=True, check=True).stdout
+    listed = re.findall(r"kvserve (eval|bench) ([a-z-]+)", shown)
+    evals = build_parser()._subparsers._group_actions[0].choices
+    assert {name for kind, name in listed if kind == "eval"} == set(evals)
+    assert {name for kind, name in listed if kind == "bench"} == {*COMMANDS, *SERVER_PAIR_COMMANDS}
+    for command in ("serve", "report", "setup-model", "calibrate"):
+        assert f"kvserve {command} " in shown
+    dead = [f"kvserve {kind} {name}: {found}" for kind, name in listed for found in problems(f"kvserve {kind} {name}")]
+    assert dead == []

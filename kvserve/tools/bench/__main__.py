@@ -31,6 +31,7 @@ one) and the same allocator (tcmalloc where installed). Each kvserve row also sh
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shlex
 import sys
@@ -215,47 +216,36 @@ def plot(results: list[dict], prompt_tokens: int, path: str) -> None:
     print(f"plot: {path}")
 
 
+# `kvserve bench NAME`: the commands with options of their own (module, what it measures), and those this module
+# runs (a vanilla server and a kvserve server on the same workload); `kvserve --help` lists both
+COMMANDS = {
+    "documents": ("kvserve.tools.bench.documents", "one document, many questions: compressed once vs recomputed"),
+    "chat": ("kvserve.tools.bench.chat", "multi-turn chat over a shared document in a small pool, vs vanilla"),
+    "long": ("kvserve.tools.bench.long_prompts", "long prompts through a bounded cache: TTFT and pages vs full"),
+    "load": ("kvserve.tools.bench.load", "mixed-policy load test of one server (loopback)"),
+    "crash": ("kvserve.tools.bench.crash", "kill a server's engine: time to failing /health and exit"),
+    "soak": ("kvserve.tools.bench.soak", "engine memory over long evicting requests, per allocator"),
+    "layouts": ("kvserve.tools.bench.layouts", "cache operations per CPU cache layout (vec, AMX), one process"),
+    "kernel": ("kvserve.tools.bench.kernel", "kvserve's CPU kernel against vLLM's attention op, one process"),
+}
+SERVER_PAIR_COMMANDS = {
+    "capacity": "throughput and requests at once at equal memory, kvserve against vanilla vLLM",
+    "overhead": "what eviction costs per step when memory is no limit, kvserve against vanilla vLLM",
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     from kvserve.model import default_model_dir
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["load"]:  # a command with its own options: kvserve/tools/bench/load.py
-        from kvserve.tools.bench.load import main as load_main
-
-        return load_main(argv[1:])
-    if argv[:1] == ["soak"]:  # kvserve/tools/bench/soak.py
-        from kvserve.tools.bench.soak import main as soak_main
-
-        return soak_main(argv[1:])
-    if argv[:1] == ["chat"]:  # kvserve/tools/bench/chat.py
-        from kvserve.tools.bench.chat import main as chat_main
-
-        return chat_main(argv[1:])
-    if argv[:1] == ["documents"]:  # kvserve/tools/bench/documents.py
-        from kvserve.tools.bench.documents import main as documents_main
-
-        return documents_main(argv[1:])
-    if argv[:1] == ["long"]:  # kvserve/tools/bench/long_prompts.py
-        from kvserve.tools.bench.long_prompts import main as long_main
-
-        return long_main(argv[1:])
-    if argv[:1] == ["layouts"]:  # kvserve/tools/bench/layouts.py: one process, no server
-        from kvserve.tools.bench.layouts import main as layouts_main
-
-        return layouts_main(argv[1:])
-    if argv[:1] == ["kernel"]:  # kvserve/tools/bench/kernel.py: one process, no server
-        from kvserve.tools.bench.kernel import main as kernel_main
-
-        return kernel_main(argv[1:])
-    if argv[:1] == ["crash"]:  # kvserve/tools/bench/crash.py
-        from kvserve.tools.bench.crash import main as crash_main
-
-        return crash_main(argv[1:])
+    if argv[:1] and argv[0] in COMMANDS:  # a command with its own options, in its own module
+        module, _ = COMMANDS[argv[0]]
+        return importlib.import_module(module).main(argv[1:])
 
     parser = argparse.ArgumentParser(
         prog="kvserve bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("command", choices=("capacity", "overhead"))
+    parser.add_argument("command", choices=tuple(SERVER_PAIR_COMMANDS))
     parser.add_argument(
         "--model",
         default=str(default_model_dir()),

@@ -146,7 +146,8 @@ def record_run(out: str | Path, argv: list[str] | None) -> None:
         runs.write(json.dumps(provenance(command_line(argv, "kvserve eval"))) + "\n")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """`kvserve eval`'s commands and their options (`kvserve --help` lists the commands from here)."""
     parser = argparse.ArgumentParser(
         prog="kvserve eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -180,6 +181,11 @@ def main(argv: list[str] | None = None) -> None:
         "suite", help="the verdict over ruler/tasks results: judged tasks, ratios to full", add_help=False
     )
     parity.add_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "parity":
         if rest:
