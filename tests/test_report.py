@@ -170,6 +170,15 @@ def test_every_share_and_ratio_architecture_md_quotes_is_in_the_data():
     assert [number for number in quoted if number not in data] == []
 
 
+def test_every_share_and_ratio_the_guide_quotes_is_in_the_data():
+    """The guide's shares (%) and ratios (x) stand on the generated page or in the gates' training record, as
+    architecture.md's do, so a number typed by hand that the data does not hold fails here."""
+    quoted = re.findall(r"\b\d+(?:\.\d+)?(?:%|x\b)", (REPO / "docs" / "guide.md").read_text())
+    assert len(quoted) >= 100
+    data = PAGE.read_text() + (REPO / "docs" / "gates" / "findings.md").read_text()
+    assert [number for number in quoted if number not in data] == []
+
+
 def test_a_multikey_answer_counts_as_right_exactly_where_the_suite_scores_it_right():
     """The hard half's answer kinds agree with the eval's own scorer on every recorded answer, and an answer that
     repeats the value's first digits and then strays is told from another number."""
