@@ -27,14 +27,18 @@ EVICT_WHEN = ("eager", "pressure")
 CHECKPOINT_POLICY_KEY = "kv_checkpoint_policy"
 
 
+def requested_checkpoint(request: dict[str, Any], defaults: dict[str, Any]) -> str:
+    """The request's kv_checkpoint, else the server's, as text ("0" or "": none; "turns"; else a token count)."""
+    return str(request.get("kv_checkpoint", defaults.get("kv_checkpoint", 0))).strip().lower()
+
+
 def requested_policy(request: dict[str, Any], defaults: dict[str, Any]) -> Any:
     """The policy a request is served with: its own kv_policy; else, when it compacts at every C tokens (its
     kv_checkpoint or the server's, a count other than 0), the server's kv_checkpoint_policy if there is one; else the
     server's kv_policy (full without one)."""
     if "kv_policy" in request:
         return request["kv_policy"]
-    checkpoint = str(request.get("kv_checkpoint", defaults.get("kv_checkpoint", 0))).strip().lower()
-    if checkpoint not in ("0", "", "turns") and CHECKPOINT_POLICY_KEY in defaults:
+    if requested_checkpoint(request, defaults) not in ("0", "", "turns") and CHECKPOINT_POLICY_KEY in defaults:
         return defaults[CHECKPOINT_POLICY_KEY]
     return defaults.get("kv_policy", "full")
 

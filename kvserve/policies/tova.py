@@ -22,16 +22,15 @@ from kvserve.policies.knobs import knob
 class TOVA(ScoredPolicy):
     name = "tova"
     pass_statistics = ("window_sums",)
-
-    def window_size(self) -> int:
-        return 1
-
     vote_scope: str = knob(
         "group",
         "whose votes rank a KV head's entries: group (its own query heads) or layer (all of the layer's, the same "
         "entries kept in every KV head, as TOVA's code does)",
         choices=("group", "layer"),
     )
+
+    def window_size(self) -> int:
+        return 1
 
     def score(self, obs: LayerObservation) -> torch.Tensor:
         group = obs.window_queries.shape[1] // obs.num_heads

@@ -26,11 +26,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.config import env_defaults, requested_policy
+from kvserve.config import env_defaults
 from kvserve.errors import InvalidSetting
 from kvserve.model_support import ServedEngine
 from kvserve.policies import POLICIES
 from kvserve.policies.knobs import parse_int
+from kvserve.policy_settings import requested_checkpoint, requested_policy
 from kvserve.server.documents import Collected, document_ids, prompt_ids, tokenizer_of
 
 
@@ -52,7 +53,8 @@ def plan_prefix_compression(body: dict[str, Any], path: str, engine: ServedEngin
     defaults = env_defaults()
     policy = requested_policy(xargs, defaults)  # (kv_checkpoint_policy, kvzip, for checkpoints every C tokens)
     cls = POLICIES.get(policy) if isinstance(policy, str) else None
-    checkpoint = str(xargs.pop("kv_checkpoint", defaults.get("kv_checkpoint", 0))).strip().lower()
+    checkpoint = requested_checkpoint(xargs, defaults)
+    xargs.pop("kv_checkpoint", None)  # (the prefix's compression replaces it)
     if checkpoint in ("0", "") or cls is None or not cls.reconstructs or "kv_document" in xargs:
         return None  # (kv_document with kv_checkpoint is refused by the settings' own check)
     xargs["kv_policy"] = policy  # both engine requests say which policy the plan is for

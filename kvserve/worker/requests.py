@@ -122,9 +122,8 @@ class WorkerRequests:
         if settings.piece_key:
             first = settings.piece_start == 0
             request.pieces = self.pieces.recording(settings.piece_key) if first else self.pieces.get(settings.piece_key)
-            if (
-                request.pieces is None
-            ):  # (its earlier pieces ran just before; only a flood of documents pushes them out)
+            # (its earlier pieces ran just before; only a flood of documents pushes them out)
+            if request.pieces is None:
                 self.failures[req_id] = "the document's earlier pieces' reconstruction scores are gone from this worker"
                 return
         if settings.ragged:
