@@ -181,28 +181,6 @@ def _sections(defaults: dict) -> dict[str, dict]:
     return sections
 
 
-def effective_defaults(defaults: dict) -> list[str]:
-    """One line per policy: the settings a request that names only that policy gets from these defaults (the
-    server's default policy first). CAOTE variants take their base's."""
-    from kvserve.policies import POLICIES
-
-    names = [defaults["kv_policy"]] + sorted(name for name in POLICIES if "+" not in name and name != "full")
-    lines = []
-    for name in dict.fromkeys(names):
-        try:
-            config = parse_kv_config({"kv_policy": name}, defaults=defaults)
-        except InvalidSetting as exc:
-            lines.append(f"{name}: not servable without further settings ({exc})")
-            continue
-        if not config.evicts:
-            lines.append(f"{name}: no eviction")
-            continue
-        settings = [f"budget {config.budget}", f"span {config.span}", f"allocation {config.allocation}"]
-        settings += [f"{knob} {value}" for knob, value in config.knobs]
-        lines.append(f"{name}{' (default)' if name == defaults['kv_policy'] else ''}: {', '.join(settings)}")
-    return lines
-
-
 def _has_flag(args: list[str], name: str) -> bool:
     return any(arg == name or arg.startswith(name + "=") for arg in args)
 
@@ -255,13 +233,7 @@ def serve(argv: list[str]) -> None:
     command = [sys.executable, "-m", "kvserve.server.launch"]
     if "--async-scheduling" not in vllm_args:
         command.append("--no-async-scheduling")  # eviction plans need schedule -> execute -> update in lockstep
-    print(
-        f"kvserve: eviction defaults {defaults}; each policy's, when a request names only the policy:",
-        file=sys.stderr,
-        flush=True,
-    )
-    for line in effective_defaults(defaults):
-        print(f"kvserve:   {line}", file=sys.stderr, flush=True)
+    # (the API server logs what each policy gets from these defaults: kvserve.vllm.api_server, as under vllm serve)
     os.execve(sys.executable, command + vllm_args, env)
 
 

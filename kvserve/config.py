@@ -19,6 +19,7 @@ from kvserve.errors import InvalidSetting
 from kvserve.policies import BASE_POLICIES, POLICIES, POLICY_NAMES, Policy
 from kvserve.policies.knobs import KEY_PREFIX, parse_bool, parse_int
 from kvserve.policy_settings import (
+    BUILTIN_CHECKPOINT_POLICY,
     CHECKPOINT_POLICY_KEY,
     allocation_and_span,
     evict_when_of,
@@ -28,18 +29,14 @@ from kvserve.policy_settings import (
 # Server-wide defaults travel to the processes that parse settings (the API server; offline, the one process) here.
 DEFAULTS_ENV = "KVSERVE_DEFAULTS"
 # `kvserve serve`'s defaults without --kv-* (configs/default.yaml says the same): eviction on, SnapKV keeping 1,024
-# entries per layer and KV head in spans of 8, its votes pooled over 15 keys. Chosen by the quality suite
-# (docs/guide.md, "Which one to pick"): spans lifted SnapKV on RULER's single needle from 0.61 / 0.92 / 0.97 to 1.00 of
-# full at B = 128 / 256 / 512, and it still reads and publishes prefix-cache blocks (allocations heads / global would
-# not). The pool is wider than the paper's 7 because a 7-digit value ends 8 entries past the key a question attends
-# to, and a pool that does not reach them loses the value's last digits: on the multi-key lookup (default model)
-# 15 lifted SnapKV from 44% to 80% of full at B=256 and from 68% to 88% at B=512; the suite's other tasks held.
+# entries per layer and KV head, with SnapKV's own settings (spans of 8, votes pooled over 15 keys: its class's
+# defaults, which every way of naming snapkv gets). Chosen by the quality suite (docs/guide.md, "Which one to pick"):
+# spans lifted SnapKV on RULER's single needle from 0.61 / 0.92 / 0.97 to 1.00 of full at B = 128 / 256 / 512, and it
+# still reads and publishes prefix-cache blocks (allocations heads / global would not).
 BUILTIN_DEFAULTS = {
     "kv_policy": "snapkv",
     "kv_budget": 1024,
-    "kv_span": 8,
-    "kv_kernel_size": 15,
-    CHECKPOINT_POLICY_KEY: "kvzip",
+    CHECKPOINT_POLICY_KEY: BUILTIN_CHECKPOINT_POLICY,
 }
 # SamplingParams.extra_args key: the validated settings (`KVConfig.to_wire`), written by vLLM's input validation over
 # whatever a request brings under that name; the engine core reads them (`settings_from`) and parses nothing.
@@ -212,6 +209,30 @@ def env_defaults() -> dict[str, Any]:
     if not isinstance(defaults, dict):
         raise InvalidSetting(DEFAULTS_ENV, "must be a JSON object")
     return defaults
+
+
+def effective_defaults(defaults: dict) -> list[str]:
+    """One line per policy: the settings a request that names only that policy gets from these server defaults (the
+    server's default policy first), which start-up logs. CAOTE variants take their base's."""
+    server_policy = defaults.get("kv_policy", "full")
+    names = [server_policy] + sorted(name for name in POLICIES if "+" not in name and name != "full")
+    lines = []
+    # without a server budget (`vllm serve`) each request gives its own: shown as such, the rest parsed as it would be
+    budget = {} if "kv_budget" in defaults else {"kv_budget": 1 << 30}
+    for name in dict.fromkeys(names):
+        if name == "full":
+            lines.append(f"{name}{' (default)' if name == server_policy else ''}: no eviction")
+            continue
+        try:
+            config = parse_kv_config({"kv_policy": name, **budget}, defaults=defaults)
+        except InvalidSetting as exc:
+            lines.append(f"{name}: not servable without further settings ({exc})")
+            continue
+        shown_budget = "the request's kv_budget" if budget else config.budget
+        settings = [f"budget {shown_budget}", f"span {config.span}", f"allocation {config.allocation}"]
+        settings += [f"{knob} {value}" for knob, value in config.knobs]
+        lines.append(f"{name}{' (default)' if name == server_policy else ''}: {', '.join(settings)}")
+    return lines
 
 
 def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any] | None = None) -> KVConfig:

@@ -22,9 +22,10 @@ EVICT_WHEN = ("eager", "pressure")
 # query-agnostic KVzip keeps the most (docs/benchmarks.md, "Before the question: what kv_checkpoint keeps"): the
 # built-in `kv_checkpoint_policy` (a server default only; a request names its policy with kv_policy). `turns` is not
 # before the question (each turn compacts where its prompt ends, its question voting), so it keeps the server's
-# kv_policy. An operator who names a kv_policy (--kv-policy, --kv-config) without a checkpoint policy has checkpoints
-# served by that policy.
+# kv_policy. An operator who names an eviction kv_policy (--kv-policy, --kv-config) without a checkpoint policy has
+# checkpoints served by that policy; a server without one (`vllm serve`, `--kv-policy full`) serves them with KVzip.
 CHECKPOINT_POLICY_KEY = "kv_checkpoint_policy"
+BUILTIN_CHECKPOINT_POLICY = "kvzip"
 
 
 def requested_checkpoint(request: dict[str, Any], defaults: dict[str, Any]) -> str:
@@ -34,13 +35,15 @@ def requested_checkpoint(request: dict[str, Any], defaults: dict[str, Any]) -> s
 
 def requested_policy(request: dict[str, Any], defaults: dict[str, Any]) -> Any:
     """The policy a request is served with: its own kv_policy; else, when it compacts at every C tokens (its
-    kv_checkpoint or the server's, a count other than 0), the server's kv_checkpoint_policy if there is one; else the
-    server's kv_policy (full without one)."""
+    kv_checkpoint or the server's, a count other than 0), the server's kv_checkpoint_policy, or without one the
+    server's eviction policy, or without one KVzip; else the server's kv_policy (full without one)."""
     if "kv_policy" in request:
         return request["kv_policy"]
-    if requested_checkpoint(request, defaults) not in ("0", "", "turns") and CHECKPOINT_POLICY_KEY in defaults:
-        return defaults[CHECKPOINT_POLICY_KEY]
-    return defaults.get("kv_policy", "full")
+    server_policy = defaults.get("kv_policy", "full")
+    if requested_checkpoint(request, defaults) not in ("0", "", "turns"):
+        fallback = BUILTIN_CHECKPOINT_POLICY if server_policy == "full" else server_policy
+        return defaults.get(CHECKPOINT_POLICY_KEY, fallback)
+    return server_policy
 
 
 def check_checkpoint_policy(defaults: dict[str, Any]) -> None:

@@ -120,11 +120,12 @@ def test_allocation_and_span_parse_and_a_default_another_policy_cannot_use_is_dr
 
 def test_a_server_default_span_that_a_small_budget_leaves_no_room_for_is_dropped_not_refused():
     from kvserve.cli import BUILTIN_DEFAULTS
+    from kvserve.policies import POLICIES
 
     # the built-in default: snapkv with span 8; a request with B=36 keeps 4 entries beside SnapKV's 32-query window
     config = parse_kv_config({"kv_budget": 36}, defaults=BUILTIN_DEFAULTS)
     assert (config.policy, config.budget, config.span) == ("snapkv", 36, 1)
-    assert parse_kv_config({"kv_budget": 64}, defaults=BUILTIN_DEFAULTS).span == BUILTIN_DEFAULTS["kv_span"]
+    assert parse_kv_config({"kv_budget": 64}, defaults=BUILTIN_DEFAULTS).span == POLICIES["snapkv"].default_span == 8
     with pytest.raises(InvalidSetting, match="kv_span"):  # asked for explicitly: still a clear 400
         parse_kv_config({"kv_budget": 36, "kv_span": 8}, defaults=BUILTIN_DEFAULTS)
 

@@ -18,6 +18,8 @@ from hf_reference import (
 
 from kvserve.metrics import metrics
 from kvserve.policies import POLICIES, POLICY_NAMES
+from kvserve.policies.duo_attention import DuoAttention
+from kvserve.policies.snapkv import SnapKV
 from kvserve.tools.eval.haystack import haystack
 from kvserve.vllm.carriers import plan_of
 
@@ -77,7 +79,7 @@ def _assert_same_kept(engine_kept: torch.Tensor, ref_kept: torch.Tensor, ref_sco
 
 def test_snapkv_keeps_what_dense_attention_chooses(engine, hf_model):
     ids = prompt(engine, 400, seed=4)
-    budget, window, kernel = 128, 32, 7
+    budget, window, kernel = 128, 32, SnapKV().kernel_size  # the class's pool: what a request naming snapkv gets
     # span 1: the per-token choice the reference makes (SnapKV's default span is 8)
     out = engine.generate([ids], 1, {"kv_policy": "snapkv", "kv_budget": budget, "kv_span": 1})[0]
     state = engine.eviction_state(out.request_id)
@@ -123,15 +125,13 @@ def test_duoattention_streaming_heads_keep_sinks_and_recent_and_retrieval_heads_
     from kvserve.model import DEFAULT_MODEL_NAME
 
     ids = prompt(engine, 400, seed=10)
-    from kvserve.policies.duo_attention import DuoAttention
-
     budget, fraction = 128, DuoAttention().retrieval_fraction
     out = engine.generate([ids], 1, {"kv_policy": "duoattention", "kv_budget": budget, "kv_span": 1})[0]
     state = engine.eviction_state(out.request_id)
     roles = HeadRoles.for_model(DEFAULT_MODEL_NAME, hf_model.config.num_key_value_heads).retrieval(fraction)
     total, retrieval = roles.numel(), int(roles.sum())
     share = (total * budget - (total - retrieval) * 80) // retrieval
-    ref_keep, ref_scores = snapkv_reference(hf_model, ids, share, 32, 7)
+    ref_keep, ref_scores = snapkv_reference(hf_model, ids, share, 32, DuoAttention().kernel_size)
     streaming_keep = list(range(16)) + list(range(len(ids) - 64, len(ids)))
     for layer, (keep, scores) in enumerate(zip(ref_keep, ref_scores, strict=True)):
         kept = state.layers[layer].kept_positions

@@ -17,7 +17,10 @@ from fp8_run import CHECKPOINT, EVERY_POLICY_BUDGET, EVERY_POLICY_TOKENS, SETTIN
 from hf_reference import fp8_cache, snapkv_reference
 from test_engine import _assert_same_kept
 
+from kvserve.policies.snapkv import SnapKV
+
 TESTS = Path(__file__).parent
+KERNEL = SnapKV().kernel_size  # the pool a request naming snapkv gets
 EXACT_LAYERS = 5  # layers whose inputs have not yet passed through enough fp8 rounding to differ from the reference's
 
 
@@ -70,8 +73,8 @@ def test_snapkv_on_fp8_keeps_what_dense_attention_over_the_dequantised_cache_cho
     ids = fp8_results["snapkv"]["prompt"]
     budget = SNAPKV["kv_budget"]
     with fp8_cache(torch.float8_e4m3fn):  # "fp8" is e4m3; the engine's scales are 1 (the checkpoint brings none)
-        ref_keep, ref_scores = snapkv_reference(hf_model, ids, budget, 32, 7)
-    plain_keep, plain_scores = snapkv_reference(hf_model, ids, budget, 32, 7)
+        ref_keep, ref_scores = snapkv_reference(hf_model, ids, budget, 32, KERNEL)
+    plain_keep, plain_scores = snapkv_reference(hf_model, ids, budget, 32, KERNEL)
     kept = [torch.tensor(layer) for layer in fp8_results["snapkv"]["kept"]]
     assert len(kept) == len(ref_keep) == hf_model.config.num_hidden_layers
     for layer in range(EXACT_LAYERS):

@@ -130,13 +130,15 @@ def test_misspelt_attention_mode_stops_the_plugin_with_the_reason(monkeypatch):
         vllm_patches._register_attention_backend()
 
 
-def test_a_config_files_knobs_reach_only_its_own_policy():
-    """configs/default.yaml's kv_window (SnapKV's 32) used to become Expected Attention's window, and
-    configs/streamingllm-512.yaml's kv_sink_tokens (4) DuoAttention's sinks (trained with 16)."""
-    snapkv_file = defaults_from_args(namespace(kv_config=CONFIGS / "default.yaml"))
+def test_a_config_files_knobs_reach_only_its_own_policy(tmp_path):
+    """A file's kv_window for SnapKV (configs/default.yaml once held 32) used to become Expected Attention's window,
+    and configs/streamingllm-512.yaml's kv_sink_tokens (4) DuoAttention's sinks (trained with 16)."""
+    config = tmp_path / "snapkv.yaml"
+    config.write_text("kv_policy: snapkv\nkv_budget: 1024\nkv_window: 48\n")
+    snapkv_file = defaults_from_args(namespace(kv_config=config))
     own = dict(parse_kv_config({"kv_policy": "expected_attention", "kv_budget": 512}, {}).knobs)["window"]
     assert dict(parse_kv_config({"kv_policy": "expected_attention"}, snapkv_file).knobs)["window"] == own == 64
-    assert dict(parse_kv_config({}, snapkv_file).knobs)["window"] == 32  # the file's own policy takes it
+    assert dict(parse_kv_config({}, snapkv_file).knobs)["window"] == 48  # the file's own policy takes it
     streaming_file = defaults_from_args(namespace(kv_config=CONFIGS / "streamingllm-512.yaml"))
     duo = parse_kv_config({"kv_policy": "duoattention"}, streaming_file)
     assert dict(duo.knobs)["sink_tokens"] == 16 and duo.budget == 512  # the budget is every policy's
@@ -171,10 +173,57 @@ def test_a_policies_section_sets_other_policies_own_defaults_and_is_checked_at_s
 
 
 def test_start_up_says_what_each_policy_gets():
-    from kvserve.cli import effective_defaults
+    from kvserve.config import effective_defaults
 
     lines = effective_defaults(defaults_from_args(namespace(kv_config=CONFIGS / "streamingllm-512.yaml")))
     assert lines[0] == "streamingllm (default): budget 512, span 1, allocation uniform, sink_tokens 4"
     duo = next(line for line in lines if line.startswith("duoattention:"))
     assert "span 8" in duo and "sink_tokens 16" in duo
     assert len(lines) == len({name for name in POLICY_NAMES if "+" not in name and name != "full"})
+    # under `vllm serve` (no server defaults) each policy's own settings, the budget being each request's
+    vllm_serve = effective_defaults({})
+    assert vllm_serve[0] == "full (default): no eviction"
+    snapkv = next(line for line in vllm_serve if line.startswith("snapkv:"))
+    own = "span 8, allocation uniform, window 32, kernel_size 15, pooling avg"
+    assert snapkv == f"snapkv: budget the request's kv_budget, {own}"
+
+
+EVICTING = sorted(name for name in POLICY_NAMES if name != "full")
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+def test_a_policy_gets_the_same_settings_however_it_is_named(policy, tmp_path, monkeypatch):
+    """Issue 66: SnapKV pooled over 15 as the server default but over 7 when named (`--kv-policy snapkv`, a request,
+    `vllm serve`). A policy's own settings are its class's, whichever way it is named: the server's default policy
+    (flag or config file), a request naming it on `kvserve serve`'s built-in defaults, and one under `vllm serve`,
+    which has no server defaults (the plugin reads them from DEFAULTS_ENV, absent there)."""
+    from kvserve.config import DEFAULTS_ENV
+
+    monkeypatch.delenv(DEFAULTS_ENV, raising=False)
+    config = tmp_path / "defaults.yaml"
+    config.write_text(f"kv_policy: {policy}\nkv_budget: 512\n")
+    request = {"kv_policy": policy, "kv_budget": 512}
+    named = {
+        "--kv-policy": parse_kv_config({}, defaults_from_args(namespace(kv_policy=policy, kv_budget="512"))),
+        "--kv-config": parse_kv_config({}, defaults_from_args(namespace(kv_config=config))),
+        "request to kvserve serve": parse_kv_config(request, defaults_from_args(namespace())),
+        "request to vllm serve": parse_kv_config(request),  # defaults from the (empty) environment
+    }
+    assert named["--kv-policy"].policy == policy
+    for how, config_named in named.items():
+        assert config_named == named["--kv-policy"], how
+
+
+def test_checkpoint_requests_get_kvzip_under_vllm_serve_too(monkeypatch):
+    """A request with kv_checkpoint=C naming no policy: kvzip on `kvserve serve` (its kv_checkpoint_policy) and under
+    `vllm serve` or `--kv-policy full` (no eviction policy named), the operator's policy where one is named. (The
+    HTTP front end serves kvzip's checkpoints as a compressed prefix: kvserve/server/checkpoint_documents.py.)"""
+    from kvserve.config import DEFAULTS_ENV, env_defaults
+
+    monkeypatch.delenv(DEFAULTS_ENV, raising=False)
+    request = {"kv_checkpoint": 512, "kv_budget": 512}
+    assert requested_policy(request, defaults_from_args(namespace())) == "kvzip"
+    assert requested_policy(request, env_defaults()) == "kvzip"  # vllm serve: no server defaults
+    assert requested_policy(request, defaults_from_args(namespace(kv_policy="full"))) == "kvzip"
+    assert requested_policy(request, defaults_from_args(namespace(kv_policy="tova", kv_budget="256"))) == "tova"
+    assert requested_policy({"kv_checkpoint": "turns"}, env_defaults()) == "full"

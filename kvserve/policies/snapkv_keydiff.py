@@ -18,7 +18,6 @@ import torch
 
 from kvserve.policies.base import LayerObservation, percentile_ranks
 from kvserve.policies.keydiff import KeyDiff
-from kvserve.policies.knobs import knob
 from kvserve.policies.snapkv import SnapKV
 
 DIVERSITY = KeyDiff()  # (its score reads no setting: made once, not per compaction)
@@ -27,8 +26,6 @@ DIVERSITY = KeyDiff()  # (its score reads no setting: made once, not per compact
 @dataclass(frozen=True, kw_only=True)
 class SnapKVKeyDiff(SnapKV):
     name = "snapkv_keydiff"
-    # the pool `kvserve serve` gives SnapKV (kvserve/config.py, BUILTIN_DEFAULTS), which the study measured
-    kernel_size: int = knob(15, "pooling kernel over keys (odd)", minimum=1, odd=True)
 
     def score(self, obs: LayerObservation) -> torch.Tensor:
         votes = super().score(obs)

@@ -34,9 +34,21 @@ def apply() -> None:
     if app_module is None:
         return
     points.check(points.group("api"), vllm.__version__)
+    _log_policy_defaults()
     _patch_evicted_tally()
     _patch_middleware(app_module)
     _patch_exit_status(sys.modules.get("vllm.entrypoints.launchers.api_server.entry"))
+
+
+def _log_policy_defaults() -> None:
+    """What a request naming only a policy gets, per policy, from this server's defaults (`kvserve serve`'s, or none
+    under `vllm serve`): the same lines whichever way the server was started."""
+    from kvserve.config import effective_defaults, env_defaults
+
+    defaults = env_defaults()
+    print(f"kvserve: eviction defaults {defaults}; each policy's, when a request names it:", file=sys.stderr)
+    for line in effective_defaults(defaults):
+        print(f"kvserve:   {line}", file=sys.stderr, flush=True)
 
 
 def _patch_input_validation() -> None:

@@ -55,7 +55,7 @@ def test_streaming_heads_keep_sinks_and_recent_and_retrieval_heads_share_the_res
             total += count
             if chosen[layer, head]:  # SnapKV's choice at the retrieval heads' share, for this head
                 assert count == share
-                reference = SnapKV(window=32).keep_indices(obs, share)[head].tolist()
+                reference = SnapKV(window=32, kernel_size=policy.kernel_size).keep_indices(obs, share)[head].tolist()
                 assert kept[head][:count] == reference
             else:
                 assert count == 80
@@ -66,7 +66,8 @@ def test_streaming_heads_keep_sinks_and_recent_and_retrieval_heads_share_the_res
 def test_all_retrieval_is_snapkv_and_no_retrieval_is_streaming(trained):
     obs = observe(2, seed=5)
     everything = DuoAttention(retrieval_fraction=1.0).select(obs, 100)
-    assert torch.equal(everything.keep_indices, SnapKV(window=32).keep_indices(obs, 100))
+    snapkv = SnapKV(window=32, kernel_size=DuoAttention().kernel_size)  # at DuoAttention's pool
+    assert torch.equal(everything.keep_indices, snapkv.keep_indices(obs, 100))
     nothing = DuoAttention(retrieval_fraction=0.0).select(obs, 100)
     assert nothing.keep_counts.tolist() == [80] * HEADS
 

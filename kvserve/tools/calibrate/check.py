@@ -34,8 +34,8 @@ class CheckPlan:
     samples: int = 3
     policies: tuple[str, ...] = (
         # the server's built-in default first (ties go to the earlier policy), then SnapKV as its paper pools
-        "snapkv:kernel_size=15",
         "snapkv",
+        "snapkv:kernel_size=7",
         "duoattention",
         "tova",
         "ahakv",

@@ -94,21 +94,28 @@ async def stream_chunks(
 
 
 def label_of(kv: dict) -> str:
-    """kv_* settings (a server default, a profile's recommendation) as the results label of the same setting:
-    `{"kv_policy": "snapkv", "kv_span": 8, "kv_kernel_size": 15}` -> `snapkv:kernel_size=15/span8`. Its knobs are
-    the kv_* keys besides the general ones (and the server's kv_checkpoint_policy), in the order given."""
+    """kv_* settings (a server default, a profile's recommendation) as the results label of the same setting, the
+    way `kvserve eval` names what it sends: `{"kv_policy": "snapkv", "kv_kernel_size": 7}` -> `snapkv:kernel_size=7/
+    span8`. A knob at its policy's default and the policy's default span go unnamed (a request that names the policy
+    alone gets them); its other knobs are the kv_* keys besides the general ones (and the server's
+    kv_checkpoint_policy), in the order given."""
     from kvserve.config import CHECKPOINT_POLICY_KEY, GENERAL_KEYS
+    from kvserve.policies import POLICIES
 
+    cls = POLICIES.get(kv["kv_policy"])
+    defaults = {setting.key: setting.default for setting in cls.knobs().values()} if cls else {}
     knobs = tuple(
         (key.removeprefix("kv_"), str(value))
         for key, value in kv.items()
-        if key.startswith("kv_") and key not in (*GENERAL_KEYS, CHECKPOINT_POLICY_KEY)
+        if key.startswith("kv_")
+        and key not in (*GENERAL_KEYS, CHECKPOINT_POLICY_KEY)
+        and not (key in defaults and str(value) == str(defaults[key]))
     )
     return Setting(
         kv["kv_policy"],
         kv.get("kv_budget"),
         allocation=kv.get("kv_allocation", "uniform"),
-        span=int(kv.get("kv_span", 1)),
+        span=int(kv.get("kv_span", cls.default_span if cls else 1)),
         knobs=knobs,
     ).label
 

@@ -90,9 +90,10 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
         "questions gets.",
         "Under each table, what the answers at the longest prompts are. With the question in sight, most misses "
         "start the asked value right and then go wrong: the question attends to the key and the value's first "
-        "digits, and a value tokenized digit by digit ends 8 entries past the key, beyond SnapKV's pool of 7 "
-        "(`snapkv/span8`). Pooling the votes over 15 entries (`snapkv:kernel_size=15`, now the server's default) "
-        "keeps the rest of the value. Compaction without the question (`kv_checkpoint`, `kvzip`) misses "
+        "digits, and a value tokenized digit by digit ends 8 entries past the key, beyond the paper's pool of 7 "
+        "(`snapkv:kernel_size=7/span8`). Pooling the votes over 15 entries (`snapkv/span8`: SnapKV's own default "
+        "since, however it is named) keeps the rest of the value. Compaction without the question (`kv_checkpoint`, "
+        "`kvzip`) misses "
         "differently: another number, the needles themselves lost.",
     ]
     for title, name in MODELS:

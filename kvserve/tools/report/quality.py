@@ -414,7 +414,8 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             share_table(suite, cells, labels),
             longest_table(suite, cells, labels),
             f"The server's default policy, `{DEFAULT_POLICY}`, in every setting that ran the judged tasks (the "
-            "server default is the best of them; `kernel_size` is the pool over the votes, 7 as the paper pools):",
+            "server default is the best of them; `kernel_size` is the pool over the votes: SnapKV's default is 15, "
+            "`kernel_size=7` the paper's pool):",
             variants_table(suite, cells, DEFAULT_POLICY),
             "Per task and length at B=256 and B=512 (mean [95% Wilson interval] and answers):",
             per_task_table(suite, cells, labels, 256),

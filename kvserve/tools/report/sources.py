@@ -2,7 +2,8 @@
 
 A benchmark's JSON carries its runs under "provenance" (one record, or a list when a file was assembled from
 several runs); an evaluation's JSON-lines file has them in `<name>.runs.jsonl` beside it (`kvserve eval` appends a
-line per run). A record: {date, command, machine: {cpu, cpu_flags, cores, gpu}, kvserve, note?}.
+line per run). A record: {date, command, machine: {cpu, cpu_flags, cores, gpu}, kvserve, note?}; a record with a
+date and a note only says what was done to the file's rows afterwards (a relabelling), and runs nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class Source:
         by_machine: dict[tuple[str, str], list[str]] = {}
         notes = []
         for run in self.runs:
+            if "command" not in run:  # a note on the rows, not a run
+                notes.append(f"{run['date']}: {run['note']}")
+                continue
             key = (describe_machine(run["machine"]), run["date"])
             command = as_run_today(run["command"])
             by_machine.setdefault(key, []).append(command)
