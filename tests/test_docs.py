@@ -66,3 +66,28 @@ def test_the_guide_adds_a_policy_the_contract_test_covers(tmp_path):
     )
     # every contract test ran for it, except those for ragged policies and for policies with their own counts
     assert tests == contract - {t for t in contract if "ragged" in t or "own_counts" in t}, sorted(contract - tests)
+
+
+def test_the_guides_sizing_table_computes_each_models_bytes_per_token_from_its_shape():
+    """Sizing: a token's KV entries take 2 (keys, values) x layers x KV heads x head size x 2 bytes (bf16); each row's
+    last column is that product of its own columns, and the default model's row is the served model's config."""
+    import json
+
+    from kvserve.model import ensure_default_model
+
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    section = guide[guide.index("## Sizing") : guide.index("\n## ", guide.index("## Sizing") + 1)]
+    row = r"^\| (\S[^|]*?) \| (\d+) \| (\d+) \| (\d+) \| ([\d,]+) \((\d+(?:\.\d+)?) KiB\) \|$"
+    rows = re.findall(row, section, re.M)
+    assert len(rows) >= 6 and any("8B" in row[0] for row in rows)
+    for model, layers, heads, head_size, per_token, kib in rows:
+        computed = 2 * int(layers) * int(heads) * int(head_size) * 2
+        assert int(per_token.replace(",", "")) == computed and float(kib) == computed / 1024, model
+    config = json.loads((ensure_default_model() / "config.json").read_text())
+    default = next(row for row in rows if "(default)" in row[0])
+    head_size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    assert (int(default[1]), int(default[2]), int(default[3])) == (
+        config["num_hidden_layers"],
+        config["num_key_value_heads"],
+        head_size,
+    )

@@ -60,10 +60,13 @@ CHECKPOINT_INTRO = (
 )
 
 
+FLOOR = 0.5  # a cell is judged where `full` scores at least this
+
+
 def checkpoint_table(rows: list[dict]) -> str:
     """Per setting: the mean score at each prompt length (both tasks) and the share of `full` over all cells."""
     suite = Suite.from_rows(rows)
-    cells = suite.judged_cells(0.5)
+    cells = suite.judged_cells(FLOOR)
     lengths = sorted({length for _, length in cells})
     body = []
     for label, budget in sorted(suite.cells, key=lambda setting: (setting[0] != "full", setting[0])):
@@ -83,7 +86,7 @@ COMPARED_POLICIES = (("keydiff", "KeyDiff"), ("snapkv", "SnapKV"))
 def checkpoint_shares(rows: list[dict]) -> dict[str, float]:
     """Each policy's share of `full` over the judged cells, by the policy part of its label."""
     suite = Suite.from_rows(rows)
-    cells = suite.judged_cells(0.5)
+    cells = suite.judged_cells(FLOOR)
     shares = {}
     for label, budget in suite.cells:
         found = None if label == "full" else suite.share_interval((label, budget), cells)
