@@ -127,6 +127,18 @@ def resolve(command: list[str]) -> tuple[tuple[str, ...], list[str]]:
     return argv, words
 
 
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")  # a name, not a folder (no /) or a substitution ($(...))
+
+
+def unknown_models(argv: tuple[str, ...], words: list[str]) -> list[str]:
+    """`kvserve setup-model NAME` and `kvserve calibrate NAME` name a model kvserve knows (`kvserve.catalog`)."""
+    from kvserve.catalog import MODEL_NAMES
+
+    if argv[-1] not in ("setup-model", "calibrate") or not words or not MODEL_NAME.match(words[0]):
+        return []
+    return [] if words[0] in MODEL_NAMES else [f"kvserve {argv[-1]}: no model {words[0]!r} ({', '.join(MODEL_NAMES)})"]
+
+
 def problems(line: str) -> list[str]:
     found = []
     for command in segments(line):
@@ -134,6 +146,7 @@ def problems(line: str) -> list[str]:
             argv, words = resolve(command)
             if not argv:
                 continue
+            found += unknown_models(argv, words)
             flags = {word.split("=")[0] for word in words if FLAG.match(word)}  # not "--x y" (a quoted value)
             listed = flags_of(argv) if flags else ""
             unknown = sorted(flag for flag in flags if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", listed))
@@ -189,3 +202,51 @@ def test_kvserve_help_lists_every_command_and_each_answers_help():
         assert f"kvserve {command} " in shown
     dead = [f"kvserve {kind} {name}: {found}" for kind, name in listed for found in problems(f"kvserve {kind} {name}")]
     assert dead == []
+
+
+# A route a page names in code: `/v1/...`, or one of the server's own (vLLM's and kvserve's).
+ROUTE = re.compile(r"`(?:(GET|POST) )?(/v1/[a-z0-9_/.-]+|/health|/metrics|/version|/tokenize|/detokenize|/ping)`")
+
+
+def doc_routes() -> dict[tuple[str, str], list[str]]:
+    """(method, path) -> the pages naming it (GET where a page names no method)."""
+    routes: dict[tuple[str, str], list[str]] = {}
+    for page in PAGES:
+        for method, path in ROUTE.findall(page.read_text()):
+            routes.setdefault((method or "GET", path), []).append(str(page.relative_to(ROOT)))
+    return routes
+
+
+def test_every_route_a_page_names_is_served(server):
+    """Issue 66: the guide said kvserve "adds no routes of its own" while it served `POST /v1/kvserve/compress`. Each
+    route the pages name answers on the real server with something other than 404/405 (a POST with an empty body
+    gets its 400 or 422, not "no such route"), and the route kvserve adds is among them."""
+    import httpx
+
+    from kvserve.server.documents import COMPRESS_PATH
+
+    routes = doc_routes()
+    assert ("POST", COMPRESS_PATH) in routes and ("GET", "/metrics") in routes
+    missing = []
+    for (method, path), pages in sorted(routes.items()):
+        if method == "GET" and path in ("/v1/completions", "/v1/chat/completions", COMPRESS_PATH):
+            method = "POST"  # named without a method in prose; served as POST
+        response = httpx.request(method, server + path, json={} if method == "POST" else None, timeout=120)
+        if response.status_code in (404, 405):
+            missing.append(f"{method} {path} ({', '.join(sorted(set(pages)))}): {response.status_code}")
+    assert missing == []
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["kvserve setup-model qwen2.5-coder-0.5b", "kvserve calibrate /path/to/model", "kvserve setup-model"],
+)
+def test_the_check_passes_known_models_and_folders(line):
+    assert problems(line) == []
+
+
+def test_the_check_fails_an_unknown_model_name():
+    from kvserve.catalog import MODEL_NAMES
+
+    [problem] = problems("kvserve setup-model llama-9b")
+    assert problem == f"kvserve setup-model: no model 'llama-9b' ({', '.join(MODEL_NAMES)})"
