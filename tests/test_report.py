@@ -203,12 +203,17 @@ def test_every_share_and_ratio_architecture_md_quotes_is_in_the_data():
 
 
 def test_every_share_and_ratio_the_guide_quotes_is_in_the_data():
-    """The guide's shares (%) and ratios (x) stand on the generated page or in the gates' training record, as
-    architecture.md's do, so a number typed by hand that the data does not hold fails here."""
-    quoted = re.findall(r"\b\d+(?:\.\d+)?(?:%|x\b)", (REPO / "docs" / "guide.md").read_text())
+    """The guide's shares (%), ratios (x) and measured times and sizes stand on the generated page or in the gates'
+    training record, as architecture.md's do, so a number typed by hand that the data does not hold fails here."""
+    guide = (REPO / "docs" / "guide.md").read_text()
+    quoted = re.findall(r"\b\d+(?:\.\d+)?(?:%|x\b)", guide)
     assert len(quoted) >= 100
     data = PAGE.read_text() + (REPO / "docs" / "gates" / "findings.md").read_text()
     assert [number for number in quoted if number not in data] == []
+    # measured times and sizes (a decimal: not a setting like "300 s") stand there too, as the page prints them
+    measured = re.findall(r"\b(\d+\.\d+) (?:s|min|minutes|GB)\b", guide)
+    assert len(measured) >= 20
+    assert [number for number in measured if number not in data] == []
 
 
 def test_a_multikey_answer_counts_as_right_exactly_where_the_suite_scores_it_right():
