@@ -211,30 +211,6 @@ def env_defaults() -> dict[str, Any]:
     return defaults
 
 
-def effective_defaults(defaults: dict) -> list[str]:
-    """One line per policy: the settings a request that names only that policy gets from these server defaults (the
-    server's default policy first), which start-up logs. CAOTE variants take their base's."""
-    server_policy = defaults.get("kv_policy", "full")
-    names = [server_policy] + sorted(name for name in POLICIES if "+" not in name and name != "full")
-    lines = []
-    # without a server budget (`vllm serve`) each request gives its own: shown as such, the rest parsed as it would be
-    budget = {} if "kv_budget" in defaults else {"kv_budget": 1 << 30}
-    for name in dict.fromkeys(names):
-        if name == "full":
-            lines.append(f"{name}{' (default)' if name == server_policy else ''}: no eviction")
-            continue
-        try:
-            config = parse_kv_config({"kv_policy": name, **budget}, defaults=defaults)
-        except InvalidSetting as exc:
-            lines.append(f"{name}: not servable without further settings ({exc})")
-            continue
-        shown_budget = "the request's kv_budget" if budget else config.budget
-        settings = [f"budget {shown_budget}", f"span {config.span}", f"allocation {config.allocation}"]
-        settings += [f"{knob} {value}" for knob, value in config.knobs]
-        lines.append(f"{name}{' (default)' if name == server_policy else ''}: {', '.join(settings)}")
-    return lines
-
-
 def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any] | None = None) -> KVConfig:
     """Merge server defaults with a request's `kv_*` keys and validate the result.
 

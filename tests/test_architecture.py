@@ -32,6 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "kvserve.document_settings",
         "kvserve.model_support",
         "kvserve.messages",
+        "kvserve.effective_defaults",
     ),
     ("kvserve.core", "kvserve.worker"),
     ("kvserve.server",),

@@ -43,7 +43,8 @@ def apply() -> None:
 def _log_policy_defaults() -> None:
     """What a request naming only a policy gets, per policy, from this server's defaults (`kvserve serve`'s, or none
     under `vllm serve`): the same lines whichever way the server was started."""
-    from kvserve.config import effective_defaults, env_defaults
+    from kvserve.config import env_defaults
+    from kvserve.effective_defaults import effective_defaults
 
     defaults = env_defaults()
     print(f"kvserve: eviction defaults {defaults}; each policy's, when a request names it:", file=sys.stderr)

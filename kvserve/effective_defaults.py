@@ -1,0 +1,32 @@
+"""What each policy gets from a server's defaults, as start-up logs it (`kvserve.vllm.api_server`): the same lines
+under `kvserve serve` and `vllm serve`, since a policy's own settings are its class's however it is named."""
+
+from __future__ import annotations
+
+from kvserve.config import parse_kv_config
+from kvserve.errors import InvalidSetting
+from kvserve.policies import POLICIES
+
+
+def effective_defaults(defaults: dict) -> list[str]:
+    """One line per policy: the settings a request that names only that policy gets from these server defaults (the
+    server's default policy first), which start-up logs. CAOTE variants take their base's."""
+    server_policy = defaults.get("kv_policy", "full")
+    names = [server_policy] + sorted(name for name in POLICIES if "+" not in name and name != "full")
+    lines = []
+    # without a server budget (`vllm serve`) each request gives its own: shown as such, the rest parsed as it would be
+    budget = {} if "kv_budget" in defaults else {"kv_budget": 1 << 30}
+    for name in dict.fromkeys(names):
+        if name == "full":
+            lines.append(f"{name}{' (default)' if name == server_policy else ''}: no eviction")
+            continue
+        try:
+            config = parse_kv_config({"kv_policy": name, **budget}, defaults=defaults)
+        except InvalidSetting as exc:
+            lines.append(f"{name}: not servable without further settings ({exc})")
+            continue
+        shown_budget = "the request's kv_budget" if budget else config.budget
+        settings = [f"budget {shown_budget}", f"span {config.span}", f"allocation {config.allocation}"]
+        settings += [f"{knob} {value}" for knob, value in config.knobs]
+        lines.append(f"{name}{' (default)' if name == server_policy else ''}: {', '.join(settings)}")
+    return lines
