@@ -5,13 +5,16 @@ server's default (that run is in the background: tests/calibrate_run.py)."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
+import random
 import subprocess
 import sys
 from itertools import product
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,9 +34,12 @@ from kvserve.profile import (
 )
 from kvserve.server.profile import CHOICE_ENV, TARGET_ENV, USER_DEFAULTS_ENV, apply_profile
 from kvserve.tools.bench.tiny_models import tiny_model
-from kvserve.tools.calibrate.check import CheckPlan, SettingResult, recommend
+from kvserve.tools.calibrate import check
+from kvserve.tools.calibrate.check import CheckPlan, SettingResult, case_count, expected_requests, recommend
+from kvserve.tools.calibrate.command import SERVED_PER_REFERENCE, estimate, requests_left
 
 TESTS = Path(__file__).parent
+RECORDED = TESTS.parent / "docs" / "eval" / "qwen05" / "calibrate.json"
 
 
 def result(policy: str, budget: int, correct: int, answered: int = 10, complete: bool = True) -> SettingResult:
@@ -69,6 +75,72 @@ def test_a_plan_runs_each_policys_budgets_in_ascending_order():
         (p, b, 8 if p == "snapkv" else 1) for p, b in product(("snapkv", "streamingllm"), (128, 256, 512))
     ]
     assert plan.requests() == (1 + len(settings)) * len(plan.tasks) * len(plan.lengths) * plan.samples
+
+
+class SimulatedPlan(CheckPlan):
+    """A plan whose cases need no tokenizer: the simulation below only reads their keys."""
+
+    def cases(self, tokenizer) -> list:
+        return [SimpleNamespace(key=("t", 100, index, 0)) for index in range(case_count(self))]
+
+
+def test_expected_requests_is_the_mean_of_the_checks_own_stopping_rule(monkeypatch):
+    """`expected_requests` against `run_check` itself: each setting answers with its own miss rate drawn uniformly
+    (the expectation's assumption), and the requests the server answers, averaged over many checks, are the
+    expectation (the full cache answers every case right)."""
+    plan = SimulatedPlan(tasks=("a", "b"), samples=4, policies=("snapkv", "streamingllm"), budgets=(64, 128, 256))
+    rng = random.Random(0)
+    miss_rate: dict = {}
+
+    def answer(server, setting, case) -> dict:
+        if setting.policy == "full":
+            miss_rate.clear()  # a new check: new settings
+        rate = miss_rate.setdefault(setting, rng.random()) if setting.policy != "full" else 0.0
+        row = {"policy": setting.label, "budget": setting.budget, "task": "t", "length": 100, "index": case.key[2]}
+        return {**row, "seed": 0, "score": float(rng.random() >= rate)}
+
+    monkeypatch.setattr(check, "answer", answer)
+    monkeypatch.setattr(check, "append_row", lambda path, row: None)  # every simulated check starts afresh
+    checks, served = 4000, []
+    for _ in range(checks):
+        run_check_served = []
+        check.run_check(None, plan, None, Path("/nonexistent"), served=run_check_served.append)
+        served.append(len(run_check_served))
+    mean = sum(served) / checks
+    assert abs(mean - expected_requests(plan)) < 0.03 * expected_requests(plan), (mean, expected_requests(plan))
+    assert expected_requests(plan) < plan.requests()
+    assert expected_requests(plan, kept=0) == case_count(plan)  # nothing kept: every setting is skipped
+
+
+def recorded_plan(record: dict) -> CheckPlan:
+    return CheckPlan(**{key: tuple(v) if isinstance(v, list) else v for key, v in record["check"]["plan"].items()})
+
+
+def test_the_estimate_of_the_recorded_qwen_calibration_is_within_2x_of_its_time():
+    """The recorded Qwen2.5-Coder-0.5B calibration, fed its own measured time per request (its seconds over the
+    requests it sent, counted from its results), estimated from its plan: within 2x of the time it took, where the
+    upper bound of requests was not."""
+    record = json.loads(RECORDED.read_text())
+    measured, plan = record["check"], recorded_plan(record)
+    sent = measured["cases"] + sum(result["answered"] for result in measured["results"])
+    per_request = measured["seconds"] / sent  # roles and start-up included: an upper bound of a request's time
+    # the probe's time per token that predicts that served request (the estimate's own relation, inverted)
+    per_token = per_request / (sum(plan.lengths) / len(plan.lengths) * SERVED_PER_REFERENCE)
+    args = argparse.Namespace(roles_samples=measured["roles_samples"], gates=False, gate_steps=0)
+    estimated = sum(estimate(args, plan, per_token).values())
+    assert 0.5 <= estimated / measured["seconds"] <= 2, (estimated, measured["seconds"])
+    assert 0.5 <= expected_requests(plan) / sent <= 2
+    upper_bound = estimated + (plan.requests() - expected_requests(plan)) * per_request
+    assert upper_bound / measured["seconds"] > 2  # what the estimate said before: this test tells them apart
+
+
+def test_the_revised_estimate_counts_the_requests_still_expected():
+    plan = CheckPlan(tasks=("passkey",), samples=4, policies=("snapkv",), budgets=(64, 128))
+    full = [{"policy": "full", "score": score} for score in (1.0, 1.0, 0.0, 1.0)]
+    assert requests_left(plan, full) == expected_requests(plan, kept=3) - 4  # the full cache answered 3 of 4
+    assert requests_left(plan, full[:2]) == expected_requests(plan) - 2  # how many it answers: not known yet
+    answered = full + [{"policy": "snapkv/span8", "score": 1.0}] * 20
+    assert requests_left(plan, answered) == 0  # more than expected already: none left, not fewer than none
 
 
 def make_profile(model_dir: Path, recommended: dict | None, layers: int = 4, heads: int = 2) -> Profile:
@@ -184,12 +256,14 @@ def calibrated(background) -> dict:
 
 
 def test_calibrate_end_to_end_on_a_tiny_model(calibrated, tmp_path):
-    """The command on the tiny Qwen2 model (query/key/value biases): the estimate before it starts, measured roles of
-    the model's shape, the check's rows through its own server, (two steps of) an Attention-Gate, the profile in the
-    profiles folder. The tiny model's noise answers no case, so the check recommends nothing and says why."""
+    """The command on the tiny Qwen2 model (query/key/value biases): the estimate before it starts and the revised
+    one from the server's first answers, measured roles of the model's shape, the check's rows through its own
+    server, (two steps of) an Attention-Gate, the profile in the profiles folder. The tiny model's noise answers no
+    case, so the check recommends nothing and says why."""
     run = calibrated["calibrate"]
     assert run["returncode"] == 0, run["stderr"]
     assert "about" in run["stderr"] and "min on this machine" in run["stderr"]  # the estimate, before it starts
+    assert "revised: about" in run["stderr"] and "min left" in run["stderr"]  # and once the server answered
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(calibrated["profile_json"]))
     profile = read_profile(path)
@@ -198,6 +272,7 @@ def test_calibrate_end_to_end_on_a_tiny_model(calibrated, tmp_path):
     assert profile.roles.gates.shape == (config["num_hidden_layers"], config["num_key_value_heads"])
     assert float(profile.roles.gates.max()) == 1.0 and profile.kvserve == __version__
     assert profile.fingerprint == fingerprint(model_dir)
+    assert profile.check["estimated_seconds"] > 0 and profile.check["revised_estimated_seconds"] > 0
     rows = run["rows"]
     assert {row["policy"] for row in rows} == {"full"} and len(rows) == 2
     assert profile.check["full_answers"] == sum(row["score"] >= 1 for row in rows)

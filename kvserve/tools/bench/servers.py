@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,7 +42,9 @@ def server_command(kind: str, model: str | None, port: int, args: list[str]) -> 
 def running_server(
     kind: str, model: str | None, args: list[str], log_path: Path, env: dict | None = None, startup_timeout: float = 600
 ) -> Iterator[str]:
-    """Yields the base URL; stops the server on exit. Vanilla runs with vLLM's plugins off (`VLLM_PLUGINS=none`)."""
+    """Yields the base URL; stops the server on exit. Vanilla runs with vLLM's plugins off (`VLLM_PLUGINS=none`).
+    `startup_timeout` is how long the server's log may stand still before its start-up counts as stuck: there is no
+    deadline for the start-up as a whole, which on a busy machine (a compile beside other work) takes what it takes."""
     with running_server_process(kind, model, args, log_path, env, startup_timeout) as (_, base):
         yield base
 
@@ -63,36 +65,83 @@ def running_server_process(
         server_env.update(allocator_env(server_env)[0])  # the allocator `kvserve serve` would choose
         server_env.update(parallel_env(args, server_env))  # and the CPUs it would give each parallel worker
     base = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            server_command(kind, model, port, args),
-            env=server_env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        deadline = time.time() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{kind} server exited:\n" + log_path.read_text()[-4000:])
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"{kind} server did not come up:\n" + log_path.read_text()[-4000:])
-            time.sleep(2)
+    with server_process(server_command(kind, model, port, args), server_env, log_path) as proc:
+        wait_until_serving(proc, log_path, lambda: _healthy(base), startup_timeout, kind)
         yield proc, base
+
+
+class ServerStartError(RuntimeError):
+    """The server exited, or its log stood still, before it served `/health`. `what` says which in a few words,
+    `log_path` where its log is; the message adds the log's end."""
+
+    def __init__(self, kind: str, what: str, log_path: Path) -> None:
+        self.what, self.log_path = what, log_path
+        super().__init__(f"{kind} server {what} (log: {log_path}):\n{log_tail(log_path)}".lstrip())
+
+
+def log_tail(log_path: Path, chars: int = 4000) -> str:
+    return log_path.read_text(errors="replace")[-chars:] if log_path.exists() else "(no log)"
+
+
+@contextmanager
+def server_process(command: list[str], env: dict, log_path: Path) -> Iterator[subprocess.Popen]:
+    """The command in a session of its own, its output in `log_path`. However the block ends (an error, Ctrl-C, a
+    SIGTERM a handler turned into an exception), the whole process group ends with it: engine core and workers too."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        try:  # the engine core and worker processes share the server's session
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop_process_group(proc)
+
+
+def wait_until_serving(
+    proc: subprocess.Popen,
+    log_path: Path,
+    healthy: Callable[[], bool],
+    stall_limit: float,
+    kind: str = "",
+    poll_s: float = 2.0,
+) -> None:
+    """Return once `healthy()`. Raise ServerStartError when the process exits first, or when its log has not grown for
+    `stall_limit` seconds: a server compiling beside other work is slow but logs as it goes (a fixed deadline expired
+    with such a server seconds from ready), while one that hangs logs nothing."""
+    last_size, last_growth = -1, time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise ServerStartError(kind, f"exited with status {proc.returncode} during start-up", log_path)
+        if healthy():
+            return
+        size = log_path.stat().st_size if log_path.exists() else 0
+        if size != last_size:
+            last_size, last_growth = size, time.monotonic()
+        elif time.monotonic() - last_growth > stall_limit:
+            raise ServerStartError(kind, f"logged nothing for {stall_limit:.0f} s during start-up", log_path)
+        time.sleep(poll_s)
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM to the process's group, then SIGKILL to it however the wait ends: a second Ctrl-C during the grace
+    period (an operator who sees nothing happen) must not leave the engine core and workers running."""
+    try:
+        _signal_group(proc, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        _signal_group(proc, signal.SIGKILL)  # the engine core and worker processes share the server's session
+        proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except (ProcessLookupError, PermissionError):  # the group has ended (macOS: PermissionError for a zombie leader)
+        pass
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(base + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -9,10 +9,14 @@ keeps a superset of the same scores' choices). Rows are appended as answers arri
 
 The recommendation for a target is the smallest budget whose share reaches it (ties: the higher share, then the
 order of `policies`), as kv_* settings a server takes as its defaults.
+
+The time estimate counts `expected_requests`, what the check is expected to send under those stops, rather than the
+most it could send (`CheckPlan.requests`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -72,6 +76,43 @@ class CheckPlan:
         return (1 + len(self.settings())) * len(self.tasks) * len(self.lengths) * self.samples
 
 
+def case_count(plan: CheckPlan) -> int:
+    """The check's cases: each task at each length, `samples` times."""
+    return len(plan.tasks) * len(plan.lengths) * plan.samples
+
+
+def expected_requests(plan: CheckPlan, kept: int | None = None) -> float:
+    """The requests the check is expected to send, by `run_check`'s rule: the full cache answers every case, then each
+    setting answers the `kept` cases the full cache answered right (all of them while that is unknown) until it
+    stops early, and a policy's next budget runs only if no smaller one kept the highest target.
+
+    How a policy does on the model is what the check measures, so nothing is assumed about it: each setting's share of
+    missed cases is taken as equally likely anywhere in [0, 1], independently of the others. The recorded check of
+    Qwen2.5-Coder-0.5B-Instruct (docs/eval/qwen05/calibrate.json) sent 231 requests; this expects 185 of its plan
+    (the upper bound, `CheckPlan.requests`: 444)."""
+    cases = case_count(plan)
+    kept = cases if kept is None else kept
+    if not kept:
+        return float(cases)  # nothing to keep a share of: every setting is skipped
+    answers = _expected_answers(kept, stop_at=_misses_allowed(kept, min(plan.targets)) + 1)
+    keeps_highest = (_misses_allowed(kept, max(plan.targets)) + 1) / (kept + 1)  # P(misses <= allowed), q uniform
+    budgets = Counter(setting.label for setting in plan.settings())  # per policy (and span), ascending
+    runs = sum((1 - keeps_highest) ** smaller for count in budgets.values() for smaller in range(count))
+    return cases + runs * answers
+
+
+def _misses_allowed(kept: int, target: float) -> int:
+    """The most whole misses among `kept` cases that still keep `target` (run_check's tolerance)."""
+    return int(kept * (1 - target) + 1e-9)
+
+
+def _expected_answers(kept: int, stop_at: int) -> float:
+    """Cases a setting answers before its `stop_at`-th miss stops it (or all `kept`) over a miss rate uniform on
+    [0, 1]: case n+1 is asked when the first n held fewer than `stop_at` misses, and over a uniform rate each count
+    of misses among n cases is equally likely (1 / (n + 1) each)."""
+    return sum(min(stop_at, asked + 1) / (asked + 1) for asked in range(kept))
+
+
 @dataclass
 class SettingResult:
     label: str
@@ -110,10 +151,16 @@ def recommend(results: list[SettingResult], targets: tuple[float, ...], order: l
 
 
 def run_check(
-    server: Server, plan: CheckPlan, tokenizer, rows_path: Path, tick: Callable[[int], None] = lambda n: None
+    server: Server,
+    plan: CheckPlan,
+    tokenizer,
+    rows_path: Path,
+    tick: Callable[[int], None] = lambda n: None,
+    served: Callable[[dict], None] = lambda row: None,
 ) -> dict:
     """Run the check (resuming from `rows_path`) and return the profile's `check` record. `tick(n)` is called with
-    the number of requests each step accounts for (answered, or skipped by an early stop)."""
+    the number of requests each step accounts for (answered, or skipped by an early stop); `served(row)` with each
+    row the server answered in this run, not those resumed from `rows_path` (its `seconds` time the server)."""
     done = {row_key(row): row for row in load_rows(str(rows_path))}
 
     def answered(setting: Setting, case: Case) -> dict:
@@ -121,6 +168,7 @@ def run_check(
         if key not in done:
             done[key] = answer(server, setting, case)
             append_row(str(rows_path), done[key])
+            served(done[key])
         tick(1)
         return done[key]
 

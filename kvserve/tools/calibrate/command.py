@@ -7,9 +7,13 @@
 3. A short quality check through the model's own `kvserve serve` (`kvserve/tools/calibrate/check.py`): per target
    share of the full cache's score, the setting that needs the least memory.
 
-Before it starts it prints an estimate of its time; a progress bar follows. Every phase keeps its results in a work
-folder beside the profile, so an interrupted calibration resumes where it stopped; the profile itself is written
-once, atomically, at the end (`$KVSERVE_CACHE/profiles/<model folder>.json` unless `--out`).
+Before it starts it prints an estimate of its time (at the requests the check is expected to send, not the most it
+could), and a revised one once the check's server has answered its first cases; a progress bar follows. Every phase
+keeps its results in a work folder beside the profile, so an interrupted calibration resumes where it stopped; the
+profile itself is written once, atomically, at the end (`$KVSERVE_CACHE/profiles/<model folder>.json` unless
+`--out`). However it stops (Ctrl-C, SIGTERM, a server that exits or stalls, a failed request), it ends its server and
+everything the server started, and says in one line what stopped, where the server's log is and the command that
+resumes.
 """
 
 from __future__ import annotations
@@ -17,14 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import signal
 import sys
+import threading
 import time
-from dataclasses import asdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvserve import __version__
-from kvserve.profile import Profile, ProfileRoles, fingerprint, profile_path
-from kvserve.tools.calibrate.check import CheckPlan, run_check
+from kvserve.profile import PROFILES_ENV, Profile, ProfileRoles, fingerprint, profile_path
+from kvserve.tools.calibrate.check import CheckPlan, case_count, expected_requests, run_check
+from kvserve.tools.eval.client import load_rows
 
 ROLES_SEQ_LEN = 768
 
@@ -111,14 +121,58 @@ SERVED_PER_REFERENCE = 0.35
 
 
 def estimate(args: argparse.Namespace, plan: CheckPlan, per_token: float) -> dict[str, float]:
-    """Seconds per phase from the probe; the check's figure is an upper bound (early stops send fewer requests)."""
+    """Seconds per phase from the probe; the check's at the requests it is expected to send (`expected_requests`:
+    the upper bound had put the recorded Qwen2.5-Coder-0.5B calibration at 3.5x its measured time)."""
     phases = {"roles": args.roles_samples * ROLES_SEQ_LEN * per_token * 1.3, "server start": 120.0}
-    mean_length = sum(plan.lengths) / len(plan.lengths)
-    phases["check"] = plan.requests() * mean_length * per_token * SERVED_PER_REFERENCE
+    phases["check"] = expected_requests(plan) * served_seconds_per_request(plan, per_token)
     if args.gates:  # forward and backward of the gated model and the teacher's forward, per 1,024-token step: the
         # default model's 100 steps took 848 s, about 4x its probe's time per token
         phases["gates"] = args.gate_steps * 1024 * per_token * 4
     return phases
+
+
+def served_seconds_per_request(plan: CheckPlan, per_token: float) -> float:
+    """A served request of the check at its mean prompt length, from the reference probe's time per token."""
+    return sum(plan.lengths) / len(plan.lengths) * per_token * SERVED_PER_REFERENCE
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f}" if seconds >= 600 else f"{seconds / 60:.1f}"
+
+
+class ServedProbe:
+    """The served probe: times the first requests the check's server answers in this run (on a fresh run the full
+    cache's answers to every case, which the check sends first), then says once how long the rest should take at
+    that speed. The reference forward times another computation than the server's, and other work on the machine
+    slows it by more than it slows a served request. Measured on 2 cores (Qwen2.5-Coder-0.5B, default plan;
+    docs/eval/qwen05/calibrate.json): 19 min estimated first, 14 min revised, 13.3 min taken."""
+
+    def __init__(self, plan: CheckPlan, rows: Path, started: float) -> None:
+        self.plan, self.rows, self.started = plan, rows, started
+        self.seconds: list[float] = []
+        self.revised_seconds: float | None = None  # the whole calibration's, from `started`, once revised
+
+    def __call__(self, row: dict) -> None:
+        self.seconds.append(row["seconds"])
+        if len(self.seconds) == case_count(self.plan):
+            self.revise()
+
+    def revise(self) -> None:
+        per_request = sum(self.seconds) / len(self.seconds)
+        left = requests_left(self.plan, load_rows(str(self.rows)))
+        self.revised_seconds = time.time() - self.started + left * per_request
+        say(
+            f"revised: about {minutes(left * per_request)} min left ({per_request:.1f} s a request over the "
+            f"server's first {len(self.seconds)}; about {left:.0f} more requests expected)"
+        )
+
+
+def requests_left(plan: CheckPlan, rows: list[dict]) -> float:
+    """The requests the check is still expected to send, given the rows it has (the full cache's tell how many cases
+    the other settings answer)."""
+    full = [row for row in rows if row["policy"] == "full"]
+    kept = sum(row["score"] >= 1.0 for row in full) if len(full) == case_count(plan) else None
+    return max(expected_requests(plan, kept) - len(rows), 0.0)
 
 
 def _bar(total: int, enabled: bool):
@@ -144,55 +198,154 @@ def measured_roles_resumable(model_dir: Path, model, work: Path, samples: int, t
     return roles, recipe
 
 
+def say(text: str) -> None:
+    print(f"kvserve calibrate: {text}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Progress:
+    """Where the calibration is: what its one-line message says when it stops."""
+
+    phase: str = "at its start"
+    server_log: Path | None = None
+
+
+class Stopped(Exception):
+    """The check's server failed it (`what`, a few words); the calibration stops and says how to resume."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+class SignalStop(KeyboardInterrupt):
+    """SIGTERM or SIGHUP raised where calibrate is, like Ctrl-C, so that its `finally` blocks end the server: the
+    default action ends the process at once and leaves the server (in a session of its own) and its engine running."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_signal_stop(signum: int, frame) -> None:
+    raise SignalStop(signum)
+
+
+@contextmanager
+def signals_raised() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise SignalStop while the calibration runs (the main thread only can set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, _raise_signal_stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that resumes: the same arguments, and the variables that place the work folder where they are set
+    (a rerun in another shell finds it too)."""
+    places = [
+        f"{name}={shlex.quote(os.environ[name])}" for name in (PROFILES_ENV, "KVSERVE_CACHE") if os.environ.get(name)
+    ]
+    return " ".join([*places, shlex.join(["kvserve", "calibrate", *argv])])
+
+
+def stop_line(what: str, progress: Progress, argv: list[str]) -> str:
+    log = f"; the server's log: {progress.server_log}" if progress.server_log else ""
+    return f"stopped {progress.phase}: {what}{log}. Resume with: {resume_command(argv)}"
+
+
 def main(argv: list[str] | None = None) -> None:
+    from kvserve.tools.bench.servers import ServerStartError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
     plan = plan_from(args)
+    progress = Progress()
+    try:
+        with signals_raised():
+            calibrate(args, plan, progress)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP: the server has been ended by now
+        signum = exc.signum if isinstance(exc, SignalStop) else signal.SIGINT
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        say(stop_line(f"interrupted ({name}); its server and everything it started are ended", progress, argv))
+        raise SystemExit(128 + signum) from None
+    except ServerStartError as exc:
+        raise SystemExit("kvserve calibrate: " + stop_line(f"the server {exc.what}", progress, argv)) from None
+    except Stopped as exc:
+        raise SystemExit("kvserve calibrate: " + stop_line(exc.what, progress, argv)) from None
+
+
+def calibrate(args: argparse.Namespace, plan: CheckPlan, progress: Progress) -> None:
+    from kvserve.tools.training.llama import PlainLlama
+
+    progress.phase = "while setting up the model"
     model_dir = resolve_model(args.model)
     out = args.out or profile_path(model_dir)
     work = out.with_name(out.stem + ".work")
     work.mkdir(parents=True, exist_ok=True)
-    say = lambda text: print(f"kvserve calibrate: {text}", file=sys.stderr, flush=True)  # noqa: E731
-
-    from kvserve.tools.training.llama import PlainLlama
-
+    progress.phase = "while loading the reference model"
     try:
         reference = PlainLlama(model_dir)  # loaded once: the probe and the roles read it
     except ValueError as exc:  # an architecture the reference model does not implement
         raise SystemExit(f"kvserve calibrate: {model_dir.name}: {exc}") from exc
     phases = estimate(args, plan, probe_seconds_per_token(reference))
     say(
-        f"{model_dir.name}: about {sum(phases.values()) / 60:.0f} min on this machine ("
+        f"{model_dir.name}: about {minutes(sum(phases.values()))} min on this machine ("
         + ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in phases.items())
-        + f"; the check sends at most {plan.requests()} requests, fewer where settings stop early). "
+        + f"; the check is expected to send {expected_requests(plan):.0f} requests, at most {plan.requests()}; "
+        "a revised estimate follows its server's first answers). "
         f"Interrupt any time: a rerun resumes from {work}"
     )
     started = time.time()
-    check_requests = plan.requests()
-    bar = _bar(args.roles_samples + check_requests, not args.quiet)
-    roles, recipe = measured_roles_resumable(model_dir, reference, work, args.roles_samples, bar.update)
-    del reference  # fp32 weights (2 GB for the 0.5B model): not held while the gates train or the check serves
-    measured = ProfileRoles(roles.gates, roles.sink_tokens, roles.recent)
-    profile = Profile(model_dir.name, fingerprint(model_dir), measured, recipe)
-    if args.gates:
-        profile.gates = train_gates(model_dir, out, work, args.gate_steps)
-    provisional = work / "roles-profile.json"  # the check's server serves duoattention with these roles
+    with _bar(args.roles_samples + plan.requests(), not args.quiet) as bar:
+        progress.phase = "while measuring the head roles"
+        roles, recipe = measured_roles_resumable(model_dir, reference, work, args.roles_samples, bar.update)
+        del reference  # fp32 weights (2 GB for the 0.5B model): not held while the gates train or the check serves
+        measured = ProfileRoles(roles.gates, roles.sink_tokens, roles.recent)
+        profile = Profile(model_dir.name, fingerprint(model_dir), measured, recipe)
+        if args.gates:
+            progress.phase = "while training the Attention-Gate"
+            profile.gates = train_gates(model_dir, out, work, args.gate_steps)
+        provisional = provisional_profile(profile, out, work)
+        rows = check_rows(plan, work)
+        probe = ServedProbe(plan, rows, started)
+        profile.check = check_through_server(
+            model_dir, plan, provisional, rows, args.server_args, bar.update, probe, progress
+        )
+    profile.check["seconds"] = round(time.time() - started, 1)
+    profile.check["estimated_seconds"] = round(sum(phases.values()), 1)
+    # from the served probe; None when this run's server answered too few requests (a resumed check nearly done)
+    revised = probe.revised_seconds
+    profile.check["revised_estimated_seconds"] = None if revised is None else round(revised, 1)
+    profile.check["roles_samples"] = args.roles_samples
+    profile.save(out)
+    say(f"wrote {out} in {minutes(profile.check['seconds'])} min")
+    print(summary(profile))
+
+
+def provisional_profile(profile: Profile, out: Path, work: Path) -> Path:
+    """The profile so far, in the work folder: the check's server serves duoattention with its roles."""
+    provisional = work / "roles-profile.json"
     gates = profile.gates
     if gates:  # a profile names its gate file relative to its own folder
         profile.gates = {**gates, "file": os.path.relpath(out.parent / gates["file"], work)}
     profile.save(provisional)
     profile.gates = gates
+    return provisional
+
+
+def check_rows(plan: CheckPlan, work: Path) -> Path:
+    """The check's rows in the work folder: kept for a rerun of the same plan, dropped for another plan."""
     plan_file, rows = work / "check-plan.json", work / "check.jsonl"
     if not plan_file.exists() or json.loads(plan_file.read_text()) != asdict(plan):
         rows.unlink(missing_ok=True)  # another plan: its rows do not belong to this check
         plan_file.write_text(json.dumps(asdict(plan)))
-    profile.check = check_through_server(model_dir, plan, provisional, rows, args.server_args, bar.update)
-    profile.check["seconds"] = round(time.time() - started, 1)
-    profile.check["estimated_seconds"] = round(sum(phases.values()), 1)
-    profile.check["roles_samples"] = args.roles_samples
-    bar.close()
-    profile.save(out)
-    say(f"wrote {out} in {profile.check['seconds'] / 60:.1f} min")
-    print(summary(profile))
+    return rows
 
 
 def train_gates(model_dir: Path, out: Path, work: Path, steps: int) -> dict:
@@ -223,9 +376,17 @@ def train_gates(model_dir: Path, out: Path, work: Path, steps: int) -> dict:
     return {"file": gate_file.name, "sha256": file_sha256(gate_file)}
 
 
-def check_through_server(model_dir: Path, plan: CheckPlan, profile: Path, rows: Path, server_args: str, tick) -> dict:
-    import shlex
-
+def check_through_server(
+    model_dir: Path,
+    plan: CheckPlan,
+    profile: Path,
+    rows: Path,
+    server_args: str,
+    tick: Callable[[int], None],
+    served: Callable[[dict], None],
+    progress: Progress,
+) -> dict:
+    import httpx
     from transformers import AutoTokenizer
 
     from kvserve.tools.bench.servers import running_server
@@ -237,8 +398,14 @@ def check_through_server(model_dir: Path, plan: CheckPlan, profile: Path, rows: 
     # took 24-31 s on one of 2 cores, 13-14 s on both).
     cpus = ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0)))
     env = {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cpus)}
-    with running_server("kvserve", str(model_dir), args, rows.with_name("server.log"), env=env) as url:
-        return run_check(Server(url, timeout=1800), plan, AutoTokenizer.from_pretrained(model_dir), rows, tick)
+    progress.phase, progress.server_log = "during the check's server start-up", rows.with_name("server.log")
+    with running_server("kvserve", str(model_dir), args, progress.server_log, env=env) as url:
+        progress.phase = "during the check"
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        try:
+            return run_check(Server(url, timeout=1800), plan, tokenizer, rows, tick, served)
+        except (httpx.HTTPError, RuntimeError) as exc:  # the server failing a request, or gone
+            raise Stopped(f"the check's server failed a request: {str(exc).splitlines()[0][:300]}") from exc
 
 
 def summary(profile: Profile) -> str:
