@@ -17,8 +17,9 @@ def effective_defaults(defaults: dict) -> list[str]:
     # without a server budget (`vllm serve`) each request gives its own: shown as such, the rest parsed as it would be
     budget = {} if "kv_budget" in defaults else {"kv_budget": 1 << 30}
     for name in dict.fromkeys(names):
+        shown = f"{name} (default)" if name == server_policy else name
         if name == "full":
-            lines.append(f"{name}{' (default)' if name == server_policy else ''}: no eviction")
+            lines.append(f"{shown}: no eviction")
             continue
         try:
             config = parse_kv_config({"kv_policy": name, **budget}, defaults=defaults)
@@ -28,5 +29,5 @@ def effective_defaults(defaults: dict) -> list[str]:
         shown_budget = "the request's kv_budget" if budget else config.budget
         settings = [f"budget {shown_budget}", f"span {config.span}", f"allocation {config.allocation}"]
         settings += [f"{knob} {value}" for knob, value in config.knobs]
-        lines.append(f"{name}{' (default)' if name == server_policy else ''}: {', '.join(settings)}")
+        lines.append(f"{shown}: {', '.join(settings)}")
     return lines

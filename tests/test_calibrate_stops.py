@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from waiting import wait_until
 
 from kvserve.profile import PROFILES_ENV
 from kvserve.tools.bench.servers import ServerStartError, server_process, wait_until_serving
@@ -29,24 +30,27 @@ def fake_server(script: str) -> list[str]:
     return [sys.executable, "-c", script]
 
 
-def logging_for(seconds: float, then: str) -> list[str]:
-    """A fake server that logs a line every 0.1 s for `seconds`, then runs the Python statement `then`."""
-    return fake_server(
-        "import pathlib, sys, time\n"
-        f"end = time.monotonic() + {seconds}\n"
-        "while time.monotonic() < end:\n"
-        "    print('compiling', flush=True)\n"
-        "    time.sleep(0.1)\n"
-        f"{then}\n"
-    )
+SILENT_SERVER = fake_server("import time; time.sleep(600)")
 
 
-def poll_until(condition: Callable[[], bool], deadline_s: float, what: str) -> None:
-    end = time.monotonic() + deadline_s
-    while not condition():
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {deadline_s:.0f} s: {what}")
-        time.sleep(0.1)
+def log_line(log: Path, line: str) -> None:
+    with log.open("a") as out:
+        out.write(line + "\n")
+
+
+def logging_on_each_poll(log: Path, seconds: float, then: Callable[[], bool]) -> Callable[[], bool]:
+    """A health check that logs a line on the server's behalf each time the wait polls it, for `seconds`, then asks
+    `then`. The wait itself drives the log, so how busy the machine is cannot make the log look still early (a fake
+    server printing on its own clock could be starved past the stall limit on a loaded CI machine)."""
+    started = time.monotonic()
+
+    def healthy() -> bool:
+        if time.monotonic() - started < seconds:
+            log_line(log, "compiling")
+            return False
+        return then()
+
+    return healthy
 
 
 def live_members(groups: set[int]) -> list[psutil.Process]:
@@ -62,20 +66,24 @@ def live_members(groups: set[int]) -> list[psutil.Process]:
 
 
 def test_a_start_up_that_keeps_logging_is_waited_for_past_the_stall_limit(tmp_path):
-    log, ready = tmp_path / "server.log", tmp_path / "ready"
-    command = logging_for(WRITING_S, f"pathlib.Path({str(ready)!r}).touch(); time.sleep(600)")
-    with server_process(command, dict(os.environ), log) as proc:
+    log = tmp_path / "server.log"
+    with server_process(SILENT_SERVER, dict(os.environ), log) as proc:
         started = time.monotonic()
-        wait_until_serving(proc, log, ready.exists, STALL_LIMIT_S, poll_s=0.1)
+        wait_until_serving(proc, log, logging_on_each_poll(log, WRITING_S, lambda: True), STALL_LIMIT_S, poll_s=0.1)
         assert time.monotonic() - started > STALL_LIMIT_S  # it waited longer than the limit: the log was moving
 
 
 def test_a_start_up_whose_log_stands_still_fails_naming_the_log(tmp_path):
     log = tmp_path / "server.log"
-    command = logging_for(WRITING_S, "print('silent from now on', flush=True); time.sleep(600)")
-    with server_process(command, dict(os.environ), log) as proc:
+
+    def then_silent() -> bool:
+        if "silent from now on" not in log.read_text():
+            log_line(log, "silent from now on")
+        return False
+
+    with server_process(SILENT_SERVER, dict(os.environ), log) as proc:
         with pytest.raises(ServerStartError) as stalled:
-            wait_until_serving(proc, log, lambda: False, STALL_LIMIT_S, poll_s=0.1)
+            wait_until_serving(proc, log, logging_on_each_poll(log, WRITING_S, then_silent), STALL_LIMIT_S, poll_s=0.1)
         assert "silent from now on" in log.read_text()  # it gave up only after the log had stopped
     assert "logged nothing for 2 s" in stalled.value.what and stalled.value.log_path == log
 
@@ -108,7 +116,7 @@ def test_an_interrupt_during_start_up_ends_the_servers_whole_process_group(tmp_p
         with server_process(command, dict(os.environ), log) as proc:
             group = os.getpgid(proc.pid)
             wait_until_serving(proc, log, interrupt_once_the_engine_runs, 600, poll_s=0.1)
-    poll_until(lambda: not live_members({group}), 60, f"the fake server's group {group} ended")
+    wait_until(lambda: not live_members({group}), 60, f"the fake server's group {group} ended")
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
@@ -142,7 +150,7 @@ def test_calibrate_interrupted_while_its_server_starts_leaves_nothing_running(tm
         assert "Traceback" not in said, said
         assert f"Resume with: {PROFILES_ENV}={tmp_path} kvserve calibrate {shlex.join(argv)}" in said, said
         assert "stopped during the check's server start-up: interrupted" in said and str(server_log) in said, said
-        poll_until(lambda: not live_members(groups), 60, f"no process of calibrate's or its server's group {groups}")
+        wait_until(lambda: not live_members(groups), 60, f"no process of calibrate's or its server's group {groups}")
     finally:  # a failing run leaves nothing behind either
         for group in groups:
             try:
@@ -153,20 +161,17 @@ def test_calibrate_interrupted_while_its_server_starts_leaves_nothing_running(tm
 
 def poll_for_server_with_engine(calibrate: subprocess.Popen, server_log: Path) -> psutil.Process:
     """The calibration's server once its log has begun and its engine core runs: the middle of its start-up."""
-    found: list[psutil.Process] = []
 
-    def server_with_engine() -> bool:
+    def server_with_engine() -> psutil.Process | None:
         assert calibrate.poll() is None, "calibrate exited before its server started"
         if not (server_log.exists() and server_log.stat().st_size):
-            return False
+            return None
         for child in psutil.Process(calibrate.pid).children():
             try:
                 if child.children():  # the API server has started its engine core
-                    found.append(child)
-                    return True
+                    return child
             except psutil.NoSuchProcess:
                 pass
-        return False
+        return None
 
-    poll_until(server_with_engine, 900, "the check's server started its engine core")
-    return found[0]
+    return wait_until(server_with_engine, 900, "the check's server started its engine core")

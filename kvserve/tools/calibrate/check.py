@@ -73,7 +73,7 @@ class CheckPlan:
 
     def requests(self) -> int:
         """The most requests the check sends (early stops send fewer)."""
-        return (1 + len(self.settings())) * len(self.tasks) * len(self.lengths) * self.samples
+        return (1 + len(self.settings())) * case_count(self)
 
 
 def case_count(plan: CheckPlan) -> int:

@@ -10,7 +10,7 @@ from kvserve.config import BUILTIN_DEFAULTS, CHECKPOINT_POLICY_KEY
 from kvserve.tools.eval.parity import parity_table
 from kvserve.tools.eval.suite import Suite
 from kvserve.tools.markdown import table
-from kvserve.tools.report.quality import share_cell
+from kvserve.tools.report.quality import FLOOR, base_policy, share_cell
 from kvserve.tools.report.sources import DataDir
 
 TITLE = "## Parity with kvpress"
@@ -60,9 +60,6 @@ CHECKPOINT_INTRO = (
 )
 
 
-FLOOR = 0.5  # a cell is judged where `full` scores at least this
-
-
 def checkpoint_table(rows: list[dict]) -> str:
     """Per setting: the mean score at each prompt length (both tasks) and the share of `full` over all cells."""
     suite = Suite.from_rows(rows)
@@ -91,7 +88,7 @@ def checkpoint_shares(rows: list[dict]) -> dict[str, float]:
     for label, budget in suite.cells:
         found = None if label == "full" else suite.share_interval((label, budget), cells)
         if found is not None:
-            shares[label.split("/")[0].split(":")[0]] = found[0]
+            shares[base_policy(label)] = found[0]
     return shares
 
 

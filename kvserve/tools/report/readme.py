@@ -11,9 +11,9 @@ from kvserve.config import BUILTIN_DEFAULTS, CHECKPOINT_POLICY_KEY
 from kvserve.tools.eval.suite import Cell, Suite
 from kvserve.tools.markdown import ratio, table
 from kvserve.tools.report import models, parity
-from kvserve.tools.report.quality import best_labels, load_suite, single_needle_cells
+from kvserve.tools.report.quality import FLOOR, base_policy, best_labels, load_suite, single_needle_cells
 from kvserve.tools.report.sources import DataDir
-from kvserve.tools.report.summary import OVERHEAD
+from kvserve.tools.report.summary import OVERHEAD, decode_heavy_ratios
 from kvserve.tools.report.throughput import DECODE_HEAVY
 
 START = "<!-- results: written by `kvserve report` from docs/eval; edit the generator, not this block -->"
@@ -30,16 +30,6 @@ def task_set(cells: list[Cell]) -> str:
     tasks, lengths = {task for task, _ in cells}, sorted({k for _, k in cells})
     span = f"{lengths[0]}k" if len(lengths) == 1 else f"{lengths[0]}k-{lengths[-1]}k"
     return f"{len(tasks)} {'task' if len(tasks) == 1 else 'tasks'}, {span} tokens"
-
-
-def throughput(runs: list[dict], policy: str) -> str:
-    """The policy's output tokens/s against vanilla at equal memory in the first decode-heavy run that has it."""
-    for run in runs:
-        vanilla = next(r for r in run["results"] if r["server"] == "vanilla")
-        for result in run["results"]:
-            if result["server"] == "kvserve" and result["policy"] == policy:
-                return f"{ratio(result['output_tokens_per_s'], vanilla['output_tokens_per_s'])} (B={result['budget']})"
-    return "not run"
 
 
 def eviction_off(run: dict) -> str:
@@ -63,10 +53,10 @@ def checkpoint_row(rows: list[dict]) -> list[str]:
     """The checkpoint policy's row from the `kv_checkpoint` study (docs/eval/checkpoint): its prefix compacted before
     any question is seen."""
     suite = Suite.from_rows(rows)
-    cells = suite.judged_cells(parity.FLOOR)
-    ((label, budget),) = [s for s in suite.cells if s[0].split("/")[0].split(":")[0] == CHECKPOINT_POLICY]
+    cells = suite.judged_cells(FLOOR)
+    ((label, budget),) = [setting for setting in suite.cells if base_policy(setting[0]) == CHECKPOINT_POLICY]
     checkpoint = next(part for part in label.split("/") if part.startswith("checkpoint")).removeprefix("checkpoint")
-    share = parity.checkpoint_shares(rows)[CHECKPOINT_POLICY]
+    share = suite.ratio((label, budget), cells)
     name = f"`{CHECKPOINT_POLICY}`, `kv_checkpoint={checkpoint}` (before the question)"
     return [name, str(budget), f"{share:.0%} ({task_set(cells)})", "-"]
 
@@ -76,7 +66,8 @@ def model_table(suite: Suite, cells: list[Cell], decode_heavy: list[dict], overh
     for policy, budgets in SHOWN:
         name = f"`{policy}`" + (" (server default)" if policy == DEFAULT_POLICY else "")
         shares = quality(suite, cells, policy, budgets)
-        rows.append([name, " / ".join(map(str, budgets)), shares, throughput(decode_heavy, policy)])
+        throughput = decode_heavy_ratios(decode_heavy).get(policy, "not run")
+        rows.append([name, " / ".join(map(str, budgets)), shares, throughput])
     rows.append(checkpoint_row(checkpoint))
     rows.append(["`full` (eviction off)", "-", "100%", eviction_off(overhead)])
     return table(["policy", "B", "share of full (tasks)", "tokens/s vs vanilla"], rows)
@@ -87,7 +78,7 @@ def results_block(data: DataDir) -> str:
     _, suite, cells = load_suite(data)
     default_runs = [data.load(name).data for name in DECODE_HEAVY]
     _, qwen, qwen_cells, _ = models.qwen_suite(data)
-    checkpoints = dict((title, name) for title, name in parity.CHECKPOINT_MODELS)
+    checkpoints = dict(parity.CHECKPOINT_MODELS)
     return "\n\n".join(
         [
             START,
@@ -115,7 +106,7 @@ def results_block(data: DataDir) -> str:
 
 def notes(data: DataDir, cells: list[Cell], qwen_cells: list[Cell]) -> str:
     """What the tables' tasks and workloads are, from the same files."""
-    checkpoint = Suite.from_rows(data.load(parity.CHECKPOINT_MODELS[0][1]).data).judged_cells(parity.FLOOR)
+    checkpoint = Suite.from_rows(data.load(parity.CHECKPOINT_MODELS[0][1]).data).judged_cells(FLOOR)
     run = data.load(DECODE_HEAVY[0]).data["args"]
 
     def names(judged: list[Cell]) -> str:
