@@ -1,8 +1,9 @@
 """The reference side of `kvserve eval parity`: the same cases through kvpress's presses (NVIDIA's kvpress, the
 reference implementations of KVzip, SnapKV, TOVA, ...), in kvpress's own environment.
 
-This file is run as a script by the reference environment's Python (`../shared/reference/kvpress-venv.sh` builds
-one: kvpress 0.5.5 needs transformers<5.3, vLLM's CPU build >=5.16), so it imports nothing from kvserve:
+This file is run as a script by the reference environment's Python (`.kvpress-venv`: kvpress 0.5.5 and
+transformers<5.3 on `.venv`'s torch, since kvpress needs transformers<5.3 and vLLM's CPU build >=5.16), so it imports
+nothing from kvserve:
 
     .kvpress-venv/bin/python kvserve/tools/eval/kvpress_side.py CASES.json OUT.jsonl
 
