@@ -272,6 +272,7 @@ def usage() -> str:
         ("report [DATA] -o PAGE", "rebuild the benchmarks page and its plots from the result files"),
         ("setup-model [NAME]", "fetch and convert a model once (default: the default model)"),
         ("calibrate [MODEL]", "a model's own head roles and recommended setting (its profile)"),
+        ("router --replica URL ...", "front N servers, each conversation kept on one (the guide's scale out)"),
     ]
     width = max(len(command) for command, _ in commands)
     lines = [f"kvserve {command.ljust(width)}  {text}" for command, text in commands]
@@ -309,8 +310,14 @@ def main(argv: list[str] | None = None) -> None:
         from kvserve.tools.calibrate.command import main as calibrate_main
 
         calibrate_main(rest)
+    elif command == "router":
+        from kvserve.server.router import main as router_main
+
+        router_main(rest)
     else:
-        raise SystemExit(f"kvserve: unknown command {command!r} (serve, eval, bench, report, setup-model, calibrate)")
+        raise SystemExit(
+            f"kvserve: unknown command {command!r} (serve, eval, bench, report, setup-model, calibrate, router)"
+        )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,12 @@
-"""kvserve's Prometheus series, created in the engine-core process.
+"""kvserve's Prometheus series, created in the engine-core and worker processes.
 
 With `PROMETHEUS_MULTIPROC_DIR` set (`kvserve serve` sets it), prometheus_client writes them to files that the API
 server's `/metrics` collects beside vLLM's `vllm:*` series.
+
+Every series carries vLLM's own `engine` label: the data-parallel engine (`--data-parallel-size`) whose processes
+counted it, `"0"` without data parallelism. The collector sums each label set over the processes that wrote it (the
+workers of an engine's tensor-parallel ranks and pipeline stages count disjoint things), so one engine's series is
+its own and `sum without (engine) (...)` is the server's total, nothing counted twice.
 """
 
 from __future__ import annotations
@@ -15,86 +20,101 @@ KEPT_RATIO_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 
 COMPACTION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
-class Metrics:
+ENGINE_LABEL = "engine"
+
+
+class _Series:
+    """Every series, declared once per process (prometheus_client refuses a name registered twice)."""
+
     def __init__(self) -> None:
         self.tokens_evicted = Counter(
             "kvserve:tokens_evicted",
             "Tokens removed from requests' KV caches (each layer and KV head drops this many)",
-            ["policy"],
+            ["policy", ENGINE_LABEL],
         )
         self.blocks_freed = Counter(
-            "kvserve:blocks_freed", "KV-cache blocks returned to vLLM's pool by eviction", ["policy"]
+            "kvserve:blocks_freed", "KV-cache blocks returned to vLLM's pool by eviction", ["policy", ENGINE_LABEL]
         )
         self.bytes_freed = Counter(
             "kvserve:kv_cache_bytes_freed",
             "KV-cache memory returned to vLLM's pool by eviction (blocks freed x bytes per block over all layers)",
-            ["policy"],
+            ["policy", ENGINE_LABEL],
         )
         self.kept_ratio = Histogram(
             "kvserve:kept_token_ratio",
             "Per finished request of an evicting policy: cache entries held at the end / tokens of the sequence",
-            ["policy"],
+            ["policy", ENGINE_LABEL],
             buckets=KEPT_RATIO_BUCKETS,
         )
         self.policy_errors = Counter(
-            "kvserve:policy_errors", "Requests failed because their eviction policy raised", ["policy"]
+            "kvserve:policy_errors", "Requests failed because their eviction policy raised", ["policy", ENGINE_LABEL]
         )
         self.evictions = Counter(
-            "kvserve:evictions", "Compaction steps (one per request and step that evicts)", ["policy"]
+            "kvserve:evictions", "Compaction steps (one per request and step that evicts)", ["policy", ENGINE_LABEL]
         )
         self.evicted_requests = Gauge(
             "kvserve:requests_with_evicted_cache",
             "Requests currently holding a compacted (evicted) KV cache",
+            [ENGINE_LABEL],
             multiprocess_mode="livesum",
         )
         # vLLM's vllm:kv_cache_usage_perc counts whole blocks; a block of an evicting request may be partly free
         self.pages_in_use = Gauge(
             "kvserve:kv_pages_in_use",
             "Head pages (block_size tokens of one layer and KV head) holding live KV entries",
+            [ENGINE_LABEL],
             multiprocess_mode="livesum",
         )
         self.pages_total = Gauge(
             "kvserve:kv_pages_total",
             "Head pages in vLLM's KV-cache pool (blocks x layers x KV heads)",
+            [ENGINE_LABEL],
             multiprocess_mode="livesum",
         )
         # Attention-Gate: eviction ratio per layer and KV head = 1 - kept / judged (every head judges every token)
         self.gate_tokens_judged = Counter(
-            "kvserve:gate_tokens_judged", "Prompt tokens judged by Attention-Gate (each layer and KV head judges each)"
+            "kvserve:gate_tokens_judged",
+            "Prompt tokens judged by Attention-Gate (each layer and KV head judges each)",
+            [ENGINE_LABEL],
         )
         self.gate_tokens_kept = Counter(
-            "kvserve:gate_tokens_kept", "Prompt tokens Attention-Gate kept", ["layer", "kv_head"]
+            "kvserve:gate_tokens_kept", "Prompt tokens Attention-Gate kept", ["layer", "kv_head", ENGINE_LABEL]
         )
         self.kept_entries = Counter(
             "kvserve:kept_entries",
             "Entries kept by compactions, summed over the layer's KV heads (where kv_allocation put the memory)",
-            ["layer", "allocation"],
+            ["layer", "allocation", ENGINE_LABEL],
         )
         self.prefix_blocks_published = Counter(
             "kvserve:prefix_blocks_published",
             "KV-cache blocks evicting requests published to vLLM's prefix cache (complete blocks, before compacting)",
+            [ENGINE_LABEL],
         )
         self.prefix_publish_fallbacks = Counter(
             "kvserve:prefix_publish_fallbacks",
             "Evicting requests that stopped publishing to the prefix cache: the pool had no room for the copy a "
             "compaction needs, so they compacted in place",
+            [ENGINE_LABEL],
         )
         self.checkpoints_published = Counter(
             "kvserve:checkpoints_published",
             "Prompt checkpoints (kv_checkpoint) whose compacted lists entered the prefix cache",
+            [ENGINE_LABEL],
         )
         self.checkpoint_hits = Counter(
             "kvserve:checkpoint_hits",
             "Requests that started from a published prompt checkpoint instead of computing its prefix",
+            [ENGINE_LABEL],
         )
         self.deferred_compactions = Counter(
             "kvserve:deferred_compactions",
             "First compactions of kv_evict_when=pressure requests, run because the pool was short of blocks",
+            [ENGINE_LABEL],
         )
         self.compaction_seconds = Histogram(
             "kvserve:compaction_seconds",
             "Worker time of one request's eviction step: scoring and compacting every layer, outside vLLM's attention",
-            ["policy"],
+            ["policy", ENGINE_LABEL],
             buckets=COMPACTION_BUCKETS,
         )
 
@@ -102,8 +122,22 @@ class Metrics:
             "kvserve:engine_seconds",
             "Engine time by phase: schedule, worker (whole step), and inside it attention, statistics, compaction, "
             "pages (kvserve/phases.py); the model's layers are worker minus the last four",
-            ["phase"],
+            ["phase", ENGINE_LABEL],
         )
+
+
+class Metrics:
+    """kvserve's series as this process's engine writes them: each attribute is the series of the same name in
+    `_Series`, with the engine label given (`.labels(...)` takes the series' other labels, if any)."""
+
+    def __init__(self, engine: str) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str):
+        series = getattr(_series(), name)
+        if tuple(series._labelnames) == (ENGINE_LABEL,):
+            return series.labels(engine=self._engine)
+        return _EngineSeries(series, self._engine)
 
     def record_compaction(self, policy: str, tokens: int, blocks: int, bytes_per_block: int) -> None:
         self.tokens_evicted.labels(policy=policy).inc(tokens)
@@ -112,6 +146,33 @@ class Metrics:
         self.evictions.labels(policy=policy).inc()
 
 
+class _EngineSeries:
+    def __init__(self, series, engine: str) -> None:
+        self._series = series
+        self._engine = engine
+
+    def labels(self, **labels: str):
+        return self._series.labels(engine=self._engine, **labels)
+
+
+_engine = "0"
+
+
+def set_engine(index: int) -> None:
+    """This process counts for data-parallel engine `index` (vLLM's `data_parallel_index`, its `engine` label)."""
+    global _engine
+    _engine = str(index)
+
+
 @cache
+def _series() -> _Series:
+    return _Series()
+
+
+@cache
+def _metrics(engine: str) -> Metrics:
+    return Metrics(engine)
+
+
 def metrics() -> Metrics:
-    return Metrics()
+    return _metrics(_engine)

@@ -108,12 +108,14 @@ def _support(model_config) -> EvictionSupport:
 @dataclass(frozen=True)
 class ServedEngine:
     """What the settings checks need of the engine being served: vLLM's model config (read as `eviction_support`
-    reads it), its block size, its pipeline stages and tensor-parallel ranks."""
+    reads it), its block size, its pipeline stages and tensor-parallel ranks, and how many data-parallel engines the
+    API server balances requests over (`engines`, the values of vLLM's X-data-parallel-rank header)."""
 
     model_config: Any
     block_size: int | None = None
     pipeline_stages: int = 1
     tensor_ranks: int = 1
+    engines: int = 1
 
 
 # The answer `served_settings(..., remember=True)` gave in this context: the HTTP middleware runs in the context every

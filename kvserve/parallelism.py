@@ -13,9 +13,11 @@ def parallelism_refusal(
 
     Pipeline, tensor and data parallelism work. Each pipeline stage evicts its own layers and each tensor-parallel
     rank its own KV heads, all in the SAME vLLM blocks; the workers agree on the blocks a request gives back before
-    any is (`kvserve/worker/ranks.py`, `kvserve/worker/stages.py`). Each data-parallel engine is a whole kvserve
-    engine. With more ranks than KV heads (`num_kv_heads`, when known) vLLM replicates a KV head on several ranks,
-    each scoring it with other query heads: their copies would keep different entries, so that is refused."""
+    any is (`kvserve/worker/ranks.py`, `kvserve/worker/stages.py`). Each data-parallel engine of
+    `--data-parallel-size` is a whole kvserve engine (tests/test_data_parallel.py); vLLM itself refuses its
+    external-balancer layout (`--data-parallel-rank`) for dense models, whose replicas go behind `kvserve router`.
+    With more ranks than KV heads (`num_kv_heads`, when known) vLLM replicates a KV head on several ranks, each
+    scoring it with other query heads: their copies would keep different entries, so that is refused."""
     if num_kv_heads is not None and tensor_parallel_size > num_kv_heads:
         return (
             f"kvserve eviction does not support more tensor-parallel ranks ({tensor_parallel_size}) than the model "
@@ -43,24 +45,36 @@ def flag_value(args: list[str], *names: str) -> str | None:
     return value
 
 
+def local_engines(vllm_args: list[str]) -> int:
+    """How many data-parallel engines this server starts on this machine: `--data-parallel-size-local`, else all of
+    `--data-parallel-size` (vLLM's internal balancer on one node), and one for an engine of the external-balancer
+    layout (`--data-parallel-rank R`: one server per engine, each bound by whoever starts it)."""
+    if flag_value(vllm_args, "--data-parallel-rank", "-dpn") is not None:
+        return 1
+    local = flag_value(vllm_args, "--data-parallel-size-local", "-dpl")
+    return int(local if local is not None else flag_value(vllm_args, "--data-parallel-size", "-dp") or 1)
+
+
 def parallel_env(vllm_args: list[str], env: dict) -> dict[str, str]:
     """CPUs for each worker of a parallel layout (see `parallelism_refusal` for what is refused): vLLM's CPU
-    workers, one per pipeline stage and tensor-parallel rank, each need CPUs of their own, and vLLM only finds them by
-    itself on a machine with a NUMA node per worker, so kvserve splits this process's CPUs into one group per worker
-    (in vLLM's rank order: the ranks of stage 0, then stage 1, ...)."""
+    workers, one per data-parallel engine, pipeline stage and tensor-parallel rank, each need CPUs of their own, and
+    vLLM only finds them by itself on a machine with a NUMA node per worker (two engines on one NUMA node were both
+    bound to its first CPU), so kvserve splits this process's CPUs into one group per worker, in vLLM's order: engine
+    0's workers (the ranks of stage 0, then stage 1, ...), then engine 1's."""
     tensor = int(flag_value(vllm_args, "--tensor-parallel-size", "-tp") or 1)
     refusal = parallelism_refusal(tensor, int(flag_value(vllm_args, "--decode-context-parallel-size", "-dcp") or 1))
     if refusal is not None:
         raise SystemExit(refusal)  # it names kvserve already
     stages = int(flag_value(vllm_args, "--pipeline-parallel-size", "-pp") or 1)
-    workers = stages * tensor
+    engines = local_engines(vllm_args)
+    workers = engines * stages * tensor
     if workers == 1 or "VLLM_CPU_OMP_THREADS_BIND" in env:
         return {}
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < workers:
         raise SystemExit(
-            f"kvserve: --pipeline-parallel-size {stages} x --tensor-parallel-size {tensor} needs a CPU per worker "
-            f"({workers}); this process may use {len(cpus)}"
+            f"kvserve: {engines} data-parallel engine(s) x --pipeline-parallel-size {stages} x "
+            f"--tensor-parallel-size {tensor} needs a CPU per worker ({workers}); this process may use {len(cpus)}"
         )
     share = len(cpus) // workers
     groups = [cpus[worker * share : (worker + 1) * share] for worker in range(workers)]

@@ -25,13 +25,16 @@ def metric(base: str, name: str, labels: str = "", missing: float | None = None)
     return float(found[0])
 
 
+KEPT_HEADS = r'^kvserve:kept_entries_total\{allocation="heads",engine="0",layer="(\d+)"\} ([0-9.e+]+)$'
+
+
 def complete(base: str, prompt: str, headers: dict | None = None, **body):
     payload = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, **body}
     return httpx.post(base + "/v1/completions", json=payload, headers=headers or {}, timeout=120)
 
 
 def test_headers_select_the_policy_and_metrics_count_what_was_evicted(server, long_prompt):
-    labels = '{policy="streamingllm"}'
+    labels = '{engine="0",policy="streamingllm"}'
     evicted_before = metric(server, "kvserve:tokens_evicted_total", labels, missing=0.0)
     runs_before = metric(server, "kvserve:evictions_total", labels, missing=0.0)
     timed_before = metric(server, "kvserve:compaction_seconds_count", labels, missing=0.0)
@@ -63,7 +66,7 @@ def test_headers_select_the_policy_and_metrics_count_what_was_evicted(server, lo
 
 
 def test_vllm_xargs_select_the_policy(server, long_prompt):
-    labels = '{policy="snapkv"}'
+    labels = '{engine="0",policy="snapkv"}'
     before = metric(server, "kvserve:evictions_total", labels, missing=0.0)
     response = complete(server, long_prompt, vllm_xargs={"kv_policy": "snapkv", "kv_budget": 96, "kv_window": 16})
     assert response.status_code == 200, response.text
@@ -73,7 +76,7 @@ def test_vllm_xargs_select_the_policy(server, long_prompt):
 
 def test_top_level_body_keys_select_the_policy(server, long_prompt):
     """What an OpenAI client sends with extra_body={"kv_policy": ...}; vLLM itself would drop unknown keys."""
-    labels = '{policy="tova"}'
+    labels = '{engine="0",policy="tova"}'
     before = metric(server, "kvserve:evictions_total", labels, missing=0.0)
     response = complete(server, long_prompt, kv_policy="tova", kv_budget=80)
     assert response.status_code == 200, response.text
@@ -198,7 +201,7 @@ def test_every_dashboard_query_names_a_served_series(server, long_prompt):
 
 def test_usage_reports_the_tokens_eviction_removed(server, long_prompt):
     """usage.kv_tokens_evicted, unstreamed and in the streamed usage chunk, equals what the engine's counter saw."""
-    labels = '{policy="streamingllm"}'
+    labels = '{engine="0",policy="streamingllm"}'
     evict = {"x-kv-policy": "streamingllm", "x-kv-budget": "64"}
     before = metric(server, "kvserve:tokens_evicted_total", labels, missing=0.0)
     usage = complete(server, long_prompt, evict).json()["usage"]
@@ -265,14 +268,18 @@ def test_allocation_and_span_headers_apply_and_the_layer_metric_shows_where_memo
     """`x-kv-allocation: heads` over HTTP: applied, echoed, and the per-layer kept-entries series grew by exactly the
     L x H x B entries the prompt's compaction kept (every allocation keeps that many)."""
     text = httpx.get(f"{server}/metrics", timeout=30).text
-    layers = re.findall(r'^kvserve:kept_entries_total\{allocation="heads",layer="(\d+)"\} ([0-9.e+]+)$', text, re.M)
+    layers = re.findall(
+        r'^kvserve:kept_entries_total\{allocation="heads",engine="0",layer="(\d+)"\} ([0-9.e+]+)$', text, re.M
+    )
     before = {layer: float(value) for layer, value in layers}
     headers = {"x-kv-policy": "snapkv", "x-kv-budget": "64", "x-kv-window": "8", "x-kv-allocation": "heads"}
     response = complete(server, long_prompt, {**headers, "x-kv-span": "4"})
     assert response.status_code == 200, response.text
     assert (response.headers["x-kv-allocation-applied"], response.headers["x-kv-span-applied"]) == ("heads", "4")
     text = httpx.get(f"{server}/metrics", timeout=30).text
-    after = re.findall(r'^kvserve:kept_entries_total\{allocation="heads",layer="(\d+)"\} ([0-9.e+]+)$', text, re.M)
+    after = re.findall(
+        r'^kvserve:kept_entries_total\{allocation="heads",engine="0",layer="(\d+)"\} ([0-9.e+]+)$', text, re.M
+    )
     kept = {layer: float(value) - before.get(layer, 0.0) for layer, value in after}
     from transformers import AutoConfig
 

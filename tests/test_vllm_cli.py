@@ -71,7 +71,7 @@ def test_vllm_serve_serves_with_the_plugin_active(vllm_serve):
 
 def _evicted(base: str) -> float:
     """kvserve:tokens_evicted_total for streamingllm on the test server (0 before any such request)."""
-    return metric(base, "kvserve:tokens_evicted_total", '{policy="streamingllm"}', missing=0.0)
+    return metric(base, "kvserve:tokens_evicted_total", '{engine="0",policy="streamingllm"}', missing=0.0)
 
 
 @pytest.mark.parametrize("how", ["extra-body", "header"])

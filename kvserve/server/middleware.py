@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from kvserve.config import INTERNAL_KEYS, KEY_PREFIX
 from kvserve.errors import InvalidSetting
 from kvserve.messages import EVICTED_KEY
 from kvserve.model_support import EvictionSupport, ServedEngine, eviction_support, served_settings
+from kvserve.server.affinity import RANK_HEADER, SESSION_KEY, check_session, engine_for
 from kvserve.server.checkpoint_documents import CompressedPrefixes, PrefixCompression, plan_prefix_compression
 from kvserve.server.documents import COMPRESS_PATH, Collected, compress_request, compress_response, reconstruct
 from kvserve.server.evicted import EvictedTally, open_tally
@@ -119,6 +121,7 @@ class KVHeadersMiddleware:
             if isinstance(body, dict):
                 reject_what_vllm_cannot_serve(body, scope["path"])
                 body = merge_into_body(body, header_xargs)
+                session = pop_session(body)
                 for key in INTERNAL_KEYS:
                     if key in (body.get("vllm_xargs") or {}):
                         raise InvalidSetting(key, "is set by kvserve itself, not by a request")
@@ -136,15 +139,15 @@ class KVHeadersMiddleware:
             elif header_xargs:
                 raise InvalidSetting("body", "x-kv-* headers need a JSON object body")
             else:
-                config, layers = None, "all"
+                config, layers, session, engine = None, "all", None, None
         except InvalidSetting as exc:
             await _send_json(send, 400, error_body(exc.field, str(exc)))
             return
-        scope = dict(
-            scope,
-            headers=[(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-            + [(b"content-length", str(len(raw)).encode())],
-        )
+        # what must meet state in one engine: the session's, the compressed prefix's, the lookahead probe's
+        affinity = session or (plan.key.hex() if plan is not None and plan.key else None)
+        if affinity is None and lookahead is not None and lookahead.probe_body is not None:
+            affinity = uuid.uuid4().hex
+        scope = dict(scope, headers=_with_content_length(_pinned(scope["headers"], engine, affinity), len(raw)))
         scope[HANDLED] = True
         extra_headers: list[tuple[bytes, bytes]] = []
         if plan is not None:
@@ -202,11 +205,17 @@ class KVHeadersMiddleware:
             if engine is None:
                 raise InvalidSetting("model", "the served engine is not known to kvserve yet")
             body = merge_into_body(body, headers_to_xargs(scope["headers"]))
+            session = pop_session(body)
+            if session is None and engine.engines > 1:
+                session = uuid.uuid4().hex  # its questions name it to reach the engine holding the document
             completions, question_settings, tokens = compress_request(body, engine)
+            if session is not None:
+                question_settings = {**question_settings, SESSION_KEY: session}
             configs = [served_settings(c["vllm_xargs"], engine, remember=True) for c in completions]
         except InvalidSetting as exc:
             await _send_json(send, 400, error_body(exc.field, str(exc)))
             return
+        scope = dict(scope, headers=_pinned(scope["headers"], engine, session))
         run = functools.partial(self._engine_completion, scope, receive, engine=engine)
         collected = await reconstruct(run, completions, configs)
         if collected.status != 200:
@@ -234,6 +243,32 @@ class KVHeadersMiddleware:
         layers = evicting_layers(eviction_support(engine.model_config))
         await self.app(inner, _replay(raw, receive), _with_applied_headers(collected, config, layers, open_tally()))
         return collected
+
+
+def pop_session(body: dict[str, Any]) -> str | None:
+    """Take `kv_session` (header, body key or vllm_xargs, merged) out of the request: it routes, the engine never
+    reads it (`kvserve/server/affinity.py`)."""
+    xargs = body.get("vllm_xargs") or {}
+    if SESSION_KEY not in xargs:
+        return None
+    session = check_session(xargs.pop(SESSION_KEY))
+    if not xargs:
+        body.pop("vllm_xargs")
+    return session
+
+
+def _pinned(headers: list[tuple[bytes, bytes]], engine: ServedEngine | None, affinity: str | None) -> list:
+    """The request's headers with vLLM's X-data-parallel-rank set to the engine `affinity` maps to, when this API
+    server balances over several engines and the client named none itself."""
+    if affinity is None or engine is None or engine.engines <= 1:
+        return headers
+    if any(name.lower() == RANK_HEADER for name, _ in headers):
+        return headers  # the client's (or an outer router's) choice stands
+    return [*headers, (RANK_HEADER, str(engine_for(affinity, engine.engines)).encode())]
+
+
+def _with_content_length(headers: list[tuple[bytes, bytes]], length: int) -> list:
+    return [(k, v) for k, v in headers if k.lower() != b"content-length"] + [(b"content-length", str(length).encode())]
 
 
 def evicting_layers(support: EvictionSupport) -> str:

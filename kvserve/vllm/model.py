@@ -46,7 +46,16 @@ def served_engine(vllm_config) -> ServedEngine | None:
         block_size=vllm_config.cache_config.block_size,
         pipeline_stages=vllm_config.parallel_config.pipeline_parallel_size,
         tensor_ranks=vllm_config.parallel_config.tensor_parallel_size,
+        engines=balanced_engines(vllm_config.parallel_config),
     )
+
+
+def balanced_engines(parallel) -> int:
+    """The engines this API server's balancer chooses among: every data-parallel engine with vLLM's internal
+    balancer, this node's with the hybrid one, only its own with an external one."""
+    if parallel.data_parallel_external_lb:
+        return 1
+    return parallel.data_parallel_size_local if parallel.data_parallel_hybrid_lb else parallel.data_parallel_size
 
 
 def served_engine_of_app(scope: dict) -> ServedEngine | None:

@@ -36,7 +36,7 @@ from kvserve.core.record import CoreRequest
 from kvserve.core.requests import CoreRequests
 from kvserve.errors import InvalidSetting
 from kvserve.messages import Compaction, PageReport, StepPlan, cdiv, with_evicted_count
-from kvserve.metrics import metrics
+from kvserve.metrics import metrics, set_engine
 from kvserve.model_support import eviction_support, generation_marker
 from kvserve.parallelism import parallelism_refusal
 from kvserve.vllm.carriers import attach_plan, plan_of, report_of
@@ -50,6 +50,7 @@ class EvictingScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         parallel = self.vllm_config.parallel_config
+        set_engine(parallel.data_parallel_index)  # kvserve's series carry the engine label vLLM gives this engine
         self.support = eviction_support(self.vllm_config.model_config)
         kv_heads = self.vllm_config.model_config.get_total_num_kv_heads() if self.support.evicts else None
         refusal = parallelism_refusal(

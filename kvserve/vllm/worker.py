@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvserve.metrics import set_engine
 from kvserve.model_support import eviction_support
 from kvserve.vllm.carriers import plan_of, with_report
 from kvserve.vllm.model import (
@@ -51,6 +52,7 @@ def requests_of(runner) -> WorkerRequests | None:
 
 
 def _attach(runner) -> WorkerRequests | None:
+    set_engine(runner.vllm_config.parallel_config.data_parallel_index)  # the engine label of what this worker counts
     support = eviction_support(runner.model_config)
     group = paged_group(runner.kv_cache_config, support)
     if group is None:

@@ -221,6 +221,10 @@ def plot(results: list[dict], prompt_tokens: int, path: str) -> None:
 COMMANDS = {
     "documents": ("kvserve.tools.bench.documents", "one document, many questions: compressed once vs recomputed"),
     "chat": ("kvserve.tools.bench.chat", "multi-turn chat over a shared document in a small pool, vs vanilla"),
+    "sessions": (
+        "kvserve.tools.bench.sessions",
+        "data-parallel engines: do conversations' turns resume, per routing",
+    ),
     "long": ("kvserve.tools.bench.long_prompts", "long prompts through a bounded cache: TTFT and pages vs full"),
     "load": ("kvserve.tools.bench.load", "mixed-policy load test of one server (loopback)"),
     "crash": ("kvserve.tools.bench.crash", "kill a server's engine: time to failing /health and exit"),

@@ -221,7 +221,8 @@ class Server:
         kept = {}
         for labels, value in re.findall(r"^kvserve:gate_tokens_kept_total\{([^}]*)\} ([0-9.e+-]+)$", text, re.M):
             named = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-            kept[(int(named["layer"]), int(named["kv_head"]))] = float(value)
+            key = (int(named["layer"]), int(named["kv_head"]))
+            kept[key] = kept.get(key, 0.0) + float(value)  # summed over data-parallel engines
         return metric_sum(text, "kvserve:gate_tokens_judged_total"), kept
 
     def complete(self, setting: Setting, prompt: str | list[int], **body) -> dict:

@@ -14,12 +14,13 @@ from kvserve.tools.report import (
     parity,
     quality,
     reliability,
+    scale,
     summary,
     throughput,
 )
 from kvserve.tools.report.sources import DataDir
 
-SECTIONS = (summary, quality, models, multikey, parity, throughput, long_prompts, costs, kernels, reliability)
+SECTIONS = (summary, quality, models, multikey, parity, throughput, long_prompts, costs, kernels, scale, reliability)
 
 INTRO = """# Benchmarks
 
@@ -43,6 +44,7 @@ Qwen2.5-Coder-0.5B-Instruct (24 layers, 2 KV heads of 64), has a section of its 
 - [Long prompts through a bounded cache](#long-prompts-through-a-bounded-cache)
 - [What does each policy cost?](#what-does-each-policy-cost)
 - [The kernels on a GPU](#the-kernels-on-a-gpu)
+- [Beyond one engine](#beyond-one-engine)
 - [Does it stay up?](#does-it-stay-up)"""
 
 

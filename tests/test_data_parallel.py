@@ -1,0 +1,203 @@
+"""Data parallelism with eviction: ONE real `kvserve serve --data-parallel-size 2` (vLLM's internal balancer, an
+engine per CPU) against the single-engine `server` fixture started with the same flags.
+
+Each engine evicts as the single engine does (same text, evicted count and applied headers for a request sent to
+either, settings given as headers or body keys); `/metrics` counts kvserve's series per engine under vLLM's own
+`engine` label, each engine's equal to what its requests reported, nothing counted twice; a session
+(`x-kv-session`) keeps a conversation on the engine holding its checkpoints, so its later turns resume from them,
+and a turn sent to the other engine recomputes and answers the same; both pools are whole again afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+
+import httpx
+import pytest
+from engine_settings import SERVED_MODEL
+from waiting import wait_until
+
+from kvserve.server.affinity import engine_for
+
+ENGINES = 2
+SERVER_ARGS = ["--max-model-len", "2048", "--block-size", "32", "--enforce-eager", "--dtype", "float32"]
+SERVER_ARGS += ["--max-num-batched-tokens", "128"]  # as the `server` fixture (tests/conftest.py)
+RANK = "X-data-parallel-rank"  # vLLM's header: which engine serves the request
+
+
+@pytest.fixture(scope="module")
+def dp_server(tmp_path_factory):
+    if len(os.sched_getaffinity(0)) < ENGINES:
+        pytest.skip("two data-parallel engines need a CPU each; this process may use one")
+    from kvserve.tools.bench.servers import running_server
+
+    log_path = tmp_path_factory.mktemp("dp_server") / "server.log"
+    args = [*SERVER_ARGS, "--data-parallel-size", str(ENGINES)]
+    with running_server("kvserve", None, args, log_path, env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
+        yield base
+
+
+def scrape(base: str) -> dict[tuple[str, frozenset], float]:
+    samples = {}
+    for name, labels, value in re.findall(
+        r"^([a-z_:]+)(?:\{([^}]*)\})? (\S+)$", httpx.get(base + "/metrics").text, re.M
+    ):
+        samples[(name, frozenset(re.findall(r'(\w+)="([^"]*)"', labels or "")))] = float(value)
+    return samples
+
+
+def per_engine(samples: dict, name: str, **labels: str) -> dict[str, float]:
+    """A series' value per engine label, summed over its other labels unless given."""
+    totals: dict[str, float] = {}
+    for (series, label_set), value in samples.items():
+        named = dict(label_set)
+        if series == name and all(named.get(k) == v for k, v in labels.items()):
+            totals[named["engine"]] = totals.get(named["engine"], 0.0) + value
+    return totals
+
+
+def grew(before: dict, after: dict, name: str, **labels: str) -> dict[str, float]:
+    old, new = per_engine(before, name, **labels), per_engine(after, name, **labels)
+    return {engine: new[engine] - old.get(engine, 0.0) for engine in new}
+
+
+def complete(base: str, prompt, headers: dict | None = None, max_tokens: int = 8, **body) -> httpx.Response:
+    payload = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **body}
+    response = httpx.post(base + "/v1/completions", json=payload, headers=headers or {}, timeout=300)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def applied(response: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in response.headers.items() if k.startswith("x-kv-") and k.endswith("-applied")}
+
+
+def test_each_engine_evicts_as_one_engine_does_and_counts_under_its_own_label(dp_server, server, long_prompt):
+    """The same request sent to engine 0, to engine 1 and to the single-engine server: the same text, evicted count
+    and applied headers, with the settings as headers on one engine and as body keys on the other. Each engine's
+    kvserve:tokens_evicted_total grew by what its requests reported, and vLLM's own per-engine count of finished
+    requests agrees on which engine served them."""
+    settings = [({"x-kv-policy": "snapkv", "x-kv-budget": "64"}, {}), ({}, {"kv_policy": "h2o", "kv_budget": 96})]
+    before = scrape(dp_server)
+    reported = {str(rank): 0 for rank in range(ENGINES)}
+    for headers, body in settings:
+        reference = complete(server, long_prompt, headers, **body)
+        for rank in range(ENGINES):
+            served = complete(dp_server, long_prompt, {**headers, RANK: str(rank)}, **body)
+            label = f"engine {rank}, {headers or body}"
+            assert served.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"], label
+            assert served.json()["usage"]["kv_tokens_evicted"] == reference.json()["usage"]["kv_tokens_evicted"] > 0
+            assert applied(served) == applied(reference), label
+            reported[str(rank)] += served.json()["usage"]["kv_tokens_evicted"]
+    after = scrape(dp_server)
+    assert grew(before, after, "kvserve:tokens_evicted_total") == reported
+    finished = grew(before, after, "vllm:request_success_total")
+    assert finished == {str(rank): len(settings) for rank in range(ENGINES)}
+    # the server's total is the sum of its engines' (each engine counted once, in its own processes)
+    assert sum(per_engine(after, "kvserve:kv_pages_total").values()) == pytest.approx(
+        2 * per_engine(after, "kvserve:kv_pages_total")["0"]
+    )
+
+
+def _sessions_on_each_engine(count: int) -> list[str]:
+    """Session names, `count` of them on each engine (by the rule the server routes them with)."""
+    chosen: dict[int, list[str]] = {rank: [] for rank in range(ENGINES)}
+    number = 0
+    while any(len(names) < count for names in chosen.values()):
+        name = f"conversation-{number}"
+        if len(chosen[engine_for(name, ENGINES)]) < count:
+            chosen[engine_for(name, ENGINES)].append(name)
+        number += 1
+    return [name for names in chosen.values() for name in names]
+
+
+def chat(base: str, messages: list[dict], headers: dict) -> httpx.Response:
+    payload = {"model": SERVED_MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}
+    body = {"kv_policy": "snapkv", "kv_budget": 64, "kv_checkpoint": "turns"}
+    response = httpx.post(base + "/v1/chat/completions", json={**payload, **body}, headers=headers, timeout=300)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def converse(base: str, opening: str, headers: dict) -> tuple[list[dict], float]:
+    """A conversation of three turns; its messages for a fourth, and the checkpoint hits it made on `base`."""
+    before = sum(per_engine(scrape(base), "kvserve:checkpoint_hits_total").values())
+    messages = [{"role": "user", "content": f"{opening} What is this text about?"}]
+    for question in ("Say it in other words.", "Name one detail."):
+        reply = chat(base, messages, headers).json()["choices"][0]["message"]["content"]
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": question}]
+    chat(base, messages, headers)
+    return messages, sum(per_engine(scrape(base), "kvserve:checkpoint_hits_total").values()) - before
+
+
+def test_a_session_keeps_a_conversation_on_the_engine_with_its_checkpoints(dp_server, server, long_prompt):
+    """Conversations of three turns with turn checkpoints, each naming a session (two per engine), resume from
+    checkpoints as often as the same conversations on the single-engine server do (kvserve:checkpoint_hits_total),
+    each in the engine its session maps to. The last turn of one conversation sent to the other engine as well
+    recomputes there and answers the same."""
+    sessions = _sessions_on_each_engine(2)
+    before = scrape(dp_server)
+    expected = {str(rank): 0.0 for rank in range(ENGINES)}
+    histories = {}
+    for number, session in enumerate(sessions):
+        opening = long_prompt[: 900 + 40 * number]
+        _, single_hits = converse(server, opening, {})
+        histories[session], _ = converse(dp_server, opening, {"x-kv-session": session})
+        assert single_hits >= 1, "a later turn resumes on one engine"
+        expected[str(engine_for(session, ENGINES))] += single_hits
+    assert grew(before, scrape(dp_server), "kvserve:checkpoint_hits_total") == expected
+
+    session = sessions[0]
+    home = engine_for(session, ENGINES)
+    after = scrape(dp_server)
+    resumed = chat(dp_server, histories[session], {RANK: str(home)})
+    elsewhere = chat(dp_server, histories[session], {RANK: str(1 - home)})
+    assert elsewhere.json()["choices"][0]["message"] == resumed.json()["choices"][0]["message"]
+    hits = grew(after, scrape(dp_server), "kvserve:checkpoint_hits_total")
+    assert hits == {str(home): 1, str(1 - home): 0}
+
+
+def test_a_session_is_a_routing_key_not_a_setting(dp_server):
+    """`kv_session` leaves the request before vLLM sees it; given twice with different values it is a 400 naming
+    it, as every kvserve setting."""
+    session = f"check-{uuid.uuid4().hex}"
+    ok = complete(dp_server, "Hello", {"x-kv-session": session}, kv_session=session)
+    assert ok.json()["usage"]["completion_tokens"] > 0
+    conflict = httpx.post(
+        dp_server + "/v1/completions",
+        json={"model": SERVED_MODEL, "prompt": "Hello", "max_tokens": 2, "kv_session": "a"},
+        headers={"x-kv-session": "b"},
+        timeout=60,
+    )
+    assert conflict.status_code == 400 and conflict.json()["error"]["param"] == "kv_session"
+
+
+def test_both_pools_are_whole_after_the_requests(dp_server):
+    def idle() -> bool:
+        samples = scrape(dp_server)
+        in_use = per_engine(samples, "kvserve:kv_pages_in_use")
+        usage = per_engine(samples, "vllm:kv_cache_usage_perc")
+        return set(in_use) == set(usage) == {"0", "1"} and not any(in_use.values()) and not any(usage.values())
+
+    wait_until(
+        idle, 120, lambda: f"pages in use per engine: {per_engine(scrape(dp_server), 'kvserve:kv_pages_in_use')}"
+    )
+
+
+def test_the_external_balancer_layout_is_refused_at_start_up_with_vllms_reason(tmp_path):
+    """vLLM 0.32 serves a dense model's data parallelism across machines as independent servers: `kvserve serve
+    --data-parallel-rank` stops at start-up with vLLM's own reason (the guide's router layout replaces it)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "serve", *SERVER_ARGS, "--data-parallel-size", "2"]
+        + ["--data-parallel-rank", "1", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode != 0
+    assert "Non-MoE models do not support external data parallel mode" in result.stdout + result.stderr
