@@ -67,14 +67,17 @@ def parallel_env(vllm_args: list[str], env: dict) -> dict[str, str]:
         raise SystemExit(refusal)  # it names kvserve already
     stages = int(flag_value(vllm_args, "--pipeline-parallel-size", "-pp") or 1)
     engines = local_engines(vllm_args)
-    workers = engines * stages * tensor
+    # a model split over --nnodes machines has world size / nnodes of its workers on this one (vLLM's rule)
+    nodes = int(flag_value(vllm_args, "--nnodes", "-n") or 1)
+    workers = max(1, engines * stages * tensor // nodes)
     if workers == 1 or "VLLM_CPU_OMP_THREADS_BIND" in env:
         return {}
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < workers:
         raise SystemExit(
             f"kvserve: {engines} data-parallel engine(s) x --pipeline-parallel-size {stages} x "
-            f"--tensor-parallel-size {tensor} needs a CPU per worker ({workers}); this process may use {len(cpus)}"
+            f"--tensor-parallel-size {tensor} over {nodes} node(s) needs a CPU per worker on this node ({workers}); "
+            f"this process may use {len(cpus)}"
         )
     share = len(cpus) // workers
     groups = [cpus[worker * share : (worker + 1) * share] for worker in range(workers)]

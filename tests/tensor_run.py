@@ -6,11 +6,15 @@ core runs in this process (the pool is read here); the ranks are vLLM's worker p
 `collective_rpc`.
 
 Usage: python tests/tensor_run.py TP[xPP] OUT.json   (e.g. 2, or 2x2 for two pipeline stages of two ranks each)
+       python tests/tensor_run.py 2n OUT.json       (two ranks on two nodes over loopback: this process is the head
+                                                     node, node 1 a `kvserve serve --headless` process tree;
+                                                     1x2n: two pipeline stages on two nodes)
 """
 
 import json
 import math
 import os
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -92,33 +96,57 @@ def kept_positions(worker) -> dict:
     return {"first_head": runner.kvserve.layout.first_head, "requests": runner.kvserve_kept}
 
 
-def main(tensor: int, stages: int, out_path: str) -> None:
+ENGINE = dict(
+    dtype="float32",
+    enforce_eager=True,
+    block_size=32,
+    max_model_len=1024,
+    max_num_batched_tokens=1024,
+    long_prefill_token_threshold=128,
+    num_gpu_blocks_override=40,  # three prompts outgrow it: the pressure setting compacts
+    seed=0,
+)
+
+
+def start_second_node(model: str, tensor: int, stages: int, port: int, log_path: str):
+    """Node 1 of two: `kvserve serve --headless` with the head node's engine flags, on the last CPU, in a process
+    group of its own (as on a machine of its own)."""
+    flags = [f"--{key.replace('_', '-')}" + ("" if value is True else f"={value}") for key, value in ENGINE.items()]
+    node = ["--tensor-parallel-size", str(tensor), "--pipeline-parallel-size", str(stages)]
+    node += ["--nnodes", "2", "--node-rank", "1", "--headless"]
+    rendezvous = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    command = [sys.executable, "-m", "kvserve.cli", "serve", model, *flags, *node, *rendezvous]
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(cpu))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # (the in-process setting is this node's, not node 1's)
+    log = open(log_path, "w")
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def main(tensor: int, stages: int, out_path: str, nodes: int = 1) -> None:
     from engine_settings import in_process_env
 
     in_process_env()
     from kvserve.parallelism import parallel_env
 
     layout = ["--tensor-parallel-size", str(tensor), "--pipeline-parallel-size", str(stages)]
+    layout += ["--nnodes", str(nodes)]
     os.environ.update(parallel_env(layout, os.environ))  # as kvserve serve
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from kvserve.tools.bench.servers import free_port
     from kvserve.tools.bench.tiny_models import tiny_model
     from kvserve.tools.eval.haystack import haystack
 
-    llm = LLM(
-        model=str(tiny_model("llama")),
-        dtype="float32",
-        enforce_eager=True,
-        block_size=32,
-        max_model_len=1024,
-        max_num_batched_tokens=1024,
-        long_prefill_token_threshold=128,
-        num_gpu_blocks_override=40,  # three prompts outgrow it: the pressure setting compacts
-        tensor_parallel_size=tensor,
-        pipeline_parallel_size=stages,
-        seed=0,
-    )
+    model = str(tiny_model("llama"))
+    node_args, second = {}, None
+    if nodes == 2:
+        port = free_port()
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(sorted(os.sched_getaffinity(0))[0])
+        second = start_second_node(model, tensor, stages, port, out_path + ".node1.log")
+        node_args = dict(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port)
+    llm = LLM(model=model, tensor_parallel_size=tensor, pipeline_parallel_size=stages, **ENGINE, **node_args)
     core = llm.llm_engine.engine_core.engine_core
     pool = core.scheduler.kv_cache_manager.block_pool
     llm.collective_rpc(keep_kept_positions)
@@ -140,7 +168,8 @@ def main(tensor: int, stages: int, out_path: str) -> None:
         ]
 
     prompts = [haystack(tokenizer, PROMPT_TOKENS, seed=500 + i) for i in range(3)]
-    result = {"tensor": tensor, "stages": stages, "total_blocks": pool.num_gpu_blocks - 1, "settings": {}}
+    result = {"tensor": tensor, "stages": stages, "nodes": nodes, "total_blocks": pool.num_gpu_blocks - 1}
+    result["settings"] = {}
     for label, kv in SETTINGS.items():
         result["settings"][label] = generate(prompts, kv, salt=label)
     # a prefix hit: the same prompt again reads the blocks the first published
@@ -192,6 +221,15 @@ def main(tensor: int, stages: int, out_path: str) -> None:
             mine = result["kept"].setdefault(req_id, {"compactions": state["compactions"], "layers": {}})
             for layer, rows in state["layers"].items():
                 mine["layers"].setdefault(layer, []).extend(rows)
+    if second is not None:
+        # the head node goes away (its engine shut down, its workers gone): node 1 must end on its own, not hang
+        llm.llm_engine.engine_core.shutdown()
+        try:
+            result["second_node_exit"] = second.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            result["second_node_exit"] = None
+            os.killpg(second.pid, 9)
+        result["second_node_log"] = open(out_path + ".node1.log").read()[-2000:]
     with open(out_path, "w") as f:
         json.dump(result, f)
 
@@ -205,5 +243,6 @@ def _tied(logprobs: dict) -> bool:
 
 
 if __name__ == "__main__":
-    tensor, _, stages = sys.argv[1].partition("x")
-    main(int(tensor), int(stages or 1), sys.argv[2])
+    layout = sys.argv[1].removesuffix("n")  # TP[xPP]n: the workers over two nodes
+    tensor, _, stages = layout.partition("x")
+    main(int(tensor), int(stages or 1), sys.argv[2], nodes=2 if sys.argv[1].endswith("n") else 1)

@@ -1,7 +1,8 @@
 """Tensor parallelism with eviction: the tiny Llama (4 query / 2 KV heads) served with `--tensor-parallel-size 2`
 (each rank evicting its own KV head, tests/tensor_run.py) against the same engine on one rank: the same kept
 positions per (layer, KV head), greedy tokens, evicted and cached counts, and the pool full again, also after an
-aborted request; and what is refused under it, with the reason."""
+aborted request; the same over two nodes on loopback (`--nnodes 2`, node 1 headless), whose node 1 ends once the
+head node is gone; and what is refused under it, with the reason."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def background_runs() -> list[Run]:
         Run("tensor_results", [*run, "1", "{out}"]),
         Run("tensor_results", [*run, str(TENSOR), "{out}"], {"VLLM_PLUGINS": None}, bind_cpu=False),
         Run("tensor_results", [*run, f"{TENSOR}x2", "{out}"], shared, bind_cpu=False),
+        # two nodes over loopback: this run is the head node, node 1 a `kvserve serve --headless` process tree
+        Run("tensor_results", [*run, f"{TENSOR}n", "{out}"], {"VLLM_PLUGINS": None}, bind_cpu=False),
+        Run("tensor_results", [*run, "1x2n", "{out}"], {"VLLM_PLUGINS": None}, bind_cpu=False),  # stages on 2 nodes
     ]
 
 
@@ -49,8 +53,9 @@ def tensor_results(background):
     if not _two_cpus():
         pytest.skip("tensor parallelism on CPU needs a CPU per rank; this process may use one")
     results = background.results("tensor_results")
-    assert [(r["tensor"], r["stages"]) for r in results] == [(1, 1), (TENSOR, 1), (TENSOR, 2)]
-    return {"1": results[0], "2": results[1], "2x2": results[2]}
+    layouts = {"1": (1, 1, 1), "2": (TENSOR, 1, 1), "2x2": (TENSOR, 2, 1), "2n": (TENSOR, 1, 2), "1x2n": (1, 2, 2)}
+    assert [(r["tensor"], r["stages"], r["nodes"]) for r in results] == list(layouts.values())
+    return dict(zip(layouts, results, strict=True))
 
 
 def _untied_prefix(tokens: list[int], tied: list[bool]) -> list[int]:
@@ -66,10 +71,11 @@ def _kept(result: dict, request_id: str) -> dict:
     raise KeyError(request_id)
 
 
-@pytest.mark.parametrize("layout", ["2", "2x2"])
+@pytest.mark.parametrize("layout", ["2", "2x2", "2n", "1x2n"])
 @pytest.mark.parametrize("label", list(SETTINGS))
 def test_two_ranks_keep_what_one_keeps_and_give_the_same_tokens(tensor_results, label, layout):
-    """Two ranks, and two pipeline stages of two ranks, against one worker."""
+    """Two ranks, two pipeline stages of two ranks, two ranks on two nodes and two stages on two nodes, against one
+    worker."""
     one, two = tensor_results["1"], tensor_results[layout]
     if label != "full":  # (under pressure, not every request needs to compact)
         assert any(split["evicted"] > 0 for split in two["settings"][label]), label
@@ -111,14 +117,27 @@ def test_the_pool_is_full_again_after_requests_and_an_abort_on_every_rank(tensor
         assert result["free_blocks_after_abort"] == result["total_blocks"]
 
 
-def test_a_failure_on_another_rank_in_a_step_without_exchange_still_ends_the_request(tensor_results):
-    """Steps without a planned compaction exchange nothing between the ranks; a policy that raises on rank 1 in such
-    a step still fails the request, with its reason, within two steps of where one rank's failure ends it."""
-    one, two = tensor_results["1"]["failed"], tensor_results["2"]["failed"]
+@pytest.mark.parametrize("layout", ["2", "2n"])
+def test_a_failure_on_another_rank_in_a_step_without_exchange_still_ends_the_request(tensor_results, layout):
+    """Steps without a planned compaction exchange nothing between the ranks; a policy that raises on rank 1 (on
+    the other node, for 2n) in such a step still fails the request, with its reason, within two steps of where one
+    rank's failure ends it."""
+    one, two = tensor_results["1"]["failed"], tensor_results[layout]["failed"]
     assert one["finish_reason"] == two["finish_reason"] == "error"
     assert two["failure"] == one["failure"] == "RuntimeError: injected failure on the last rank"
     assert one["tokens"] <= two["tokens"] <= one["tokens"] + 2
-    assert tensor_results["2"]["free_blocks_after_failure"] == tensor_results["2"]["total_blocks"]
+    assert tensor_results[layout]["free_blocks_after_failure"] == tensor_results[layout]["total_blocks"]
+
+
+@pytest.mark.parametrize("layout", ["2n", "1x2n"])
+def test_a_headless_node_ends_when_the_head_node_is_gone(tensor_results, layout):
+    """Node 1 of a two-node run, once the head node's engine and workers are gone, stops on its own with status 1
+    and says why (vLLM's headless runner alone waited forever)."""
+    result = tensor_results[layout]
+    assert result["second_node_exit"] == 1, result["second_node_log"]
+    assert (
+        "this headless node stops" in result["second_node_log"] and "the head node is gone" in result["second_node_log"]
+    )
 
 
 def test_what_needs_every_head_at_once_is_refused_under_tensor_parallelism():

@@ -71,6 +71,11 @@ def main(argv: list[str] | None = None) -> None:
     apply_profile(args.model)  # before vLLM starts its engine: the engine's processes inherit what it sets
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
+    if args.headless:  # a node of a model split over several machines: its workers only (kvserve/server/headless.py)
+        from kvserve.server import headless
+
+        headless.run(args)
+        return
     uvloop.run(entry.run_server(args))
 
 
