@@ -159,6 +159,83 @@ def test_a_session_keeps_a_conversation_on_the_engine_with_its_checkpoints(dp_se
     assert hits == {str(home): 1, str(1 - home): 0}
 
 
+def test_a_compressed_document_is_found_by_its_questions_on_either_engine(dp_server, long_prompt):
+    """`POST /v1/kvserve/compress` on two engines answers with a session in its `kv` settings; questions that send
+    those settings reach the engine holding the compressed lists and resume from them, while the same question sent
+    to the other engine is served in full there (nothing evicted: the lists are not in that engine's cache)."""
+    text = long_prompt[:1000] + "\n"
+    salt = uuid.uuid4().hex
+    made = httpx.post(
+        dp_server + "/v1/kvserve/compress",
+        json={"model": SERVED_MODEL, "prompt": text, "cache_salt": salt},
+        headers={"x-kv-budget": "64"},
+        timeout=300,
+    )
+    assert made.status_code == 200, made.text
+    kv, tokens = made.json()["kv"], made.json()["document_tokens"]
+    assert kv["kv_session"] and kv["kv_document"] == tokens
+    home = engine_for(kv["kv_session"], ENGINES)
+    question = text + "What is this text about? It is about"
+    for _ in range(2):  # sessions do not move
+        asked = complete(dp_server, question, max_tokens=4, cache_salt=salt, **kv)
+        assert asked.json()["usage"]["kv_tokens_evicted"] == tokens - 64  # it resumed from the compressed lists
+    elsewhere = {key: value for key, value in kv.items() if key != "kv_session"}
+    other = complete(dp_server, question, {RANK: str(1 - home)}, max_tokens=4, cache_salt=salt, **elsewhere)
+    assert other.json()["usage"]["kv_tokens_evicted"] == 0
+
+
+def test_a_checkpoint_compression_and_its_question_meet_in_one_engine(dp_server, long_prompt):
+    """A `kv_checkpoint=C` request (kvzip compresses its prefix first, then serves it) names no session: the
+    compression and the request are pinned to the engine its prefix maps to, so the request resumes from the
+    compressed prefix (`x-kv-document: compressed`, tokens evicted), whichever engine vLLM's balancer would pick."""
+    for number in range(4):  # several prefixes: both engines serve some
+        salt = uuid.uuid4().hex
+        prompt = long_prompt[40 * number : 1100 + 40 * number] + " What is this text about?"
+        served = complete(dp_server, prompt, {"x-kv-checkpoint": "128", "x-kv-budget": "128"}, cache_salt=salt)
+        assert served.headers["x-kv-document"] == "compressed", served.headers
+        assert served.json()["usage"]["kv_tokens_evicted"] > 0
+
+
+def test_the_router_command_fronts_real_servers(dp_server, server, tmp_path):
+    """`kvserve router` as the guide starts it, in front of two real kvserve servers (the single-engine one and the
+    two-engine one): each session's requests reach the replica its key ranks first, with kvserve's settings applied
+    there and its usage block intact; the router's health names both replicas up."""
+    import subprocess
+    import sys
+
+    from kvserve.server.affinity import ranked
+    from kvserve.tools.bench.servers import free_port
+
+    port = free_port()
+    replicas = [server, dp_server]
+    command = [sys.executable, "-m", "kvserve.cli", "router", "--port", str(port), "--host", "127.0.0.1"]
+    for replica in replicas:
+        command += ["--replica", replica]
+    with open(tmp_path / "router.log", "w") as log:
+        router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _answers(base + "/router/health"), 60, "the router answering")
+        assert httpx.get(base + "/router/health").json() == {"replicas": dict.fromkeys(replicas, True)}
+        for number in range(4):
+            session = f"routed-{number}"
+            for _ in range(2):
+                served = complete(base, "Hello there", {"x-kv-session": session, "x-kv-policy": "streamingllm"})
+                assert served.headers["x-kv-replica"] == replicas[ranked(session, replicas)[0]]
+                assert served.headers["x-kv-policy-applied"] == "streamingllm"
+                assert "kv_tokens_evicted" in served.json()["usage"]
+    finally:
+        router.terminate()
+        router.wait(timeout=60)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def test_a_session_is_a_routing_key_not_a_setting(dp_server):
     """`kv_session` leaves the request before vLLM sees it; given twice with different values it is a 400 naming
     it, as every kvserve setting."""
@@ -201,3 +278,52 @@ def test_the_external_balancer_layout_is_refused_at_start_up_with_vllms_reason(t
     )
     assert result.returncode != 0
     assert "Non-MoE models do not support external data parallel mode" in result.stdout + result.stderr
+
+
+def test_each_engine_and_node_gets_cpus_of_its_own():
+    """kvserve serve's CPU split counts the workers on this machine: every engine's (vLLM's order: engine 0's
+    workers first), none for an external-balancer engine (whoever starts it binds it), world size / nodes on a
+    node of a model split over machines; the user's own binding stands."""
+    from kvserve.parallelism import parallel_env
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU: no split to check")
+    groups = parallel_env(["--data-parallel-size", "2"], {})["VLLM_CPU_OMP_THREADS_BIND"].split("|")
+    assert len(groups) == 2 and not set(groups[0].split(",")) & set(groups[1].split(","))
+    assert parallel_env(["-dp", "2", "--data-parallel-size-local", "1"], {}) == {}  # one engine here
+    assert parallel_env(["-dp", "2", "--data-parallel-rank", "1"], {}) == {}
+    assert parallel_env(["-tp", "2", "--nnodes", "2", "--node-rank", "1"], {}) == {}  # one rank on this node
+    assert len(parallel_env(["-tp", "2", "-n", "2", "-dp", "2"], {})["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == 2
+    assert parallel_env(["-dp", "2"], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) == {}
+    if len(cpus) < 4:
+        with pytest.raises(SystemExit, match="a CPU per worker"):
+            parallel_env(["-dp", "2", "-tp", "2"], {})
+
+
+def test_sessions_spread_over_engines_and_keep_their_engine_when_one_is_added():
+    """Rendezvous hashing: the same session always maps to the same engine, sessions spread about evenly, and
+    going from 2 to 3 engines moves only the sessions the new engine takes (about a third)."""
+    sessions = [f"user-{number}" for number in range(3000)]
+    two = [engine_for(session, 2) for session in sessions]
+    assert two == [engine_for(session, 2) for session in sessions]
+    assert abs(two.count(0) - 1500) < 150
+    three = [engine_for(session, 3) for session in sessions]
+    moved = [(a, b) for a, b in zip(two, three, strict=True) if a != b]
+    assert all(b == 2 for _, b in moved) and abs(len(moved) - 1000) < 150
+
+
+def test_several_api_servers_are_refused_rather_than_ignored():
+    """kvserve serve runs one API server process; `--api-server-count 2` (vllm serve's default under data
+    parallelism) stops at start-up saying so instead of serving with one."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "serve", *SERVER_ARGS, "-dp", "2", "--api-server-count", "2"]
+        + ["--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 1 and "--api-server-count 2" in result.stderr

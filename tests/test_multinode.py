@@ -70,3 +70,23 @@ def test_a_dead_node_ends_the_head_nodes_server_with_the_reason(two_nodes):
     assert head.returncode == 1
     log = (logs / "node0.log").read_text(errors="replace")
     assert "This is typically caused by a remote worker" in log  # gloo: the peer closed or reset the connection
+
+
+@pytest.mark.parametrize("flag", ["--distributed-executor-backend", "--data-parallel-backend"])
+def test_the_ray_executor_is_refused_at_start_up_with_vllms_reason(flag):
+    """vLLM's CPU platform names no Ray device, so its Ray executor cannot place a worker (vLLM's engine failed deep
+    in its start-up with "current platform cpu does not support ray"); kvserve serve stops before starting it, with
+    that reason and what to use instead."""
+    from vllm.platforms import current_platform
+
+    assert not current_platform.ray_device_key  # the premise: were it set, this refusal would have to go
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "serve", str(tiny_model("llama")), *ENGINE]
+        + ["--tensor-parallel-size", "2", flag, "ray", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 1
+    assert f"{flag} ray" in result.stderr and "current platform cpu does not support ray" in result.stderr
+    assert "--headless" in result.stderr

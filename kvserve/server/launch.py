@@ -53,6 +53,36 @@ def refuse_where_kvserve_cannot_evict() -> None:
         )
 
 
+def refuse_ray_where_vllm_cannot_run_it(args) -> None:
+    """vLLM's Ray executor needs a platform that names its Ray device; vLLM's CPU build names none, and its engine
+    failed deep in start-up ("current platform cpu does not support ray"). kvserve says so before starting it."""
+    from vllm.platforms import current_platform
+
+    for flag, backend in (
+        ("--distributed-executor-backend", getattr(args, "distributed_executor_backend", None)),
+        ("--data-parallel-backend", getattr(args, "data_parallel_backend", None)),
+    ):
+        if backend == "ray" and not current_platform.ray_device_key:
+            raise SystemExit(
+                f"kvserve serve: {flag} ray: vLLM's {current_platform.device_name} build cannot run Ray workers (its "
+                f"platform names no Ray device: 'current platform {current_platform.device_name} does not support "
+                "ray'). Across machines, use vLLM's own multiprocessing executor: --nnodes N --node-rank R "
+                "--master-addr HEAD on every node, --headless on all but the head node (docs/guide.md, Scale-out)."
+            )
+
+
+def refuse_several_api_servers(args) -> None:
+    """`kvserve serve` runs vLLM's API server in this one process (whose middleware keeps which prefixes it
+    compressed, and pins sessions to engines); vLLM's several-API-server launcher is not what it starts, so a count
+    above one is refused rather than ignored. (`vllm serve` with the plugin may still run several.)"""
+    count = getattr(args, "api_server_count", None)
+    if count is not None and count > 1:
+        raise SystemExit(
+            f"kvserve serve: --api-server-count {count}: kvserve serves through one API server process; its "
+            "--data-parallel-size engines are balanced there. Leave --api-server-count out (or 1)."
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     refuse_where_kvserve_cannot_evict()
     import uvloop
@@ -71,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     apply_profile(args.model)  # before vLLM starts its engine: the engine's processes inherit what it sets
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
+    refuse_ray_where_vllm_cannot_run_it(args)
+    refuse_several_api_servers(args)
     if args.headless:  # a node of a model split over several machines: its workers only (kvserve/server/headless.py)
         from kvserve.server import headless
 

@@ -46,7 +46,12 @@ from kvserve.tools.eval.client import Setting
 
 SERVED_NAME = "bench"
 TENSOR_FLAG = "--tensor-parallel-size"
+DATA_PARALLEL_FLAG = "--data-parallel-size"
 COLUMNS = ("peak_running", "requests_per_s", "output_tokens_per_s", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
+
+
+def flag_int(engine_args: list[str], flag: str) -> int:
+    return int(engine_args[engine_args.index(flag) + 1]) if flag in engine_args else 1
 
 
 def run(
@@ -57,6 +62,9 @@ def run(
     results = []
     for number, (label, kind, engine_args, settings) in enumerate(servers):
         ranks = int(engine_args[engine_args.index(TENSOR_FLAG) + 1]) if TENSOR_FLAG in engine_args else 1
+        engines = (
+            int(engine_args[engine_args.index(DATA_PARALLEL_FLAG) + 1]) if DATA_PARALLEL_FLAG in engine_args else 1
+        )
         log = log_dir / f"{number}-{label}.log"
         with running_server(kind, workload["model"], engine_args, log, env) as url:
             # warm-up on a prompt outside the workload: a workload prompt would sit in vanilla's prefix cache
@@ -66,13 +74,15 @@ def run(
                 result.update(
                     server=label,
                     ranks=ranks,
+                    engines=engines,
                     policy=setting.label,
                     budget=setting.budget,
                     evict_every_chunk=setting.evict_every_chunk,
                 )
                 results.append(result)
+                sizes = (f" ranks={ranks}" if ranks > 1 else "") + (f" engines={engines}" if engines > 1 else "")
                 print(
-                    f"{label} {setting.label} {setting.budget or '-'}{f' ranks={ranks}' if ranks > 1 else ''}: "
+                    f"{label} {setting.label} {setting.budget or '-'}{sizes}: "
                     + ", ".join(f"{c}={result[c]:.3g}" for c in COLUMNS),
                     flush=True,
                 )
@@ -309,6 +319,12 @@ def main(argv: list[str] | None = None) -> None:
         help="capacity: run every server at each of these --tensor-parallel-size values (comma list, e.g. 1,2), one "
         "after another in this run, and report each server's scaling against its first size",
     )
+    parser.add_argument(
+        "--data-parallel-sizes",
+        default=None,
+        help="capacity: the same with --data-parallel-size (engines behind one API server, each with its own pool "
+        "of --num-blocks blocks and its own CPUs)",
+    )
     args = parser.parse_args(argv)
     if args.model.startswith("tiny:"):
         from kvserve.tools.bench.tiny_models import tiny_model
@@ -370,9 +386,9 @@ def main(argv: list[str] | None = None) -> None:
     add_capacity_limits(results, args)
     print()
     print(report(results, args.prompt_tokens))
-    if args.tensor_sizes:
+    if args.tensor_sizes or args.data_parallel_sizes:
         print()
-        print(scaling_report(results))
+        print(scaling_report(results, "engines" if args.data_parallel_sizes else "ranks"))
     if args.plot:
         plot(results, args.prompt_tokens, args.plot)
     if args.out:
@@ -388,25 +404,33 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def tensor_layouts(args: argparse.Namespace, engine_args: list[str]) -> list[list[str]]:
-    """The engine flags of each tensor-parallel size asked for (`--tensor-sizes`), or the flags as they are."""
-    if not args.tensor_sizes:
+    """The engine flags of each tensor-parallel or data-parallel size asked for (`--tensor-sizes`,
+    `--data-parallel-sizes`), or the flags as they are."""
+    if args.tensor_sizes and args.data_parallel_sizes:
+        raise SystemExit("bench: --tensor-sizes or --data-parallel-sizes, not both")
+    sizes, flag = (
+        (args.tensor_sizes, TENSOR_FLAG) if args.tensor_sizes else (args.data_parallel_sizes, DATA_PARALLEL_FLAG)
+    )
+    if not sizes:
         return [engine_args]
-    if TENSOR_FLAG in engine_args:
-        raise SystemExit(f"bench: give {TENSOR_FLAG} by --tensor-sizes, not in --server-args")
-    return [[*engine_args, TENSOR_FLAG, size.strip()] for size in args.tensor_sizes.split(",")]
+    if flag in engine_args:
+        raise SystemExit(
+            f"bench: give {flag} by {'--tensor-sizes' if flag == TENSOR_FLAG else '--data-parallel-sizes'}"
+        )
+    return [[*engine_args, flag, size.strip()] for size in sizes.split(",")]
 
 
-def scaling_report(results: list[dict]) -> str:
-    """Each server's and setting's output tokens/s at every size over its own at the first size (`--tensor-sizes`):
-    kvserve scales like vanilla when its ratio is at least vanilla's."""
-    first = min(r["ranks"] for r in results)
-    header = f"| server | policy | budget | ranks | output tok/s | vs its own run at ranks {first} |"
+def scaling_report(results: list[dict], size: str = "ranks") -> str:
+    """Each server's and setting's output tokens/s at every size (`ranks` or `engines`) over its own at the first
+    size: kvserve scales like vanilla when its ratio is at least vanilla's."""
+    first = min(r[size] for r in results)
+    header = f"| server | policy | budget | {size} | output tok/s | vs its own run at {size} {first} |"
     lines = [header, "|---" * 6 + "|"]
     for r in results:
         same = (r["server"], r["policy"], r["budget"])
-        own = next(o for o in results if o["ranks"] == first and (o["server"], o["policy"], o["budget"]) == same)
+        own = next(o for o in results if o[size] == first and (o["server"], o["policy"], o["budget"]) == same)
         lines.append(
-            f"| {r['server']} | {r['policy']} | {r['budget'] or '-'} | {r['ranks']} | {r['output_tokens_per_s']:.1f} "
+            f"| {r['server']} | {r['policy']} | {r['budget'] or '-'} | {r[size]} | {r['output_tokens_per_s']:.1f} "
             f"| {r['output_tokens_per_s'] / own['output_tokens_per_s']:.2f}x |"
         )
     return "\n".join(lines)

@@ -29,7 +29,7 @@ import httpx
 
 from kvserve.cpu_dtype import with_default_dtype
 from kvserve.provenance import command_line, provenance
-from kvserve.tools.bench.chat import SERVED_NAME, _turn, conversation_texts
+from kvserve.tools.bench.chat import SERVED_NAME, _conversation, conversation_texts
 from kvserve.tools.bench.servers import running_server
 from kvserve.tools.eval.client import Setting
 
@@ -47,17 +47,6 @@ def per_engine(text: str, name: str) -> dict[str, float]:
 def _grew(before: str, after: str, name: str) -> dict[str, float]:
     old = per_engine(before, name)
     return {engine: value - old.get(engine, 0.0) for engine, value in sorted(per_engine(after, name).items())}
-
-
-async def _conversation(client, url: str, number: int, document: str, users: list[str], args, setting, salt) -> list:
-    messages = [{"role": "system", "content": document}]
-    records = []
-    for turn, user in enumerate(users, start=1):
-        messages.append({"role": "user", "content": user})
-        record = await _turn(client, url, messages, args, setting, salt)
-        messages.append({"role": "assistant", "content": record.pop("reply")})
-        records.append({"conversation": number, "turn": turn, **record})
-    return records
 
 
 async def run_mode(url: str, mode: str, document: str, users: list[list[str]], args) -> dict:

@@ -5,13 +5,30 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvserve.tools.bench.sessions import report as sessions_table
-from kvserve.tools.report.sources import DataDir
+from kvserve.tools.report.sources import DataDir, Source
+from kvserve.tools.report.throughput import tensor_table, workload
 
 SESSIONS = "scale/sessions.json"
+DATA_PARALLEL = "scale/dp-decode-heavy.json"
+
+
+def data_parallel_gain(source: Source) -> str:
+    """kvserve's gain over vanilla with each engine count, and the DP=2 gain over the one-engine gain."""
+    results = source.data["results"]
+
+    def tokens(server: str, engines: int) -> float:
+        return next(r["output_tokens_per_s"] for r in results if r["server"] == server and r["engines"] == engines)
+
+    one, two = (tokens("kvserve", n) / tokens("vanilla", n) for n in (1, 2))
+    return (
+        f"kvserve over vanilla at equal memory: {one:.2f}x with one engine, {two:.2f}x with two, so two engines keep "
+        f"{two / one:.2f} of the one-engine gain."
+    )
 
 
 def section(data: DataDir, plots: Path, plot_link: str) -> str:
     sessions = data.load(SESSIONS)
+    engines = data.load(DATA_PARALLEL)
     args = sessions.data["args"]
     return "\n\n".join(
         [
@@ -24,5 +41,18 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             "it.",
             sessions_table(sessions.data["results"]),
             sessions.caption(),
+            "### Decode-heavy over data-parallel engines",
+            "Vanilla vLLM and kvserve with one engine and with `--data-parallel-size 2` (an engine per core; every "
+            "server with one API server process, `--api-server-count 1`), one after another in one run; every engine "
+            "has the pool below: "
+            + workload(engines)
+            + " "
+            + data_parallel_gain(engines)
+            + " With one engine, vLLM binds its worker to one core and leaves the other to the server's own "
+            "processes; with two, both cores compute and those processes share them. Vanilla at equal memory is "
+            "bound by its pool, which a second engine doubles; kvserve and the compute ceiling are bound by compute, "
+            "which the second engine adds less of on 2 cores.",
+            tensor_table(engines, "engines"),
+            engines.caption(),
         ]
     )
