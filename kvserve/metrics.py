@@ -162,6 +162,7 @@ def set_engine(index: int) -> None:
     """This process counts for data-parallel engine `index` (vLLM's `data_parallel_index`, its `engine` label)."""
     global _engine
     _engine = str(index)
+    _metrics(_engine)
 
 
 @cache
@@ -171,7 +172,13 @@ def _series() -> _Series:
 
 @cache
 def _metrics(engine: str) -> Metrics:
-    return Metrics(engine)
+    """The engine's view; its series without other labels are created at once, so that they are on `/metrics` at 0
+    from start-up (as unlabelled series would be) rather than from their first increment."""
+    view = Metrics(engine)
+    for name, series in vars(_series()).items():
+        if tuple(series._labelnames) == (ENGINE_LABEL,):
+            getattr(view, name)
+    return view
 
 
 def metrics() -> Metrics:

@@ -191,7 +191,7 @@ def test_a_checkpoint_compression_and_its_question_meet_in_one_engine(dp_server,
     for number in range(4):  # several prefixes: both engines serve some
         salt = uuid.uuid4().hex
         prompt = long_prompt[40 * number : 1100 + 40 * number] + " What is this text about?"
-        served = complete(dp_server, prompt, {"x-kv-checkpoint": "128", "x-kv-budget": "128"}, cache_salt=salt)
+        served = complete(dp_server, prompt, {"x-kv-checkpoint": "64", "x-kv-budget": "64"}, cache_salt=salt)
         assert served.headers["x-kv-document"] == "compressed", served.headers
         assert served.json()["usage"]["kv_tokens_evicted"] > 0
 

@@ -58,7 +58,8 @@ def test_a_dead_node_ends_the_head_nodes_server_with_the_reason(two_nodes):
     head, base, second, model, logs = two_nodes
     prompt = " ".join(str(n) for n in range(1, 301)) + " What comes next?"
     body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
-    served = httpx.post(base + "/v1/completions", json=body, headers={"x-kv-policy": "snapkv", "x-kv-budget": "64"})
+    headers = {"x-kv-policy": "snapkv", "x-kv-budget": "64"}
+    served = httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=300)
     assert served.status_code == 200 and served.json()["usage"]["kv_tokens_evicted"] > 0
     assert served.headers["x-kv-policy-applied"] == "snapkv"
 

@@ -25,6 +25,7 @@ def metric(base: str, name: str, labels: str = "", missing: float | None = None)
     return float(found[0])
 
 
+ENGINE_0 = '{engine="0"}'  # kvserve's series carry vLLM's engine label (one engine here)
 KEPT_HEADS = r'^kvserve:kept_entries_total\{allocation="heads",engine="0",layer="(\d+)"\} ([0-9.e+]+)$'
 
 
@@ -153,7 +154,7 @@ def test_duplicate_header_is_rejected(server):
 def test_pool_is_full_again_after_all_requests(server):
     assert httpx.get(server + "/health", timeout=120).status_code == 200
     assert metric(server, "vllm:kv_cache_usage_perc", f'{{engine="0",model_name="{SERVED_MODEL}"}}') == 0.0
-    assert metric(server, "kvserve:requests_with_evicted_cache") == 0.0
+    assert metric(server, "kvserve:requests_with_evicted_cache", ENGINE_0) == 0.0
 
 
 def test_server_environment_guards_memory_and_long_steps(server):
@@ -303,7 +304,7 @@ def test_evicting_requests_read_and_publish_the_prefix_cache_and_vllm_counts_the
     labels = f'{{engine="0",model_name="{SERVED_MODEL}"}}'
     queries = metric(server, "vllm:prefix_cache_queries_total", labels)
     hits = metric(server, "vllm:prefix_cache_hits_total", labels)
-    published = metric(server, "kvserve:prefix_blocks_published_total", missing=0.0)
+    published = metric(server, "kvserve:prefix_blocks_published_total", ENGINE_0, missing=0.0)
     salt = uuid.uuid4().hex
     headers = {"x-kv-policy": "snapkv", "x-kv-budget": "64"}
     prompt_tokens = []
@@ -316,7 +317,7 @@ def test_evicting_requests_read_and_publish_the_prefix_cache_and_vllm_counts_the
     assert metric(server, "vllm:prefix_cache_queries_total", labels) - queries == sum(prompt_tokens)
     # the second request read the document's blocks up to its last SnapKV window (32 queries) and a block
     assert metric(server, "vllm:prefix_cache_hits_total", labels) - hits >= prompt_tokens[0] - 32 - 2 * 32 - 16
-    assert metric(server, "kvserve:prefix_blocks_published_total") - published >= prompt_tokens[0] // 32 - 1
+    assert metric(server, "kvserve:prefix_blocks_published_total", ENGINE_0) - published >= prompt_tokens[0] // 32 - 1
 
 
 def test_the_start_up_log_names_kvserves_version(server, tmp_path_factory):

@@ -20,6 +20,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from kvserve.model_support import ServedEngine
+
 SESSION_KEY = "kv_session"
 RANK_HEADER = b"x-data-parallel-rank"  # vLLM's: the engine of the API server's balancer a request goes to
 MAX_SESSION = 256
@@ -94,3 +96,17 @@ def check_session(value: Any) -> str:
     if len(session) > MAX_SESSION:
         raise InvalidSetting(SESSION_KEY, f"is longer than {MAX_SESSION} characters")
     return session
+
+
+def pinned(headers: list[tuple[bytes, bytes]], engine: ServedEngine | None, affinity: str | None) -> list:
+    """The request's headers with vLLM's X-data-parallel-rank set to the engine `affinity` maps to, when this API
+    server balances over several engines and the client named none itself."""
+    if affinity is None or engine is None or engine.engines <= 1:
+        return headers
+    if any(name.lower() == RANK_HEADER for name, _ in headers):
+        return headers  # the client's (or an outer router's) choice stands
+    return [*headers, (RANK_HEADER, str(engine_for(affinity, engine.engines)).encode())]
+
+
+def with_content_length(headers: list[tuple[bytes, bytes]], length: int) -> list:
+    return [(k, v) for k, v in headers if k.lower() != b"content-length"] + [(b"content-length", str(length).encode())]

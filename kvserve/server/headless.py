@@ -1,5 +1,5 @@
-"""A headless node of a model split over several machines (`kvserve serve ... --nnodes N --node-rank R --headless`):
-its workers only, with vLLM's own headless runner, plus a watch on the head node.
+"""A headless node of a model split over several machines (`kvserve serve ... --nnodes N --node-rank R --headless`,
+which runs vLLM's own headless runner: `kvserve/server/launch.py`) watches its head node.
 
 vLLM's headless runner waits for the head node's engine forever: with the head node gone (killed, its machine off),
 the workers here sat in their queue and the process never ended, so a supervisor never restarted it. kvserve watches
@@ -56,12 +56,3 @@ def stop_node(reason: str) -> None:
         except psutil.NoSuchProcess:
             pass
     os._exit(1)
-
-
-def run(args) -> None:
-    from vllm.entrypoints.cli.serve import run_headless
-
-    args.api_server_count = 0
-    if args.node_rank > 0:  # a node holding workers of the head node's engine (multi-node TP/PP)
-        watch_head(args.master_addr, args.master_port)
-    run_headless(args)

@@ -103,10 +103,15 @@ def main(argv: list[str] | None = None) -> None:
     validate_parsed_serve_args(args)
     refuse_ray_where_vllm_cannot_run_it(args)
     refuse_several_api_servers(args)
-    if args.headless:  # a node of a model split over several machines: its workers only (kvserve/server/headless.py)
-        from kvserve.server import headless
+    if args.headless:  # a node of a model split over several machines: its workers only, with vLLM's own runner
+        from vllm.entrypoints.cli.serve import run_headless
 
-        headless.run(args)
+        from kvserve.server.headless import watch_head
+
+        args.api_server_count = 0
+        if args.node_rank > 0:  # a node holding workers of the head node's engine (multi-node TP/PP)
+            watch_head(args.master_addr, args.master_port)
+        run_headless(args)
         return
     uvloop.run(entry.run_server(args))
 

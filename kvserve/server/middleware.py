@@ -19,69 +19,21 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
-from kvserve.config import INTERNAL_KEYS, KEY_PREFIX
+from kvserve.config import INTERNAL_KEYS
 from kvserve.errors import InvalidSetting
 from kvserve.messages import EVICTED_KEY
 from kvserve.model_support import EvictionSupport, ServedEngine, eviction_support, served_settings
-from kvserve.server.affinity import RANK_HEADER, SESSION_KEY, check_session, engine_for
+from kvserve.server.affinity import SESSION_KEY, pinned, with_content_length
 from kvserve.server.checkpoint_documents import CompressedPrefixes, PrefixCompression, plan_prefix_compression
 from kvserve.server.documents import COMPRESS_PATH, Collected, compress_request, compress_response, reconstruct
 from kvserve.server.evicted import EvictedTally, open_tally
 from kvserve.server.lookahead import Lookahead, plan_lookahead
+from kvserve.server.request_keys import HEADER_PREFIX, headers_to_xargs, merge_into_body, pop_session
 from kvserve.server.vllm_gaps import reject_what_vllm_cannot_serve
 
-HEADER_PREFIX = b"x-kv-"
-MAX_HEADER_VALUE = 256
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 HANDLED = "kvserve.headers_handled"  # scope key: a second copy of this middleware (given by --middleware too) passes
-
-
-def headers_to_xargs(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    """The `kv_*` request keys given as `x-kv-*` headers."""
-    xargs: dict[str, str] = {}
-    for raw_name, raw_value in headers:
-        name = raw_name.decode("latin-1").lower()
-        if not name.encode("latin-1").startswith(HEADER_PREFIX):
-            continue
-        key = KEY_PREFIX + name[len(HEADER_PREFIX) :].replace("-", "_")
-        value = raw_value.decode("latin-1").strip()
-        if key in xargs:
-            raise InvalidSetting(name, f"header {name} given more than once")
-        if len(value) > MAX_HEADER_VALUE:
-            raise InvalidSetting(name, f"header {name} is longer than {MAX_HEADER_VALUE} characters")
-        xargs[key] = value
-    return xargs
-
-
-VLLM_KV_FIELDS = ("kv_transfer_params",)  # vLLM's own top-level request fields that start with kv_
-
-
-def merge_into_body(body: dict[str, Any], header_xargs: dict[str, str]) -> dict[str, Any]:
-    xargs = body.get("vllm_xargs")
-    if xargs is None:
-        xargs = {}
-    if not isinstance(xargs, dict):
-        raise InvalidSetting("vllm_xargs", "must be a JSON object")
-    top_level = {
-        key: body.pop(key)
-        for key in list(body)
-        if isinstance(key, str) and key.startswith(KEY_PREFIX) and key not in VLLM_KV_FIELDS
-    }
-    for source, settings in (("header x-kv-", header_xargs), ("body key kv_", top_level)):
-        for key, value in settings.items():
-            if key in xargs and str(xargs[key]).lower() != str(value).lower():
-                name = source + (key[3:].replace("_", "-") if source.startswith("header") else key[3:])
-                raise InvalidSetting(
-                    key,
-                    f"given as {name}={value!r} and as {xargs[key]!r} elsewhere in the request "
-                    "(vllm_xargs, a header or a top-level body key); give it once",
-                )
-            xargs.setdefault(key, value)
-    if xargs:
-        body["vllm_xargs"] = xargs
-    return body
 
 
 def error_body(field: str, message: str) -> bytes:
@@ -147,7 +99,7 @@ class KVHeadersMiddleware:
         affinity = session or (plan.key.hex() if plan is not None and plan.key else None)
         if affinity is None and lookahead is not None and lookahead.probe_body is not None:
             affinity = uuid.uuid4().hex
-        scope = dict(scope, headers=_with_content_length(_pinned(scope["headers"], engine, affinity), len(raw)))
+        scope = dict(scope, headers=with_content_length(pinned(scope["headers"], engine, affinity), len(raw)))
         scope[HANDLED] = True
         extra_headers: list[tuple[bytes, bytes]] = []
         if plan is not None:
@@ -215,7 +167,7 @@ class KVHeadersMiddleware:
         except InvalidSetting as exc:
             await _send_json(send, 400, error_body(exc.field, str(exc)))
             return
-        scope = dict(scope, headers=_pinned(scope["headers"], engine, session))
+        scope = dict(scope, headers=pinned(scope["headers"], engine, session))
         run = functools.partial(self._engine_completion, scope, receive, engine=engine)
         collected = await reconstruct(run, completions, configs)
         if collected.status != 200:
@@ -243,32 +195,6 @@ class KVHeadersMiddleware:
         layers = evicting_layers(eviction_support(engine.model_config))
         await self.app(inner, _replay(raw, receive), _with_applied_headers(collected, config, layers, open_tally()))
         return collected
-
-
-def pop_session(body: dict[str, Any]) -> str | None:
-    """Take `kv_session` (header, body key or vllm_xargs, merged) out of the request: it routes, the engine never
-    reads it (`kvserve/server/affinity.py`)."""
-    xargs = body.get("vllm_xargs") or {}
-    if SESSION_KEY not in xargs:
-        return None
-    session = check_session(xargs.pop(SESSION_KEY))
-    if not xargs:
-        body.pop("vllm_xargs")
-    return session
-
-
-def _pinned(headers: list[tuple[bytes, bytes]], engine: ServedEngine | None, affinity: str | None) -> list:
-    """The request's headers with vLLM's X-data-parallel-rank set to the engine `affinity` maps to, when this API
-    server balances over several engines and the client named none itself."""
-    if affinity is None or engine is None or engine.engines <= 1:
-        return headers
-    if any(name.lower() == RANK_HEADER for name, _ in headers):
-        return headers  # the client's (or an outer router's) choice stands
-    return [*headers, (RANK_HEADER, str(engine_for(affinity, engine.engines)).encode())]
-
-
-def _with_content_length(headers: list[tuple[bytes, bytes]], length: int) -> list:
-    return [(k, v) for k, v in headers if k.lower() != b"content-length"] + [(b"content-length", str(length).encode())]
 
 
 def evicting_layers(support: EvictionSupport) -> str:

@@ -55,7 +55,7 @@ class Setting:
 
     def kv_args(self) -> dict[str, str]:
         """The `kv_*` request keys the server reads from these headers (its own header parsing)."""
-        from kvserve.server.middleware import headers_to_xargs
+        from kvserve.server.request_keys import headers_to_xargs
 
         return headers_to_xargs(
             [(name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers().items()]
