@@ -128,16 +128,14 @@ class _Series:
 
 class Metrics:
     """kvserve's series as this process's engine writes them: each attribute is the series of the same name in
-    `_Series`, with the engine label given (`.labels(...)` takes the series' other labels, if any)."""
+    `_Series` with the engine label given, bound once (`.labels(...)` takes the series' other labels, if any). A
+    series with no other label is created here, so it is on `/metrics` at 0 from start-up (as an unlabelled series
+    would be) rather than from its first increment."""
 
     def __init__(self, engine: str) -> None:
-        self._engine = engine
-
-    def __getattr__(self, name: str):
-        series = getattr(_series(), name)
-        if tuple(series._labelnames) == (ENGINE_LABEL,):
-            return series.labels(engine=self._engine)
-        return _EngineSeries(series, self._engine)
+        for name, series in vars(_series()).items():
+            only_engine = tuple(series._labelnames) == (ENGINE_LABEL,)
+            setattr(self, name, series.labels(engine=engine) if only_engine else _EngineSeries(series, engine))
 
     def record_compaction(self, policy: str, tokens: int, blocks: int, bytes_per_block: int) -> None:
         self.tokens_evicted.labels(policy=policy).inc(tokens)
@@ -172,13 +170,7 @@ def _series() -> _Series:
 
 @cache
 def _metrics(engine: str) -> Metrics:
-    """The engine's view; its series without other labels are created at once, so that they are on `/metrics` at 0
-    from start-up (as unlabelled series would be) rather than from their first increment."""
-    view = Metrics(engine)
-    for name, series in vars(_series()).items():
-        if tuple(series._labelnames) == (ENGINE_LABEL,):
-            getattr(view, name)
-    return view
+    return Metrics(engine)
 
 
 def metrics() -> Metrics:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 PHASES = ("schedule", "worker", "attention", "statistics", "compaction", "pages")
+INSIDE_WORKER = ("attention", "statistics", "compaction", "pages")  # kvserve's and vLLM attention's, within `worker`
 _pending = dict.fromkeys(PHASES, 0.0)
 
 
@@ -48,3 +49,8 @@ def publish() -> None:
         if seconds:
             counter.labels(phase=phase).inc(seconds)
             _pending[phase] = 0.0
+
+
+def model_seconds(phase_seconds: dict[str, float]) -> float:
+    """The model's own layers' seconds in a run's `phase_seconds`: the worker's less the phases inside it."""
+    return phase_seconds["worker"] - sum(phase_seconds[phase] for phase in INSIDE_WORKER)

@@ -11,7 +11,6 @@ and a turn sent to the other engine recomputes and answers the same; both pools 
 from __future__ import annotations
 
 import os
-import re
 import uuid
 
 import httpx
@@ -20,6 +19,7 @@ from engine_settings import SERVED_MODEL
 from waiting import wait_until
 
 from kvserve.server.affinity import engine_for
+from kvserve.tools.bench.sessions import grew, per_engine
 
 ENGINES = 2
 SERVER_ARGS = ["--max-model-len", "2048", "--block-size", "32", "--enforce-eager", "--dtype", "float32"]
@@ -39,28 +39,8 @@ def dp_server(tmp_path_factory):
         yield base
 
 
-def scrape(base: str) -> dict[tuple[str, frozenset], float]:
-    samples = {}
-    for name, labels, value in re.findall(
-        r"^([a-z_:]+)(?:\{([^}]*)\})? (\S+)$", httpx.get(base + "/metrics").text, re.M
-    ):
-        samples[(name, frozenset(re.findall(r'(\w+)="([^"]*)"', labels or "")))] = float(value)
-    return samples
-
-
-def per_engine(samples: dict, name: str, **labels: str) -> dict[str, float]:
-    """A series' value per engine label, summed over its other labels unless given."""
-    totals: dict[str, float] = {}
-    for (series, label_set), value in samples.items():
-        named = dict(label_set)
-        if series == name and all(named.get(k) == v for k, v in labels.items()):
-            totals[named["engine"]] = totals.get(named["engine"], 0.0) + value
-    return totals
-
-
-def grew(before: dict, after: dict, name: str, **labels: str) -> dict[str, float]:
-    old, new = per_engine(before, name, **labels), per_engine(after, name, **labels)
-    return {engine: new[engine] - old.get(engine, 0.0) for engine in new}
+def scrape(base: str) -> str:
+    return httpx.get(base + "/metrics", timeout=60).text
 
 
 def complete(base: str, prompt, headers: dict | None = None, max_tokens: int = 8, **body) -> httpx.Response:

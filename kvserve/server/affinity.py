@@ -18,9 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvserve.model_support import ServedEngine
+from kvserve.errors import InvalidSetting
+
+if TYPE_CHECKING:  # the router imports this module and needs none of the model machinery
+    from kvserve.model_support import ServedEngine
 
 SESSION_KEY = "kv_session"
 RANK_HEADER = b"x-data-parallel-rank"  # vLLM's: the engine of the API server's balancer a request goes to
@@ -88,8 +91,6 @@ def conversation_opening(body: Any, path: str) -> str | None:
 
 
 def check_session(value: Any) -> str:
-    from kvserve.errors import InvalidSetting
-
     session = str(value).strip()
     if not session:
         raise InvalidSetting(SESSION_KEY, "must not be empty")

@@ -39,6 +39,7 @@ import tempfile
 from pathlib import Path
 
 from kvserve.cpu_dtype import with_default_dtype
+from kvserve.phases import model_seconds
 from kvserve.provenance import command_line, provenance
 from kvserve.tools.bench.servers import running_server
 from kvserve.tools.bench.workload import prompts, run_workload
@@ -61,10 +62,7 @@ def run(
     workload; one result each, its `server` the label."""
     results = []
     for number, (label, kind, engine_args, settings) in enumerate(servers):
-        ranks = int(engine_args[engine_args.index(TENSOR_FLAG) + 1]) if TENSOR_FLAG in engine_args else 1
-        engines = (
-            int(engine_args[engine_args.index(DATA_PARALLEL_FLAG) + 1]) if DATA_PARALLEL_FLAG in engine_args else 1
-        )
+        ranks, engines = flag_int(engine_args, TENSOR_FLAG), flag_int(engine_args, DATA_PARALLEL_FLAG)
         log = log_dir / f"{number}-{label}.log"
         with running_server(kind, workload["model"], engine_args, log, env) as url:
             # warm-up on a prompt outside the workload: a workload prompt would sit in vanilla's prefix cache
@@ -126,7 +124,7 @@ def report(results: list[dict], prompt_tokens: int) -> str:
         if r["server"] != "kvserve":
             continue
         phase = r["phase_seconds"]
-        model = phase["worker"] - sum(phase[p] for p in ("attention", "statistics", "compaction", "pages"))
+        model = model_seconds(phase)
         cells = [
             phase["worker"],
             model,
@@ -408,15 +406,13 @@ def tensor_layouts(args: argparse.Namespace, engine_args: list[str]) -> list[lis
     `--data-parallel-sizes`), or the flags as they are."""
     if args.tensor_sizes and args.data_parallel_sizes:
         raise SystemExit("bench: --tensor-sizes or --data-parallel-sizes, not both")
-    sizes, flag = (
-        (args.tensor_sizes, TENSOR_FLAG) if args.tensor_sizes else (args.data_parallel_sizes, DATA_PARALLEL_FLAG)
-    )
+    option, sizes, flag = ("--tensor-sizes", args.tensor_sizes, TENSOR_FLAG)
+    if not sizes:
+        option, sizes, flag = ("--data-parallel-sizes", args.data_parallel_sizes, DATA_PARALLEL_FLAG)
     if not sizes:
         return [engine_args]
     if flag in engine_args:
-        raise SystemExit(
-            f"bench: give {flag} by {'--tensor-sizes' if flag == TENSOR_FLAG else '--data-parallel-sizes'}"
-        )
+        raise SystemExit(f"bench: give {flag} by {option}, not in --server-args")
     return [[*engine_args, flag, size.strip()] for size in sizes.split(",")]
 
 

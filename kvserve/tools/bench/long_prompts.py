@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from kvserve.cpu_dtype import with_default_dtype
-from kvserve.phases import PHASES
+from kvserve.phases import INSIDE_WORKER, PHASES
 from kvserve.provenance import command_line, provenance
 from kvserve.tools.bench.servers import running_server
 from kvserve.tools.bench.workload import phase_delta
@@ -163,7 +163,6 @@ def phase_table(rows: list[dict]) -> str:
     """At the longest length, where each setting's engine time went (medians over its cases, seconds): the model's
     own layers, attention, eviction's statistics and compaction, page bookkeeping, scheduling."""
     length = max(r["length"] for r in rows)
-    own = ("attention", "statistics", "compaction", "pages")
     at = [r for r in rows if r["length"] == length and "phase_seconds" in r]
     cells = []
     for name in dict.fromkeys(label(r) for r in at):
@@ -172,10 +171,10 @@ def phase_table(rows: list[dict]) -> str:
         def median(phase: str, phases=phases) -> float:
             return statistics.median(p[phase] for p in phases)
 
-        model = median("worker") - sum(median(p) for p in own)
-        seconds = [median("worker"), model, *(median(p) for p in own), median("schedule")]
+        model = median("worker") - sum(median(p) for p in INSIDE_WORKER)
+        seconds = [median("worker"), model, *(median(p) for p in INSIDE_WORKER), median("schedule")]
         cells.append([name, *(f"{value:.1f}" for value in seconds)])
-    return table(["setting", "worker", "model", *own, "schedule"], cells)
+    return table(["setting", "worker", "model", *INSIDE_WORKER, "schedule"], cells)
 
 
 def plot(rows: list[dict], path: str) -> None:

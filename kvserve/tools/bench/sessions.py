@@ -37,6 +37,7 @@ MODES = ("balancer", "session")
 
 
 def per_engine(text: str, name: str) -> dict[str, float]:
+    """A series' value per `engine` label in Prometheus text, summed over its other labels."""
     totals: dict[str, float] = {}
     for labels, value in re.findall(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.M):
         engine = dict(re.findall(r'(\w+)="([^"]*)"', labels)).get("engine", "0")
@@ -44,7 +45,8 @@ def per_engine(text: str, name: str) -> dict[str, float]:
     return totals
 
 
-def _grew(before: str, after: str, name: str) -> dict[str, float]:
+def grew(before: str, after: str, name: str) -> dict[str, float]:
+    """How much a series grew per engine between two scrapes (engines the later one has)."""
     old = per_engine(before, name)
     return {engine: value - old.get(engine, 0.0) for engine, value in sorted(per_engine(after, name).items())}
 
@@ -74,13 +76,13 @@ async def run_mode(url: str, mode: str, document: str, users: list[list[str]], a
         after = (await client.get(url + "/metrics")).text
     records = [record for conversation in conversations for record in conversation]
     later = [record for record in records if record["turn"] > 1]
-    hits = _grew(before, after, "kvserve:checkpoint_hits_total")
+    hits = grew(before, after, "kvserve:checkpoint_hits_total")
     return {
         "mode": mode,
         "later_turns": len(later),
         "checkpoint_hits": hits,
         "resumed_share": sum(hits.values()) / len(later),
-        "requests_per_engine": _grew(before, after, "vllm:request_success_total"),
+        "requests_per_engine": grew(before, after, "vllm:request_success_total"),
         "later_ttft_p50": statistics.median(record["ttft"] for record in later),
         "output_tokens_per_s": sum(record["output_tokens"] for record in records) / wall,
         "wall_s": wall,

@@ -88,7 +88,7 @@ def expected_requests(plan: CheckPlan, kept: int | None = None) -> float:
 
     How a policy does on the model is what the check measures, so nothing is assumed about it: each setting's share of
     missed cases is taken as equally likely anywhere in [0, 1], independently of the others. The recorded check of
-    Qwen2.5-Coder-0.5B-Instruct (docs/eval/qwen05/calibrate.json) sent 231 requests; this expects 185 of its plan
+    Qwen2.5-Coder-0.5B-Instruct (docs/eval/qwen05/calibrate.json) sent 241 requests; this expects 185 of its plan
     (the upper bound, `CheckPlan.requests`: 444)."""
     cases = case_count(plan)
     kept = cases if kept is None else kept

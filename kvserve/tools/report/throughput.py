@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvserve.phases import model_seconds
 from kvserve.tools.bench.__main__ import CEILING
 from kvserve.tools.bench.__main__ import plot as capacity_plot
 from kvserve.tools.bench.chat import plot as chat_plot
@@ -115,11 +116,7 @@ def ceiling_line(source: Source) -> str:
 def qwen_model_seconds(source: Source) -> str:
     """kvserve's model time per rank at each size ("X s on one rank to Y s per rank on two (Zx)")."""
     rows = sorted((r for r in source.data["results"] if r["server"] == "kvserve"), key=lambda r: r["ranks"])
-    per_rank = []
-    for row in rows:
-        phase = row["phase_seconds"]
-        model = phase["worker"] - sum(phase[p] for p in ("attention", "statistics", "compaction", "pages"))
-        per_rank.append(model / row["ranks"])
+    per_rank = [model_seconds(row["phase_seconds"]) / row["ranks"] for row in rows]
     return (
         f"{per_rank[0]:.1f} s on one rank to {per_rank[-1]:.1f} s per rank on {rows[-1]['ranks']} "
         f"({per_rank[0] / per_rank[-1]:.2f}x)"
