@@ -48,9 +48,26 @@ def machine() -> dict:
 
 
 def command_line(argv: list[str] | None = None, program: str = "kvserve") -> str:
-    """The command as a user would type it again: `program` and the arguments, shell-quoted."""
+    """The command as a user would type it again: `program` and the arguments, shell-quoted. A model folder that
+    `kvserve setup-model` made is written as that command (`"$(kvserve setup-model NAME)"`), so the line runs on
+    another machine and a result file names no home folder."""
     arguments = sys.argv[1:] if argv is None else argv
-    return shlex.join([*shlex.split(program), *arguments])
+    return " ".join([*map(shlex.quote, shlex.split(program)), *map(_portable, arguments)])
+
+
+def _portable(argument: str) -> str:
+    from kvserve.catalog import DEFAULT_NAME, SLICED_MODELS, model_dir
+    from kvserve.model import default_model_dir
+
+    folders = {str(model_dir(model)): name for name, model in SLICED_MODELS.items()}
+    folders[str(default_model_dir())] = DEFAULT_NAME
+    flag, equals, value = argument.rpartition("=") if argument.startswith("--") else ("", "", argument)
+    name = folders.get(value.rstrip("/"))
+    if name is None:
+        return shlex.quote(argument)
+    return (
+        f'{shlex.quote(flag + equals)}"$(kvserve setup-model {name})"' if equals else f'"$(kvserve setup-model {name})"'
+    )
 
 
 def provenance(command: str) -> dict:

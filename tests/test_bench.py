@@ -382,3 +382,37 @@ def test_the_running_peak_is_read_when_a_request_streams_its_first_token(monkeyp
     assert time.perf_counter() - started < 30  # the end of the workload wakes the sampler
     assert running[0] == 0 and result["requests"] == 1
     assert result["peak_running"] == 1
+
+
+DROPPING_SERVER = """
+import http.server, sys
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/health":
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        else:  # no answer at all: the connection closes
+            print("dropping", self.path, flush=True)
+            self.close_connection = True
+
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def test_a_request_a_server_drops_is_reported_with_the_servers_log(tmp_path, monkeypatch):
+    import httpx
+
+    from kvserve.tools.bench import servers
+
+    script = tmp_path / "dropping.py"
+    script.write_text(DROPPING_SERVER)
+    monkeypatch.setattr(
+        servers, "server_command", lambda kind, model, port, args: [sys.executable, str(script), str(port)]
+    )
+    with pytest.raises(
+        servers.ServerRequestError, match=r"(?s)^kvserve server dropped a request .*running.*dropping /v1/x"
+    ):
+        with servers.running_server("kvserve", None, [], tmp_path / "server.log") as url:
+            httpx.get(url + "/v1/x", timeout=60)

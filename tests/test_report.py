@@ -4,6 +4,7 @@ their machine, date and command, and the version is reported where users look fo
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 
 from kvserve import __version__
 from kvserve.config import BUILTIN_DEFAULTS
-from kvserve.provenance import describe_machine, provenance
+from kvserve.provenance import command_line, describe_machine, provenance
 from kvserve.tools.eval.__main__ import record_run, runs_file
 from kvserve.tools.eval.client import label_of
 from kvserve.tools.report.page import build
@@ -94,6 +95,18 @@ def test_provenance_names_this_machine():
     assert ("avx2" in flags) == (" avx2" in cpuinfo)
     described = describe_machine(record["machine"])
     assert record["machine"]["cpu"] in described and ("no AMX" in described) == ("amx_bf16" not in flags)
+
+
+def test_recorded_command_names_setup_model_folders_by_the_command_that_makes_them():
+    from kvserve.model import default_model_dir
+
+    folder = str(default_model_dir())
+    arguments = ["bench", "capacity", "--model", folder, f"--tokenizer={folder}/", "--kvserve-args", "--kv-profile a"]
+    line = command_line(arguments, program="printf '%s\\n'")
+    assert folder not in line and '"$(kvserve setup-model smollm2-135m)"' in line
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    printed = subprocess.run(["bash", "-c", line], capture_output=True, text=True, check=True, env=env).stdout
+    assert printed.splitlines() == [*arguments[:4], f"--tokenizer={folder}", *arguments[5:]]
 
 
 def test_version_is_one_semver_reported_by_the_cli_and_listed_in_the_changelog():

@@ -198,8 +198,7 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
 
     def _evict(self, step, layer, layer_idx: int, query: torch.Tensor, output: torch.Tensor, cache, measured) -> None:
         relocate_protected(step, layer_idx, cache)
-        tables = {plan.req_id: plan.table(layer_idx) for plan in step.rows}
-        after_attention(step, layer_idx, query, cache, tables, self.scale, output, measured=measured)
+        after_attention(step, layer_idx, query, cache, step.tables(layer_idx), self.scale, output, measured=measured)
 
     def _cache_pages(self, pages: torch.Tensor, layer) -> layouts.CachePages:
         """The page view in the layout vLLM picked for this layer (its ISA, fixed at engine start), read through

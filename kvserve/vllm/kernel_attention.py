@@ -155,7 +155,7 @@ class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
             layer_idx,
             query,
             cache,
-            {plan.req_id: plan.table(layer_idx) for plan in step.rows},
+            step.tables(layer_idx),
             self.scale,
             output,
             measured=measured,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -39,7 +40,7 @@ def after_attention(
     layer_idx: int,
     query: torch.Tensor,
     cache: CachePages,
-    tables: dict[str, torch.Tensor],
+    tables: Mapping[str, torch.Tensor],
     scale: float,
     output: torch.Tensor,
     measured: dict[str, PassStatistics] | None = None,
@@ -334,7 +335,7 @@ def measure_decode_rows(
     layer_idx: int,
     query: torch.Tensor,
     cache: CachePages,
-    tables: dict[str, torch.Tensor],
+    tables: Mapping[str, torch.Tensor],
     scale: float,
 ) -> dict[str, PassStatistics]:
     """Column sums and first logits for every decoding request of the step that wants them, in one product over

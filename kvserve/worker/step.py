@@ -12,6 +12,7 @@ slots vLLM wrote (prefix caching included). An evicting request's rows come from
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,6 +76,30 @@ class RowPlan:
         return torch.arange(self.logical_len - count, self.logical_len)
 
 
+class LayerTables(Mapping[str, torch.Tensor]):
+    """Each evicting request's [H, W] page lists of one layer (`RowPlan.table`) by request id, each made on its first
+    read: a decode step in which nothing is measured or compacted reads none, and making every request's table for
+    every layer of every step was per-layer work that does not shrink with the ranks (it was 1% of a Qwen
+    tensor-parallel rank's samples)."""
+
+    def __init__(self, rows: list[RowPlan], layer_idx: int) -> None:
+        self._rows = {plan.req_id: plan for plan in rows}
+        self._layer_idx = layer_idx
+        self._made: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, req_id: str) -> torch.Tensor:
+        table = self._made.get(req_id)
+        if table is None:
+            table = self._made[req_id] = self._rows[req_id].table(self._layer_idx)
+        return table
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
 @dataclass
 class StepContext:
     pages: StepPages
@@ -86,6 +111,9 @@ class StepContext:
         if key not in self._memo:
             self._memo[key] = make()
         return self._memo[key]
+
+    def tables(self, layer_idx: int) -> LayerTables:
+        return LayerTables(self.rows, layer_idx)
 
     def compacts(self) -> bool:
         return any(plan.compaction is not None and plan.failure is None for plan in self.rows)

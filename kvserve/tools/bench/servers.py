@@ -67,7 +67,13 @@ def running_server_process(
     base = f"http://127.0.0.1:{port}"
     with server_process(server_command(kind, model, port, args), server_env, log_path) as proc:
         wait_until_serving(proc, log_path, lambda: _healthy(base), startup_timeout, kind)
-        yield proc, base
+        try:
+            yield proc, base
+        except httpx.TransportError as error:  # the server dropped a request: say why from its log (a temporary one)
+            state = "running" if proc.poll() is None else f"exited with status {proc.returncode}"
+            raise ServerRequestError(
+                f"{kind} server dropped a request ({error}; it is {state}):\n{log_tail(log_path)}"
+            ) from error
 
 
 class ServerStartError(RuntimeError):
@@ -77,6 +83,10 @@ class ServerStartError(RuntimeError):
     def __init__(self, kind: str, what: str, log_path: Path) -> None:
         self.what, self.log_path = what, log_path
         super().__init__(f"{kind} server {what} (log: {log_path}):\n{log_tail(log_path)}".lstrip())
+
+
+class ServerRequestError(RuntimeError):
+    """A started server closed a request's connection without an answer; the message ends with its log's end."""
 
 
 def log_tail(log_path: Path, chars: int = 4000) -> str:

@@ -11,6 +11,7 @@ from kvserve.tools.bench.__main__ import CEILING
 from kvserve.tools.bench.__main__ import plot as capacity_plot
 from kvserve.tools.bench.chat import plot as chat_plot
 from kvserve.tools.markdown import ratio, table
+from kvserve.tools.report import tensor_parts
 from kvserve.tools.report.sources import DataDir, Source
 
 DECODE_HEAVY = ("suite/capacity-duo.json", "capacity-decode-heavy.json")
@@ -26,6 +27,21 @@ TENSOR_QWEN = "tp/qwen05-tp.json"
 # the tiny Llama's workload again, with the compute ceiling as a third server (what TP does at high concurrency)
 TENSOR_CEILING = "tp/decode-heavy-tp-ceiling.json"
 TENSOR_QWEN_CEILING = "tp/qwen05-tp-ceiling.json"
+
+
+# what profiling a rank found (py-spy on both ranks, the engine core and the API server of each server at 2 ranks)
+TENSOR_FINDINGS = (
+    "What a profile of both servers at 2 ranks shows (py-spy on every process, the last part's workload): the ranks "
+    "of both spend nearly all their samples in the model's forward, the vocabulary projection the largest single "
+    "part; the engine core of both spends nearly all of its samples spinning in vLLM's shared-memory queue "
+    "(`sched_yield`) while it waits for rank 0, so on 2 cores it competes with the ranks in both servers alike. "
+    "kvserve's ranks spend more of their samples in the attention layer than vanilla's: per-layer Python work on "
+    "each evicting request (its page tables, the window's query), which a second rank does not shrink. Two such "
+    "costs are gone (each request's page tables are made only when a layer reads them, and the phase timers are no "
+    "longer generators); the last run above ran with that change, the earlier one without. kvserve's own phases are "
+    "a small share of a rank's time, so on this machine the gain of a second rank is set by the model, vLLM's "
+    "processes and the machine's noise more than by kvserve."
+)
 
 
 def setting_name(row: dict) -> str:
@@ -120,6 +136,17 @@ def qwen_model_seconds(source: Source) -> str:
     return (
         f"{per_rank[0]:.1f} s on one rank to {per_rank[-1]:.1f} s per rank on {rows[-1]['ranks']} "
         f"({per_rank[0] / per_rank[-1]:.2f}x)"
+    )
+
+
+def own_phase_seconds(source: Source) -> str:
+    """kvserve's own phases per rank against the run's wall time, at each size."""
+    rows = sorted((r for r in source.data["results"] if r["server"] == "kvserve"), key=lambda r: r["ranks"])
+    own = [sum(row["phase_seconds"][p] for p in ("statistics", "compaction", "pages")) / row["ranks"] for row in rows]
+    first, last = rows[0], rows[-1]
+    return (
+        f"{own[0]:.1f} s of the {first['wall_s']:.1f} s run on one worker and {own[-1]:.1f} s per rank of the "
+        f"{last['wall_s']:.1f} s run on {last['ranks']}"
     )
 
 
@@ -266,13 +293,12 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             "The same comparison on a real model, Qwen2.5-Coder-0.5B-Instruct (its 2 KV heads, one per rank), with "
             "a smaller workload to fit the machine's time: " + workload(ranks_qwen) + " Here most of the run is "
             "prefill and the model's own compute, which the ranks split: per rank, kvserve's model time (its worker's "
-            "time minus its own phases) fell from 50.6 s on one worker to 37.3 s (1.36x), and its own phases "
-            "(statistics, compaction, pages) took 1.4 s of the 59.8 s run on one worker and 1.5 s per rank of the "
-            "45.5 s run on two (the phase table's 2-rank row sums both ranks). Still it gains less from its second "
-            "rank than vanilla, which reports no phases to compare. Not yet measured, one candidate: kvserve runs "
-            "more requests at once, so each step carries more of the server's per-request work (scheduling, "
-            "detokenizing, streaming), which on one worker has the core vLLM keeps back and on two ranks shares "
-            "their cores.",
+            "time minus its own phases) fell from "
+            + qwen_model_seconds(ranks_qwen)
+            + ", and its own phases (statistics, compaction, pages) took "
+            + own_phase_seconds(ranks_qwen)
+            + " (the phase table's 2-rank row sums both ranks). Still it gains less from its second rank than "
+            "vanilla, which reports no phases to compare.",
             tensor_table(ranks_qwen),
             ranks_qwen.caption(),
             "The tiny Llama's workload again on another machine, with the compute ceiling (vanilla with a pool for "
@@ -286,9 +312,11 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             "does not explain kvserve's smaller gain. kvserve (5 at once) runs more decode steps for the same "
             "output, and its model time per rank (worker time less its own phases) fell only from "
             + qwen_model_seconds(ranks_qwen_ceiling)
-            + "; where the rest goes is not yet found (no rank has been profiled).",
+            + ".",
             tensor_table(ranks_qwen_ceiling),
             ranks_qwen_ceiling.caption(),
+            tensor_parts.section(data.load),
+            TENSOR_FINDINGS,
             "### Prefill-heavy",
             workload(prefill),
             capacity_table(prefill),
