@@ -44,3 +44,23 @@ def test_cached_positions_follow_appends_and_compactions():
         got.fill_(7)  # a caller writing its copy must not change the cache
         assert torch.equal(layer.positions(lengths, since), fresh_positions(layer, lengths, since))
         lengths = lengths + 1
+
+
+def test_layer_tables_make_a_requests_table_only_when_it_is_read():
+    from kvserve.worker.step import LayerTables
+
+    class Plan:
+        def __init__(self, req_id: str) -> None:
+            self.req_id, self.reads = req_id, []
+
+        def table(self, layer_idx: int) -> torch.Tensor:
+            self.reads.append(layer_idx)
+            return torch.full((2, 3), layer_idx)
+
+    plans = [Plan("a"), Plan("b")]
+    tables = LayerTables(plans, 5)
+    assert "a" in tables and "z" not in tables and len(tables) == 2 and list(tables) == ["a", "b"]
+    assert all(plan.reads == [] for plan in plans)  # asking which requests it holds makes no table
+    assert torch.equal(tables["a"], plans[0].table(5)) and tables.get("z") is None
+    tables["a"]
+    assert plans[0].reads == [5, 5] and plans[1].reads == []  # made once (one read here, one by the test)

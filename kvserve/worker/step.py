@@ -93,6 +93,9 @@ class LayerTables(Mapping[str, torch.Tensor]):
             table = self._made[req_id] = self._rows[req_id].table(self._layer_idx)
         return table
 
+    def __contains__(self, req_id: object) -> bool:  # Mapping's would make the table to find out
+        return req_id in self._rows
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._rows)
 
