@@ -38,9 +38,9 @@ TENSOR_FINDINGS = (
     "kvserve's ranks spend more of their samples in the attention layer than vanilla's: per-layer Python work on "
     "each evicting request (its page tables, the window's query), which a second rank does not shrink. Two such "
     "costs are gone (each request's page tables are made only when a layer reads them, and the phase timers are no "
-    "longer generators); the last run above ran with that change, the earlier one without. kvserve's own phases are "
-    "a small share of a rank's time, so on this machine the gain of a second rank is set by the model, vLLM's "
-    "processes and the machine's noise more than by kvserve."
+    "longer generators); the last run above ran with the timers' change only, the earlier one with neither. "
+    "kvserve's own phases are a small share of a rank's time, so on this machine the gain of a second rank is set "
+    "by the model, vLLM's processes and the machine's noise more than by kvserve."
 )
 
 
