@@ -51,16 +51,18 @@ def command_line(argv: list[str] | None = None, program: str = "kvserve") -> str
     """The command as a user would type it again: `program` and the arguments, shell-quoted. A model folder that
     `kvserve setup-model` made is written as that command (`"$(kvserve setup-model NAME)"`), so the line runs on
     another machine and a result file names no home folder."""
-    arguments = sys.argv[1:] if argv is None else argv
-    return " ".join([*map(shlex.quote, shlex.split(program)), *map(_portable, arguments)])
-
-
-def _portable(argument: str) -> str:
     from kvserve.catalog import DEFAULT_NAME, SLICED_MODELS, model_dir
     from kvserve.model import default_model_dir
 
+    arguments = sys.argv[1:] if argv is None else argv
     folders = {str(model_dir(model)): name for name, model in SLICED_MODELS.items()}
     folders[str(default_model_dir())] = DEFAULT_NAME
+    portable = [_portable(argument, folders) for argument in arguments]
+    return " ".join([*map(shlex.quote, shlex.split(program)), *portable])
+
+
+def _portable(argument: str, folders: dict[str, str]) -> str:
+    """`argument` shell-quoted, or the setup-model command of the model folder it names (`folders`: folder -> name)."""
     flag, equals, value = argument.rpartition("=") if argument.startswith("--") else ("", "", argument)
     name = folders.get(value.rstrip("/"))
     if name is None:

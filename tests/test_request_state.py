@@ -58,7 +58,7 @@ def test_layer_tables_make_a_requests_table_only_when_it_is_read():
             return torch.full((2, 3), layer_idx)
 
     plans = [Plan("a"), Plan("b")]
-    tables = LayerTables(plans, 5)
+    tables = LayerTables({plan.req_id: plan for plan in plans}, 5)
     assert "a" in tables and "z" not in tables and len(tables) == 2 and list(tables) == ["a", "b"]
     assert all(plan.reads == [] for plan in plans)  # asking which requests it holds makes no table
     assert torch.equal(tables["a"], plans[0].table(5)) and tables.get("z") is None

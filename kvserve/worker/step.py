@@ -82,8 +82,8 @@ class LayerTables(Mapping[str, torch.Tensor]):
     every layer of every step was per-layer work that does not shrink with the ranks (it was 1% of a Qwen
     tensor-parallel rank's samples)."""
 
-    def __init__(self, rows: list[RowPlan], layer_idx: int) -> None:
-        self._rows = {plan.req_id: plan for plan in rows}
+    def __init__(self, rows: dict[str, RowPlan], layer_idx: int) -> None:
+        self._rows = rows  # by request id, shared by the step's layers
         self._layer_idx = layer_idx
         self._made: dict[str, torch.Tensor] = {}
 
@@ -116,7 +116,7 @@ class StepContext:
         return self._memo[key]
 
     def tables(self, layer_idx: int) -> LayerTables:
-        return LayerTables(self.rows, layer_idx)
+        return LayerTables(self.memo("rows_by_id", lambda: {plan.req_id: plan for plan in self.rows}), layer_idx)
 
     def compacts(self) -> bool:
         return any(plan.compaction is not None and plan.failure is None for plan in self.rows)

@@ -20,6 +20,11 @@ PARTS = (
 REPEAT = "tp/qwen05-tp-long-decode-earlier.json"
 
 
+def kvserve_by_ranks(source: Source) -> list[dict]:
+    """kvserve's rows of a `--tensor-sizes` result, fewest ranks first."""
+    return sorted((r for r in source.data["results"] if r["server"] == "kvserve"), key=lambda r: r["ranks"])
+
+
 def gain(results: list[dict], server: str, ranks: int = 2) -> float:
     """A server's output tokens/s at `ranks` over its own at one rank."""
     by_ranks = {r["ranks"]: r["output_tokens_per_s"] for r in results if r["server"] == server}
@@ -59,7 +64,7 @@ def per_rank_split(source: Source) -> str:
     """kvserve's time per rank at 1 and 2 ranks: the model's, its own phases', and the rest of the run (between
     steps: the engine core, the API server and the wait for the next step), from its phase counters."""
     parts = []
-    for row in sorted((r for r in source.data["results"] if r["server"] == "kvserve"), key=lambda r: r["ranks"]):
+    for row in kvserve_by_ranks(source):
         phases, ranks = row["phase_seconds"], row["ranks"]
         worker = phases["worker"] / ranks
         model = model_seconds(phases) / ranks

@@ -131,7 +131,7 @@ def ceiling_line(source: Source) -> str:
 
 def qwen_model_seconds(source: Source) -> str:
     """kvserve's model time per rank at each size ("X s on one rank to Y s per rank on two (Zx)")."""
-    rows = sorted((r for r in source.data["results"] if r["server"] == "kvserve"), key=lambda r: r["ranks"])
+    rows = tensor_parts.kvserve_by_ranks(source)
     per_rank = [model_seconds(row["phase_seconds"]) / row["ranks"] for row in rows]
     return (
         f"{per_rank[0]:.1f} s on one rank to {per_rank[-1]:.1f} s per rank on {rows[-1]['ranks']} "
@@ -141,7 +141,7 @@ def qwen_model_seconds(source: Source) -> str:
 
 def own_phase_seconds(source: Source) -> str:
     """kvserve's own phases per rank against the run's wall time, at each size."""
-    rows = sorted((r for r in source.data["results"] if r["server"] == "kvserve"), key=lambda r: r["ranks"])
+    rows = tensor_parts.kvserve_by_ranks(source)
     own = [sum(row["phase_seconds"][p] for p in ("statistics", "compaction", "pages")) / row["ranks"] for row in rows]
     first, last = rows[0], rows[-1]
     return (
