@@ -175,3 +175,25 @@ def _metrics(engine: str) -> Metrics:
 
 def metrics() -> Metrics:
     return _metrics(_engine)
+
+
+def read_new_metric_files_as_empty() -> None:
+    """prometheus_client creates a process's metric file empty and sizes it a moment later (`MmapedDict.__init__`);
+    a `/metrics` scrape that read it in between raised `struct.error` and answered nothing at all (seen: a worker of a
+    tensor-parallel kvserve server, while the bench scraped; prometheus/client_python issue 1199). After this, a file
+    of fewer than 4 bytes reads as one with nothing recorded yet, as a sized file of zeros already does; a file that
+    has its size reads as before. Installed in every vLLM process by the plugin (the API server collects)."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    read = MmapedDict.read_all_values_from_file
+    if getattr(read, "reads_new_files_as_empty", False):
+        return
+
+    def read_all_values_from_file(filename: str):
+        with open(filename, "rb") as head:
+            if len(head.read(4)) < 4:  # being created: sized next, nothing written yet
+                return iter(())
+        return read(filename)
+
+    read_all_values_from_file.reads_new_files_as_empty = True
+    MmapedDict.read_all_values_from_file = staticmethod(read_all_values_from_file)

@@ -118,7 +118,7 @@ def test_capacity_command_compares_vanilla_and_kvserve(capacity_run, background)
     vanilla, ceiling, kvserve = results
     assert (vanilla["server"], kvserve["server"], kvserve["budget"]) == ("vanilla", "kvserve", BUDGET)
     # the ceiling: vanilla with a pool for every request never preempts (the running peak is a sample, scraped every
-    # 0.1 s and at each first token: it sees a request running, but is too coarse to compare servers on this workload)
+    # 0.5 s and at each first token: it sees a request running, but is too coarse to compare servers on this workload)
     assert ceiling["server"] == "vanilla-unlimited" and ceiling["preemptions"] == 0
     assert ceiling["pool_limit"] == PROMPTS
     for result in results:
@@ -385,7 +385,7 @@ def test_the_running_peak_is_read_when_a_request_streams_its_first_token(monkeyp
 
 
 DROPPING_SERVER = """
-import http.server, sys
+import http.server, sys, threading
 
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -393,11 +393,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header("Content-Length", "0")
             self.end_headers()
+        elif self.path == "/v1/never":  # the connection stays open and nothing comes back
+            print("holding", self.path, flush=True)
+            threading.Event().wait()
         else:  # no answer at all: the connection closes
             print("dropping", self.path, flush=True)
             self.close_connection = True
 
-http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 """
 
 
@@ -416,3 +419,121 @@ def test_a_request_a_server_drops_is_reported_with_the_servers_log(tmp_path, mon
     ):
         with servers.running_server("kvserve", None, [], tmp_path / "server.log") as url:
             httpx.get(url + "/v1/x", timeout=60)
+    # a request the server holds without answering is reported as a timeout, not as a dropped request (the server
+    # never answers /v1/never, so the client's timeout decides nothing about the server's speed)
+    with pytest.raises(
+        servers.ServerRequestError, match=r"(?s)^kvserve server did not answer a request in time .*ReadTimeout.*holding"
+    ):
+        with servers.running_server("kvserve", None, [], tmp_path / "server.log") as url:
+            httpx.get(url + "/v1/never", timeout=1)
+
+
+def test_rounds_keep_each_sizes_servers_up_together_and_alternate_their_order(tmp_path, monkeypatch):
+    """--rounds N: the servers of one size started once and up together while measured, each given an uncounted
+    pass first, the order reversed every other round, each round on a prefix-cache salt of its own (a kept-up server
+    must not answer round 2 from round 1's cache); then the next size's servers."""
+    from contextlib import contextmanager
+
+    from kvserve.tools.bench import __main__ as bench
+    from kvserve.tools.eval.client import Setting
+
+    started, up, sent = [], set(), []
+
+    @contextmanager
+    def fake_server(kind, model, engine_args, log, env):
+        url = f"http://{kind}{engine_args[-1]}"
+        started.append(url)
+        up.add(url)
+        yield url
+        up.discard(url)
+
+    def fake_workload(url, model, prompts, max_tokens, setting, salt=""):
+        if len(prompts) > 1:  # the workload, not the short warm-up request
+            sent.append((url, salt, frozenset(up)))
+        return {column: 1.0 for column in bench.COLUMNS}
+
+    monkeypatch.setattr(bench, "running_server", fake_server)
+    monkeypatch.setattr(bench, "run_workload", fake_workload)
+    monkeypatch.setattr(bench, "SETTLE_S", 0.0)
+    servers = [
+        (kind, kind, ["--tensor-parallel-size", size], [Setting("full", None)])
+        for size in ("1", "2")
+        for kind in ("vanilla", "kvserve")
+    ]
+    workload = {"model": "m", "prompts": [[1], [2]], "warmup": [0], "max_tokens": 2}
+    results = bench.run(servers, {}, workload, tmp_path, rounds=3)
+    assert started == ["http://vanilla1", "http://kvserve1", "http://vanilla2", "http://kvserve2"] and not up
+    for size in ("1", "2"):
+        pair = [f"http://vanilla{size}", f"http://kvserve{size}"]
+        mine = [(url, salt, others) for url, salt, others in sent if url in pair]
+        assert [(url, salt) for url, salt, _ in mine[:2]] == [(url, "round0") for url in pair]
+        assert [url for url, _, _ in mine[2:]] == pair + pair[::-1] + pair
+        assert [salt for _, salt, _ in mine[2:]] == ["round1"] * 2 + ["round2"] * 2 + ["round3"] * 2
+        assert all(others == set(pair) for _, _, others in mine[2:])  # both up, the other size's down
+    assert [(r["server"], r["ranks"], r["round"]) for r in results[:6]] == [
+        ("vanilla", 1, 1),
+        ("kvserve", 1, 1),
+        ("kvserve", 1, 2),
+        ("vanilla", 1, 2),
+        ("vanilla", 1, 3),
+        ("kvserve", 1, 3),
+    ]
+
+
+def test_scaling_compares_each_server_with_vanilla_of_the_same_round_and_size():
+    """kvserve's ratio to vanilla divides two runs of the same size and round (the machine's speed that round divides
+    out); its gain over vanilla's is the median of those ratios at 2 ranks over the median at 1 rank."""
+    import statistics
+
+    from kvserve.tools.bench.scaling import against_vanilla, gain_over_vanilla, scaling_report
+
+    # round: (vanilla 1 rank, kvserve 1 rank, vanilla 2 ranks, kvserve 2 ranks); round 2 ran on a slow machine
+    tokens = {1: (10.0, 20.0, 15.0, 33.0), 2: (5.0, 9.0, 7.0, 14.7), 3: (11.0, 23.1, 16.0, 30.4)}
+    results = [
+        {
+            "server": server,
+            "policy": "full" if server == "vanilla" else "snapkv",
+            "budget": None if server == "vanilla" else 188,
+            "ranks": ranks,
+            "round": round_number,
+            "output_tokens_per_s": row[column],
+        }
+        for round_number, row in tokens.items()
+        for column, (server, ranks) in enumerate((("vanilla", 1), ("kvserve", 1), ("vanilla", 2), ("kvserve", 2)))
+    ]
+    one_rank = [row[1] / row[0] for row in tokens.values()]
+    two_ranks = [row[3] / row[2] for row in tokens.values()]
+    ratios = against_vanilla(results)
+    assert ratios[("kvserve", "snapkv", 188, 1)] == pytest.approx(one_rank)
+    assert ratios[("kvserve", "snapkv", 188, 2)] == pytest.approx(two_ranks)
+    assert ratios[("vanilla", "full", None, 2)] == [1.0, 1.0, 1.0]
+    relative = statistics.median(two_ranks) / statistics.median(one_rank)
+    assert gain_over_vanilla(results, ("kvserve", "snapkv", 188), 2) == pytest.approx(relative)
+    printed = scaling_report(results)
+    median_tokens = statistics.median(row[3] for row in tokens.values())
+    median_gain = median_tokens / statistics.median(row[1] for row in tokens.values())
+    spread = f"{statistics.median(two_ranks):.2f}x ({min(two_ranks):.2f}-{max(two_ranks):.2f})"
+    assert (
+        f"| kvserve | snapkv | 188 | 2 | {median_tokens:.1f} | {median_gain:.2f}x | {spread} | {relative:.2f} |"
+        in printed
+    )
+    assert "Medians over 3 rounds" in printed
+
+
+def test_kvserves_clients_drop_idle_connections_before_vllms_server_closes_them():
+    """vLLM's API server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds; a client that reuses one
+    as long gets "Server disconnected without sending a response" when both happen at once. Every httpx client in
+    kvserve (the tools, the router) takes the shorter limits."""
+    import re
+
+    from vllm import envs
+
+    import kvserve
+    from kvserve.http_client import KEEPALIVE_EXPIRY_S, client_limits
+
+    assert client_limits().keepalive_expiry == KEEPALIVE_EXPIRY_S < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    clients = []
+    for path in Path(kvserve.__file__).parent.rglob("*.py"):
+        clients += [(path.name, call) for call in re.findall(r"httpx\.(?:Async)?Client\((.*)", path.read_text())]
+    assert len(clients) >= 8  # the tools' and the router's, found
+    assert [client for client in clients if "limits=" not in client[1]] == []

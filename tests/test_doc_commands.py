@@ -225,7 +225,7 @@ def test_every_route_a_page_names_is_served(server):
     gets its 400 or 422, not "no such route"), and the route kvserve adds is among them."""
     import httpx
 
-    from kvserve.server.documents import COMPRESS_PATH
+    from kvserve.server.paths import COMPRESS_PATH
 
     routes = doc_routes()
     assert ("POST", COMPRESS_PATH) in routes and ("GET", "/metrics") in routes

@@ -228,3 +228,30 @@ def test_checkpoint_requests_get_kvzip_under_vllm_serve_too(monkeypatch):
     assert requested_policy(request, defaults_from_args(namespace(kv_policy="full"))) == "kvzip"
     assert requested_policy(request, defaults_from_args(namespace(kv_policy="tova", kv_budget="256"))) == "tova"
     assert requested_policy({"kv_checkpoint": "turns"}, env_defaults()) == "full"
+
+
+def test_a_metric_file_being_created_reads_as_empty_and_the_other_files_are_collected(tmp_path, monkeypatch):
+    """prometheus_client creates a process's file empty and sizes it a moment later; a scrape in between failed
+    whole (struct.error). With the plugin's guard the empty file counts nothing and the other files still count."""
+    import struct
+
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from kvserve.metrics import read_new_metric_files_as_empty
+
+    # the class's own reader, put back after the test (the guard replaces it process-wide)
+    monkeypatch.setattr(MmapedDict, "read_all_values_from_file", MmapedDict.__dict__["read_all_values_from_file"])
+    written = MmapedDict(str(tmp_path / "counter_100.db"))
+    written.write_value(mmap_key("kvserve:x", "kvserve:x_total", (), (), "x"), 5.0, 0.0)
+    written.close()
+    (tmp_path / "counter_101.db").write_bytes(b"")  # another process's file, not sized yet
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    with pytest.raises(struct.error):
+        list(registry.collect())
+    read_new_metric_files_as_empty()
+    read_new_metric_files_as_empty()  # a second install keeps one guard
+    samples = {sample.name: sample.value for metric in registry.collect() for sample in metric.samples}
+    assert samples == {"kvserve:x_total": 5.0}

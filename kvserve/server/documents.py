@@ -28,8 +28,8 @@ from kvserve.errors import InvalidSetting
 from kvserve.model_support import ServedEngine, model_tokenizer, served_settings
 from kvserve.policies import POLICIES
 from kvserve.policies.kvzip import REPEAT_INSTRUCTION
+from kvserve.server.paths import COMPRESS_PATH
 
-COMPRESS_PATH = "/v1/kvserve/compress"
 # tokens of the copy each reconstruction request repeats: the paper's pieces (arXiv:2505.23416, section 3.2)
 RECONSTRUCTION_PIECE = 2048
 CONTINUE_INSTRUCTION = "\n\nRepeat the part of the previous context exactly, starting with"

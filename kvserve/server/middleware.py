@@ -26,13 +26,13 @@ from kvserve.messages import EVICTED_KEY
 from kvserve.model_support import EvictionSupport, ServedEngine, eviction_support, served_settings
 from kvserve.server.affinity import SESSION_KEY, pinned, with_content_length
 from kvserve.server.checkpoint_documents import CompressedPrefixes, PrefixCompression, plan_prefix_compression
-from kvserve.server.documents import COMPRESS_PATH, Collected, compress_request, compress_response, reconstruct
+from kvserve.server.documents import Collected, compress_request, compress_response, reconstruct
 from kvserve.server.evicted import EvictedTally, open_tally
 from kvserve.server.lookahead import Lookahead, plan_lookahead
+from kvserve.server.paths import COMPLETION_PATHS, COMPRESS_PATH
 from kvserve.server.request_keys import HEADER_PREFIX, headers_to_xargs, merge_into_body, pop_session
 from kvserve.server.vllm_gaps import reject_what_vllm_cannot_serve
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 HANDLED = "kvserve.headers_handled"  # scope key: a second copy of this middleware (given by --middleware too) passes
 
 
@@ -56,7 +56,7 @@ class KVHeadersMiddleware:
         if (
             scope["type"] != "http"
             or scope["method"] != "POST"
-            or scope["path"] not in GENERATION_PATHS
+            or scope["path"] not in COMPLETION_PATHS
             or scope.get(HANDLED)
         ):
             await self.app(scope, receive, send)

@@ -33,11 +33,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvserve.http_client import client_limits
 from kvserve.server.affinity import conversation_opening, ranked, session_of
+from kvserve.server.paths import COMPLETION_PATHS, COMPRESS_PATH
 
 DOWN_SECONDS = 10.0
-COMPRESS_PATH = "/v1/kvserve/compress"
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", COMPRESS_PATH)
+GENERATION_PATHS = (*COMPLETION_PATHS, COMPRESS_PATH)  # requests routed by their conversation
 # hop-by-hop headers (RFC 9110, section 7.6.1) and what the HTTP client recomputes
 NOT_FORWARDED = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"content-length"}
 
@@ -49,7 +50,7 @@ class Router:
         self.replicas = [replica.rstrip("/") for replica in replicas]
         self.down_until = dict.fromkeys(self.replicas, 0.0)
         self.turn = itertools.count()
-        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=client_limits())
 
     def order(self, key: str | None) -> list[str]:
         """The replicas to try, best first: the key's ranking (or the next in turn), replicas seen down last."""

@@ -1,5 +1,6 @@
 """`python -m kvserve.tools.bench {capacity,overhead}` (also `kvserve bench ...`; `chat`, `documents`, `long`, `load`,
-`soak`, `crash`, `layouts` and `kernel` have modules and options of their own): kvserve against vanilla vLLM, one run.
+`soak`, `crash`, `layouts` and `kernel` have modules and options of their own): kvserve against vanilla vLLM, in one
+run (`--rounds N`: N runs of each server, interleaved).
 
 The benchmark starts each server itself with the same engine flags (vanilla with vLLM's plugins off), sends the same
 workload (N prompts of haystack text at once, streamed, `ignore_eos` so every request makes exactly --max-tokens),
@@ -23,6 +24,12 @@ and prints each setting's numbers and its ratio to vanilla's.
     # heads split over 2 ranks); the report adds each server's 2-rank / 1-rank ratio
     python -m kvserve.tools.bench capacity --model tiny:llama --decode-heavy --tensor-sizes 1,2
 
+    # ... deciding which server gains more: each size's servers kept up together, the workload sent to each in turn,
+    # 6 rounds; kvserve's ratio to vanilla per round, its median and range (one run per size is within the noise);
+    # the pool holds every request (vLLM keeps one block of it aside, so 16 x 14 blocks need 225)
+    python -m kvserve.tools.bench capacity --model tiny:llama --decode-heavy --num-blocks 240 --tensor-sizes 1,2 \
+        --rounds 6
+
 Both servers get the same `--dtype` (bf16 where the CPU has native bf16, else float32, unless --server-args names
 one) and the same allocator (tcmalloc where installed). Each kvserve row also shows where the engine's time went
 (`kvserve:engine_seconds_total` by phase, kvserve/phases.py).
@@ -31,23 +38,28 @@ one) and the same allocator (tcmalloc where installed). Each kvserve row also sh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import shlex
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from kvserve.cpu_dtype import with_default_dtype
 from kvserve.phases import model_seconds
 from kvserve.provenance import command_line, provenance
+from kvserve.tools.bench.scaling import DATA_PARALLEL_FLAG, TENSOR_FLAG, scaling_report, size_layouts
 from kvserve.tools.bench.servers import running_server
 from kvserve.tools.bench.workload import prompts, run_workload
 from kvserve.tools.eval.client import Setting
 
 SERVED_NAME = "bench"
-TENSOR_FLAG = "--tensor-parallel-size"
-DATA_PARALLEL_FLAG = "--data-parallel-size"
+# the pause before each run of a round: vLLM's processes busy-wait for 1 s after their last message (its shared-memory
+# queue's SpinCondition), so a run started at once shared the cores with the server that ran just before; in a trial
+# run without the pause each server ran slower when it followed the other server than when it followed itself
+SETTLE_S = 3.0
 COLUMNS = ("peak_running", "requests_per_s", "output_tokens_per_s", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
 
 
@@ -56,34 +68,87 @@ def flag_int(engine_args: list[str], flag: str) -> int:
 
 
 def run(
-    servers: list[tuple[str, str, list[str], list[Setting]]], env: dict, workload: dict, log_dir: Path
+    servers: list[tuple[str, str, list[str], list[Setting]]], env: dict, workload: dict, log_dir: Path, rounds: int = 1
 ) -> list[dict]:
-    """Each server (label, kind, engine flags, settings) in turn, vanilla first, every setting of it on the same
-    workload; one result each, its `server` the label."""
+    """Each server (label, kind, engine flags, settings), every setting of it on the same workload; one result
+    each, its `server` the label and its `round` the round. One round: the servers one after another, vanilla first,
+    each stopped before the next starts. More: the servers of one size (tensor-parallel ranks, data-parallel
+    engines) started together (one at a time) and kept up, each given one uncounted pass of the workload, then the
+    workload sent to each in turn, the order reversed every other round, so that the machine's drift lands on every
+    server of the size alike; then the next size. Four Qwen2.5-0.5B servers at once (both sizes) filled this
+    machine's 24 GB; an idle server's processes sleep (under 1% of a core each, read with `top`)."""
+
+    def start(number: int, label: str, kind: str, engine_args: list[str]):
+        return running_server(kind, workload["model"], engine_args, log_dir / f"{number}-{label}.log", env)
+
     results = []
-    for number, (label, kind, engine_args, settings) in enumerate(servers):
-        ranks, engines = flag_int(engine_args, TENSOR_FLAG), flag_int(engine_args, DATA_PARALLEL_FLAG)
-        log = log_dir / f"{number}-{label}.log"
-        with running_server(kind, workload["model"], engine_args, log, env) as url:
-            # warm-up on a prompt outside the workload: a workload prompt would sit in vanilla's prefix cache
-            run_workload(url, SERVED_NAME, [workload["warmup"]], 2, Setting("full", None))
-            for setting in settings:
-                result = run_workload(url, SERVED_NAME, workload["prompts"], workload["max_tokens"], setting)
-                result.update(
-                    server=label,
-                    ranks=ranks,
-                    engines=engines,
-                    policy=setting.label,
-                    budget=setting.budget,
-                    evict_every_chunk=setting.evict_every_chunk,
-                )
-                results.append(result)
-                sizes = (f" ranks={ranks}" if ranks > 1 else "") + (f" engines={engines}" if engines > 1 else "")
-                print(
-                    f"{label} {setting.label} {setting.budget or '-'}{sizes}: "
-                    + ", ".join(f"{c}={result[c]:.3g}" for c in COLUMNS),
-                    flush=True,
-                )
+    if rounds == 1:
+        for number, server in enumerate(servers):
+            with start(number, *server[:3]) as url:
+                warm_up(url, workload)
+                results += measure(url, server, workload, 1)
+        return results
+    sizes = {}  # the servers of each size, in the order given
+    for number, server in enumerate(servers):
+        size = (flag_int(server[2], TENSOR_FLAG), flag_int(server[2], DATA_PARALLEL_FLAG))
+        sizes.setdefault(size, []).append((number, server))
+    for group in sizes.values():
+        with contextlib.ExitStack() as stack:
+            up = []
+            for number, server in group:
+                url = stack.enter_context(start(number, *server[:3]))
+                warm_up(url, workload)
+                # and a pass of the whole workload, not counted: in a trial run without it, kvserve's first evicting
+                # pass was its slowest at both sizes (tiny Llama, one rank: 746 tok/s against 1,047 and 1,113 in the
+                # next two rounds), vanilla's was not (first use of kvserve's operations at the workload's shapes)
+                measure(url, server, workload, 0, quiet=True)
+                up.append((url, server))
+            for round_number in range(1, rounds + 1):
+                for url, server in up if round_number % 2 else reversed(up):
+                    time.sleep(SETTLE_S)
+                    results += measure(url, server, workload, round_number)
+    return results
+
+
+def warm_up(url: str, workload: dict) -> None:
+    """One short request on a prompt outside the workload (a workload prompt would sit in vanilla's prefix cache)."""
+    run_workload(url, SERVED_NAME, [workload["warmup"]], 2, Setting("full", None))
+
+
+def measure(
+    url: str,
+    server: tuple[str, str, list[str], list[Setting]],
+    workload: dict,
+    round_number: int,
+    quiet: bool = False,
+) -> list[dict]:
+    """Every setting of one server on the workload, once; printed as it goes unless `quiet`."""
+    label, _, engine_args, settings = server
+    ranks, engines = flag_int(engine_args, TENSOR_FLAG), flag_int(engine_args, DATA_PARALLEL_FLAG)
+    results = []
+    for setting in settings:
+        # each round on a prefix-cache salt of its own: a server kept up must not serve a later round from its cache
+        result = run_workload(
+            url, SERVED_NAME, workload["prompts"], workload["max_tokens"], setting, salt=f"round{round_number}"
+        )
+        result.update(
+            server=label,
+            ranks=ranks,
+            engines=engines,
+            round=round_number,
+            policy=setting.label,
+            budget=setting.budget,
+            evict_every_chunk=setting.evict_every_chunk,
+        )
+        results.append(result)
+        if quiet:
+            continue
+        sizes = (f" ranks={ranks}" if ranks > 1 else "") + (f" engines={engines}" if engines > 1 else "")
+        print(
+            f"{label} {setting.label} {setting.budget or '-'}{sizes} round {round_number}: "
+            + ", ".join(f"{c}={result[c]:.3g}" for c in COLUMNS),
+            flush=True,
+        )
     return results
 
 
@@ -323,7 +388,25 @@ def main(argv: list[str] | None = None) -> None:
         help="capacity: the same with --data-parallel-size (engines behind one API server, each with its own pool "
         "of --num-blocks blocks and its own CPUs)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with N > 1, the servers of each size (--tensor-sizes, --data-parallel-sizes) are started together and "
+        "kept up, each runs the workload once uncounted, then the workload goes to each in turn, N rounds, the order "
+        "reversed every other round; the scaling report gives medians over the rounds and each server's ratio to "
+        "vanilla within a round (the machine's drift divides out)",
+    )
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.rounds > 1 and args.rounds % 2:
+        # a run's speed depended on its place in the round (tiny Llama, docs/benchmarks.md): balance the places
+        print(
+            f"bench: --rounds {args.rounds} puts the first server first in one round more than the others; an even "
+            "number of rounds puts each server first equally often",
+            flush=True,
+        )
     if args.model.startswith("tiny:"):
         from kvserve.tools.bench.tiny_models import tiny_model
 
@@ -368,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
             "KVSERVE_CPU_KERNEL": "1" if args.cpu_kernel == "on" else "0",
         }
         servers = []
-        for layout in tensor_layouts(args, engine_args):
+        for layout in size_layouts(args, engine_args):
             servers.append(("vanilla", "vanilla", layout, [Setting("full", None)]))
             if args.command == "capacity" and args.ceiling:
                 unlimited = args.prompts * -(-(args.prompt_tokens + args.max_tokens) // args.block_size)
@@ -380,10 +463,14 @@ def main(argv: list[str] | None = None) -> None:
                 ]
                 servers.append((CEILING, "vanilla", ceiling_args, [Setting("full", None)]))
             servers.append(("kvserve", "kvserve", [*layout, *shlex.split(args.kvserve_args)], kvserve_settings))
-        results = run(servers, env, workload, Path(log_dir))
-    add_capacity_limits(results, args)
-    print()
-    print(report(results, args.prompt_tokens))
+        results = run(servers, env, workload, Path(log_dir), args.rounds)
+    for round_number in range(1, args.rounds + 1):
+        in_round = [r for r in results if r["round"] == round_number]
+        add_capacity_limits(in_round, args)
+        print()
+        if args.rounds > 1:
+            print(f"Round {round_number}:\n")
+        print(report(in_round, args.prompt_tokens))
     if args.tensor_sizes or args.data_parallel_sizes:
         print()
         print(scaling_report(results, "engines" if args.data_parallel_sizes else "ranks"))
@@ -399,37 +486,6 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).write_text(
             json.dumps({"command": args.command, "args": recorded, "provenance": ran, "results": results}, indent=1)
         )
-
-
-def tensor_layouts(args: argparse.Namespace, engine_args: list[str]) -> list[list[str]]:
-    """The engine flags of each tensor-parallel or data-parallel size asked for (`--tensor-sizes`,
-    `--data-parallel-sizes`), or the flags as they are."""
-    if args.tensor_sizes and args.data_parallel_sizes:
-        raise SystemExit("bench: --tensor-sizes or --data-parallel-sizes, not both")
-    option, sizes, flag = ("--tensor-sizes", args.tensor_sizes, TENSOR_FLAG)
-    if not sizes:
-        option, sizes, flag = ("--data-parallel-sizes", args.data_parallel_sizes, DATA_PARALLEL_FLAG)
-    if not sizes:
-        return [engine_args]
-    if flag in engine_args:
-        raise SystemExit(f"bench: give {flag} by {option}, not in --server-args")
-    return [[*engine_args, flag, size.strip()] for size in sizes.split(",")]
-
-
-def scaling_report(results: list[dict], size: str = "ranks") -> str:
-    """Each server's and setting's output tokens/s at every size (`ranks` or `engines`) over its own at the first
-    size: kvserve scales like vanilla when its ratio is at least vanilla's."""
-    first = min(r[size] for r in results)
-    header = f"| server | policy | budget | {size} | output tok/s | vs its own run at {size} {first} |"
-    lines = [header, "|---" * 6 + "|"]
-    for r in results:
-        same = (r["server"], r["policy"], r["budget"])
-        own = next(o for o in results if o[size] == first and (o["server"], o["policy"], o["budget"]) == same)
-        lines.append(
-            f"| {r['server']} | {r['policy']} | {r['budget'] or '-'} | {r[size]} | {r['output_tokens_per_s']:.1f} "
-            f"| {r['output_tokens_per_s'] / own['output_tokens_per_s']:.2f}x |"
-        )
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

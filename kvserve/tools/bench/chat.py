@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from kvserve.cpu_dtype import with_default_dtype
+from kvserve.http_client import client_limits
 from kvserve.provenance import command_line, provenance
 from kvserve.tools.bench.servers import running_server
 from kvserve.tools.eval.client import Setting, metric_sum, stream_chunks
@@ -129,7 +130,7 @@ async def _sample_usage(client: httpx.AsyncClient, url: str, stop: asyncio.Event
 
 async def _run(url: str, document: str, users: list[list[str]], args, setting: Setting) -> dict:
     salt = uuid.uuid4().hex  # this run's own prefix cache
-    async with httpx.AsyncClient(timeout=3600) as client:
+    async with httpx.AsyncClient(timeout=3600, limits=client_limits()) as client:
         before = (await client.get(url + "/metrics")).text
         stop, samples = asyncio.Event(), []
         sampler = asyncio.create_task(_sample_usage(client, url, stop, samples))

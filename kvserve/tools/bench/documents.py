@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 
 from kvserve.cpu_dtype import with_default_dtype
+from kvserve.http_client import client_limits
 from kvserve.provenance import command_line, provenance
 from kvserve.tools.bench.servers import running_server
 
@@ -70,7 +71,7 @@ def first_token_seconds(client: httpx.Client, url: str, prompt: str, salt: str, 
 def run_server(kind: str, url: str, document: str, questions: list[str], args: argparse.Namespace) -> list[dict]:
     """One server's modes: (server, mode, per-question TTFTs, extra) rows."""
     rows = []
-    with httpx.Client(timeout=1800) as client:
+    with httpx.Client(timeout=1800, limits=client_limits()) as client:
         first_token_seconds(client, url, "Warm up the engine.", uuid.uuid4().hex)
         recompute = [first_token_seconds(client, url, document + q, uuid.uuid4().hex) for q in questions]
         rows.append({"server": kind, "mode": "recompute", "ttft": [r["seconds"] for r in recompute]})

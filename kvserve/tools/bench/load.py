@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 
 from kvserve.config import parse_kv_config
+from kvserve.http_client import client_limits
 from kvserve.policies import POLICIES, POLICY_NAMES, Knob, representative_policies
 from kvserve.provenance import command_line, provenance
 from kvserve.tools.bench import sampling_fuzz
@@ -465,7 +466,7 @@ async def drive(
                 return
             outcomes.append(await send_bounded(client, base, model, case, texts[case.index], request_timeout))
 
-    limits = httpx.Limits(max_connections=concurrency + 4)
+    limits = client_limits(max_connections=concurrency + 4)
     start = time.perf_counter()
     async with httpx.AsyncClient(timeout=request_timeout, limits=limits) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))

@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from kvserve.cpu_dtype import with_default_dtype
+from kvserve.http_client import client_limits
 from kvserve.phases import INSIDE_WORKER, PHASES
 from kvserve.provenance import command_line, provenance
 from kvserve.tools.bench.servers import running_server
@@ -52,7 +53,7 @@ class PeakPages:
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self) -> None:
-        with httpx.Client(timeout=10) as client:
+        with httpx.Client(timeout=10, limits=client_limits()) as client:
             while not self._stop.is_set():
                 text = client.get(self.url + "/metrics").text
                 self.peak = max(self.peak, metric_sum(text, "kvserve:kv_pages_in_use"))
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         with (
             running_server("kvserve", args.model, engine_args, log, env) as url,
-            httpx.Client(timeout=3600) as client,
+            httpx.Client(timeout=3600, limits=client_limits()) as client,
         ):
             for case in cases:
                 for setting in settings(args):

@@ -69,10 +69,13 @@ def running_server_process(
         wait_until_serving(proc, log_path, lambda: _healthy(base), startup_timeout, kind)
         try:
             yield proc, base
-        except httpx.TransportError as error:  # the server dropped a request: say why from its log (a temporary one)
+        except httpx.TransportError as error:  # a request failed in transport: say why from its log (a temporary one)
             state = "running" if proc.poll() is None else f"exited with status {proc.returncode}"
+            what = (
+                "did not answer a request in time" if isinstance(error, httpx.TimeoutException) else "dropped a request"
+            )
             raise ServerRequestError(
-                f"{kind} server dropped a request ({error}; it is {state}):\n{log_tail(log_path)}"
+                f"{kind} server {what} ({type(error).__name__}: {error}; it is {state}):\n{log_tail(log_path)}"
             ) from error
 
 
@@ -86,7 +89,8 @@ class ServerStartError(RuntimeError):
 
 
 class ServerRequestError(RuntimeError):
-    """A started server closed a request's connection without an answer; the message ends with its log's end."""
+    """A started server closed a request's connection without an answer, or did not answer within the client's
+    timeout (the message says which); the message ends with its log's end."""
 
 
 def log_tail(log_path: Path, chars: int = 4000) -> str:

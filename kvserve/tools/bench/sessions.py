@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from kvserve.cpu_dtype import with_default_dtype
+from kvserve.http_client import client_limits
 from kvserve.provenance import command_line, provenance
 from kvserve.tools.bench.chat import SERVED_NAME, _conversation, conversation_texts
 from kvserve.tools.bench.servers import running_server
@@ -54,7 +55,7 @@ def grew(before: str, after: str, name: str) -> dict[str, float]:
 async def run_mode(url: str, mode: str, document: str, users: list[list[str]], args) -> dict:
     setting = Setting(args.policy, args.budget, checkpoint="turns")
     salt = uuid.uuid4().hex  # this run's own prefix cache
-    async with httpx.AsyncClient(timeout=3600) as client:
+    async with httpx.AsyncClient(timeout=3600, limits=client_limits()) as client:
         before = (await client.get(url + "/metrics")).text
         start = time.perf_counter()
         conversations = await asyncio.gather(

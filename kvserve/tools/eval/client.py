@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from kvserve.http_client import client_limits
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -206,7 +208,7 @@ def metric_sum(text: str, name: str) -> float:
 class Server:
     def __init__(self, url: str, model: str | None = None, timeout: float = 900) -> None:
         self.url = url.rstrip("/")
-        self.http = httpx.Client(timeout=timeout)
+        self.http = httpx.Client(timeout=timeout, limits=client_limits())
         self.model = model or self.http.get(self.url + "/v1/models").json()["data"][0]["id"]
 
     def metrics_text(self) -> str:

@@ -317,6 +317,7 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             ranks_qwen_ceiling.caption(),
             tensor_parts.section(data.load),
             TENSOR_FINDINGS,
+            tensor_parts.rounds_section(data.load),
             "### Prefill-heavy",
             workload(prefill),
             capacity_table(prefill),
