@@ -241,8 +241,10 @@ def test_a_metric_file_being_created_reads_as_empty_and_the_other_files_are_coll
 
     from kvserve.metrics import read_new_metric_files_as_empty
 
-    # the class's own reader, put back after the test (the guard replaces it process-wide)
-    monkeypatch.setattr(MmapedDict, "read_all_values_from_file", MmapedDict.__dict__["read_all_values_from_file"])
+    # prometheus_client's own reader for the test (the plugin may have installed the guard in this process already);
+    # whatever the class held is put back after it
+    reader = MmapedDict.read_all_values_from_file
+    monkeypatch.setattr(MmapedDict, "read_all_values_from_file", staticmethod(getattr(reader, "unguarded", reader)))
     written = MmapedDict(str(tmp_path / "counter_100.db"))
     written.write_value(mmap_key("kvserve:x", "kvserve:x_total", (), (), "x"), 5.0, 0.0)
     written.close()
