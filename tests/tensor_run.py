@@ -65,30 +65,31 @@ FAIL_AT = PROMPT_TOKENS + 6  # a decode step that plans no compaction (the next 
 
 
 def fail_on_last_rank(worker) -> bool:
-    """In a worker: make the policy raise for the step that ends at FAIL_AT tokens, on the rank holding the model's
-    last KV heads only (rank 1 of 2; the only rank of 1). True where it was armed."""
+    """In a worker: make the request's eviction work raise for the step that ends at FAIL_AT tokens (TOVA's decode
+    step: recording its query window), on the rank holding the model's last KV heads only (rank 1 of 2; the only
+    rank of 1). True where it was armed."""
     from kvserve.vllm.worker import requests_of
-    from kvserve.worker import eviction
+    from kvserve.worker.request import QueryWindow
 
     layout = requests_of(worker.model_runner).layout
     if layout.first_head + layout.num_heads != worker.model_runner.model_config.get_total_num_kv_heads():
         return False
-    evict = eviction._evict
+    next_row = QueryWindow.next_row
 
-    def failing(plan, *args, **kwargs):
-        if plan.logical_len == FAIL_AT and plan.compaction is None:
+    def failing(window, like, position):
+        if position == FAIL_AT - 1:  # the step's one query sits at the position before FAIL_AT
             raise RuntimeError("injected failure on the last rank")
-        return evict(plan, *args, **kwargs)
+        return next_row(window, like, position)
 
-    eviction._evict = failing
-    worker.model_runner.kvserve_unpatched_evict = evict
+    QueryWindow.next_row = failing
+    worker.model_runner.kvserve_unpatched_next_row = next_row
     return True
 
 
 def disarm(worker) -> None:
-    from kvserve.worker import eviction
+    from kvserve.worker.request import QueryWindow
 
-    eviction._evict = getattr(worker.model_runner, "kvserve_unpatched_evict", eviction._evict)
+    QueryWindow.next_row = getattr(worker.model_runner, "kvserve_unpatched_next_row", QueryWindow.next_row)
 
 
 def kept_positions(worker) -> dict:

@@ -291,6 +291,7 @@ def test_page_accounting_fuzz(seed):
         if action == "append":
             tokens = rng.choice([1, 1, 3, 8, 17])
             need = pages_needed(lists.free_slot_counts(), tokens)  # what the scheduler charges
+            assert lists.stage_pages().pages_after(tokens) == lists.pages_in_use + need  # its report's shortcut
             blocks = cdiv(lists.pages_in_use + need, layout.pages_per_block)
             grant = [free_blocks.pop(rng.randrange(len(free_blocks))) for _ in range(blocks - len(lists.blocks))]
             lists.add_blocks(grant)

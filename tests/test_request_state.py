@@ -64,3 +64,57 @@ def test_layer_tables_make_a_requests_table_only_when_it_is_read():
     assert torch.equal(tables["a"], plans[0].table(5)) and tables.get("z") is None
     tables["a"]
     assert plans[0].reads == [5, 5] and plans[1].reads == []  # made once (one read here, one by the test)
+
+
+def test_a_steps_decode_queries_are_recorded_as_each_requests_own_window_would_record_them():
+    """`record_decode_windows` (one copy for the step's decoding requests) against `QueryWindow.record` per request;
+    a prefill chunk, a failed request and a request without a window are left alone, and a request whose
+    recording raises fails by itself."""
+    from types import SimpleNamespace
+
+    from kvserve.worker.decoding import record_decode_windows
+    from kvserve.worker.request import WorkerRequest
+    from kvserve.worker.step import StepContext
+
+    def plan(req_id: str, window: int, start: int, count: int, logical_len: int, failure=None):
+        policy = SimpleNamespace(window_size=lambda: window)
+        state = SimpleNamespace(gate=None, config=SimpleNamespace(question_probe=False), policy=policy, layers={})
+        state.layer = lambda idx: WorkerRequest.layer(state, idx)
+        return SimpleNamespace(
+            req_id=req_id,
+            state=state,
+            query_start=start,
+            query_end=start + count,
+            logical_len=logical_len,
+            failure=failure,
+            eviction_seconds=0.0,
+        )
+
+    generator = torch.Generator().manual_seed(1)
+    references = {"a": QueryWindow(4), "c": QueryWindow(3)}
+    plans = {}
+    for step in range(7):
+        rows = [
+            plan("a", 4, 0, 1, 50 + step),
+            plan("prefill", 4, 1, 3, 30 + step),  # three queries: `_evict` records them
+            plan("c", 3, 4, 1, 90 + step),
+            plan("failed", 4, 5, 1, 10 + step, failure="an earlier layer failed"),
+            plan("no window", 0, 6, 1, 20 + step),
+        ]
+        for row in rows:  # each request's state lives on from step to step
+            row.state = plans.setdefault(row.req_id, row).state
+        query = torch.randn(7, 6, 4, generator=generator)
+        recorded = record_decode_windows(StepContext(pages=None, rows=rows), 2, query)
+        assert recorded == {"a", "c"}
+        for row in rows[:1] + rows[2:3]:
+            references[row.req_id].record(query[row.query_start : row.query_end], row.logical_len - 1)
+            window = row.state.layers[2].window
+            assert torch.equal(window.queries(), references[row.req_id].queries()), (step, row.req_id)
+            assert torch.equal(window.positions(), references[row.req_id].positions()), (step, row.req_id)
+        assert all(2 not in plans[name].state.layers for name in ("prefill", "failed", "no window"))
+
+    broken = plan("broken", 4, 0, 1, 5)
+    broken.state.layer = lambda idx: (_ for _ in ()).throw(ValueError("no layer state"))
+    fine = plan("fine", 4, 1, 1, 8)
+    assert record_decode_windows(StepContext(pages=None, rows=[broken, fine]), 0, torch.randn(2, 6, 4)) == {"fine"}
+    assert broken.failure == "ValueError: no layer state" and fine.failure is None

@@ -213,5 +213,7 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
 def split_pages(pages: StepPages) -> tuple[torch.Tensor, torch.Tensor]:
     """The page view as the key and value halves vLLM's ops take (as `CPUAttentionBackendImpl.forward` splits a
     layer's cache): [P, 1, block_size, D] each."""
-    view = pages.pages
-    return view.view(view.shape[0], 1, 2 * view.shape[2], -1).chunk(2, dim=2)
+    if pages.key_value_pages is None:  # made once per step, for every layer
+        view = pages.pages
+        pages.key_value_pages = view.view(view.shape[0], 1, 2 * view.shape[2], -1).chunk(2, dim=2)
+    return pages.key_value_pages

@@ -24,6 +24,7 @@ from kvserve.metrics import metrics
 from kvserve.policies import LayerObservation, Policy, Selection
 from kvserve.policies.base import PassStatistics
 from kvserve.worker import allocated
+from kvserve.worker.decoding import measure_decode_rows, pseudo_queries, record_decode_windows
 from kvserve.worker.gated import gated_layer_step
 from kvserve.worker.layouts import CachePages
 from kvserve.worker.pages import cdiv
@@ -61,9 +62,12 @@ def after_attention(
             for plan in step.rows:
                 if plan.req_id in measured:
                     plan.eviction_seconds += share
+    recorded = record_decode_windows(step, layer_idx, query)
     for plan in step.rows:
         if plan.failure is not None:
             continue
+        if plan.req_id in recorded and not plan.state.policy.stat_names and plan.compaction is None:
+            continue  # a decode step of a window policy (SnapKV): its query is recorded, nothing else to do
         start = time.perf_counter()
         try:
             if plan.state.gate is not None:
@@ -78,7 +82,16 @@ def after_attention(
                     scale,
                 )
             else:
-                _evict(plan, layer_idx, query, cache, tables.get(plan.req_id), scale, (measured or {}).get(plan.req_id))
+                _evict(
+                    plan,
+                    layer_idx,
+                    query,
+                    cache,
+                    tables.get(plan.req_id),
+                    scale,
+                    (measured or {}).get(plan.req_id),
+                    window_recorded=plan.req_id in recorded,
+                )
         except Exception as error:  # a policy's bug fails its request, never the engine (the scheduler ends it)
             # the reason alone: the scheduler's log and the HTTP front end's 500 name the policy once
             plan.failure = f"{type(error).__name__}: {error}"
@@ -119,13 +132,15 @@ def _evict(
     table: torch.Tensor | None,
     scale: float,
     given: PassStatistics | None,
+    window_recorded: bool = False,
 ) -> None:
     layer = plan.state.layer(layer_idx)
     policy = plan.state.policy
     queries = query[plan.query_start : plan.query_end]
     window = policy.window_size()
     if window:
-        _record_window(layer, queries, plan, window)
+        if not window_recorded:
+            _record_window(layer, queries, plan, window)
         if plan.state.config.question_probe:
             keep_question(plan, layer, layer_idx, window)
     if not policy.stat_names and plan.compaction is None:
@@ -266,16 +281,6 @@ def _reads_entries(policy: Policy, measured: PassStatistics) -> bool:
     return any(getattr(measured, name) is None for name in policy.pass_statistics if name != "window_sums")
 
 
-def pseudo_queries(queries: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[q, H*G, D] -> [H*q, G, D]: one pseudo row of q queries per KV head, in head order."""
-    count, num_q_heads, dim = queries.shape
-    return (
-        queries.view(count, num_heads, num_q_heads // num_heads, dim)
-        .transpose(0, 1)
-        .reshape(num_heads * count, num_q_heads // num_heads, dim)
-    )
-
-
 def measure_pass(
     policy: Policy,
     obs: LayerObservation,
@@ -327,48 +332,4 @@ def measure_pass(
         measured.column_sums, _ = cache.query_sums(rows, table, lengths, obs.scale)
     if 0 < window <= num_queries:  # the gain applies to the window rows
         measured.window_sums, _ = cache.query_sums(rows[:, -window:], table, lengths, obs.scale, logit_scale=gain)
-    return measured
-
-
-def measure_decode_rows(
-    step: StepContext,
-    layer_idx: int,
-    query: torch.Tensor,
-    cache: CachePages,
-    tables: Mapping[str, torch.Tensor],
-    scale: float,
-) -> dict[str, PassStatistics]:
-    """Column sums and first logits for every decoding request of the step that wants them, in one product over
-    all their lists: per request, what `measure_pass` would measure, without a Python pass per request."""
-    plans = [
-        plan
-        for plan in step.rows
-        if plan.failure is None
-        and plan.state.gate is None
-        and plan.query_end - plan.query_start == 1
-        and plan.req_id in tables
-        and {"column_sums", "first_logits"} & set(plan.state.policy.pass_statistics)
-    ]
-    if not plans:
-        return {}
-    num_heads = tables[plans[0].req_id].shape[0]
-    width = max(tables[plan.req_id].shape[1] for plan in plans)
-    all_tables = torch.cat(
-        [F.pad(tables[plan.req_id].long(), (0, width - tables[plan.req_id].shape[1])) for plan in plans]
-    )
-    lengths = [plan.lengths(layer_idx) for plan in plans]
-    rows = torch.cat([pseudo_queries(query[plan.query_start : plan.query_end], num_heads) for plan in plans])
-    want_first = any("first_logits" in plan.state.policy.pass_statistics for plan in plans)
-    if any("column_sums" in plan.state.policy.pass_statistics for plan in plans):
-        sums, first = cache.query_sums(rows[:, None], all_tables, torch.cat(lengths), scale, first_logits=want_first)
-    else:  # first logits alone (MAT): entry 0's key, not the whole list
-        sums, first = None, cache.first_logits(rows, all_tables, scale)
-    measured = {}
-    for index, (plan, plan_lengths) in enumerate(zip(plans, lengths, strict=True)):
-        heads = slice(index * num_heads, (index + 1) * num_heads)
-        wanted = plan.state.policy.pass_statistics
-        measured[plan.req_id] = PassStatistics(
-            column_sums=sums[heads, : int(plan_lengths.max())] if "column_sums" in wanted else None,
-            first_logits=first[heads].reshape(1, -1) if "first_logits" in wanted else None,
-        )
     return measured

@@ -15,6 +15,7 @@ blocks (`kvserve/vllm/kv_cache_manager.py`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,6 +112,12 @@ def page_view(kv_caches: list[torch.Tensor], layout: PageLayout) -> torch.Tensor
     )
 
 
+@functools.lru_cache(maxsize=8)
+def _list_index(num_layers: int, num_heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """Index arrays [L, 1, 1] and [1, H, 1] that pick each list's row of a table [L, H, W] (with a third index)."""
+    return np.arange(num_layers)[:, None, None], np.arange(num_heads)[None, :, None]
+
+
 class HeadPages:
     """One request's page lists, per (layer, KV head), over the pages of the vLLM blocks it holds.
 
@@ -185,17 +192,20 @@ class HeadPages:
     def append(self, tokens: int) -> np.ndarray:
         """Append `tokens` entries to every list; returns their cache slots `[L, H, tokens]` (page * bs + offset)."""
         bs = self.layout.block_size
-        have = self.page_counts()
+        have = cdiv(self.lens, bs)
         new_lens = self.lens + tokens
         need = cdiv(new_lens, bs)
-        width = int(need.max(initial=0))
-        if width > self.table.shape[2]:
-            self.table = np.pad(self.table, ((0, 0), (0, 0), (0, width - self.table.shape[2])))
-        for layer, head in np.argwhere(need > have):
-            for index in range(have[layer, head], need[layer, head]):
-                self.table[layer, head, index] = self._take(layer, head)
+        growing = need > have
+        if growing.any():  # at most once per block of tokens: a decode step mostly appends inside its last pages
+            width = int(need.max())
+            if width > self.table.shape[2]:
+                self.table = np.pad(self.table, ((0, 0), (0, 0), (0, width - self.table.shape[2])))
+            for layer, head in np.argwhere(growing):
+                for index in range(have[layer, head], need[layer, head]):
+                    self.table[layer, head, index] = self._take(layer, head)
         positions = self.lens[:, :, None] + np.arange(tokens)
-        pages = np.take_along_axis(self.table, positions // bs, axis=2)
+        layers, heads = _list_index(*self.lens.shape)
+        pages = self.table[layers, heads, positions // bs]
         self.lens = new_lens
         return pages * bs + positions % bs
 

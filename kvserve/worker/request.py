@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvserve.config import KVConfig
@@ -25,46 +26,61 @@ POSITION_HEADROOM = 256  # decode steps whose positions are computed ahead
 
 class QueryWindow:
     """The last `size` queries of one layer ([size, Hq, D]) and their logical positions, as a ring: a decode step's
-    query is one row copy, not a new tensor per (request, layer, step). Read oldest first."""
+    query is one row copy, not a new tensor per (request, layer, step). Read oldest first. The positions are a numpy
+    ring: one per (request, layer, decode step), a numpy element write costs a fraction of a tensor's."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self._queries: torch.Tensor | None = None
-        self._positions = torch.empty(size, dtype=torch.long)
+        self._rows: tuple[torch.Tensor, ...] = ()  # the ring's rows as views, made once
+        self._positions = np.zeros(size, dtype=np.int64)
         self._next = 0  # the row the next query goes to
         self._filled = 0
+
+    def _allocate(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+        self._queries = torch.empty(self.size, *shape, dtype=dtype, device=device)
+        self._rows = self._queries.unbind(0)
 
     def record(self, queries: torch.Tensor, first_position: int) -> None:
         """Append queries [q, Hq, D] at positions first_position .. first_position + q - 1."""
         count = queries.shape[0]
-        if self._queries is None:
-            self._queries = torch.empty(self.size, *queries.shape[1:], dtype=queries.dtype, device=queries.device)
         if count == 1:
-            self._queries[self._next] = queries[0]
-            self._positions[self._next] = first_position
-        elif count >= self.size:
+            self.next_row(queries, first_position).copy_(queries[0])
+            return
+        if self._queries is None:
+            self._allocate(queries.shape[1:], queries.dtype, queries.device)
+        if count >= self.size:
             self._queries.copy_(queries[-self.size :])
-            self._positions.copy_(torch.arange(first_position + count - self.size, first_position + count))
+            self._positions[:] = np.arange(first_position + count - self.size, first_position + count)
             self._next, self._filled = 0, self.size
             return
-        else:
-            rows = (self._next + torch.arange(count)) % self.size
-            self._queries.index_copy_(0, rows, queries)
-            self._positions.index_copy_(0, rows, torch.arange(first_position, first_position + count))
+        rows = (self._next + np.arange(count)) % self.size
+        self._queries.index_copy_(0, torch.from_numpy(rows), queries)
+        self._positions[rows] = np.arange(first_position, first_position + count)
         self._next = (self._next + count) % self.size
         self._filled = min(self.size, self._filled + count)
 
+    def next_row(self, like: torch.Tensor, position: int) -> torch.Tensor:
+        """Record one query at `position`: the ring row [Hq, D] it goes to, which the caller fills (a step's decoding
+        requests fill theirs in one copy, `kvserve/worker/eviction.py`). `like` [*, Hq, D]: the queries' shape."""
+        if self._queries is None:
+            self._allocate(like.shape[1:], like.dtype, like.device)
+        row = self._rows[self._next]
+        self._positions[self._next] = position
+        self._next = (self._next + 1) % self.size
+        self._filled = min(self.size, self._filled + 1)
+        return row
+
     def queries(self) -> torch.Tensor:
         """[w, Hq, D] oldest first (w = queries seen, at most size); a copy."""
-        return self._ordered(self._queries)
+        if self._filled < self.size:  # not wrapped yet: rows 0 .. filled-1 in order
+            return self._queries[: self._filled].clone()
+        return torch.cat([self._queries[self._next :], self._queries[: self._next]])
 
     def positions(self) -> torch.Tensor:
-        return self._ordered(self._positions)
-
-    def _ordered(self, ring: torch.Tensor) -> torch.Tensor:
-        if self._filled < self.size:  # not wrapped yet: rows 0 .. filled-1 in order
-            return ring[: self._filled].clone()
-        return torch.cat([ring[self._next :], ring[: self._next]])
+        if self._filled < self.size:
+            return torch.from_numpy(self._positions[: self._filled].copy())
+        return torch.from_numpy(np.concatenate([self._positions[self._next :], self._positions[: self._next]]))
 
 
 @dataclass
@@ -154,7 +170,10 @@ class WorkerRequest:
     pieces: dict[int, torch.Tensor] | None = None
 
     def layer(self, idx: int) -> LayerState:
-        return self.layers.setdefault(idx, LayerState())
+        state = self.layers.get(idx)
+        if state is None:  # not setdefault: that would build a LayerState on every call (per layer and step)
+            state = self.layers[idx] = LayerState()
+        return state
 
     def reset(self) -> None:
         """After preemption the request recomputes from scratch into fresh blocks."""

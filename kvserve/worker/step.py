@@ -35,6 +35,7 @@ class StepPages:
     slots: torch.Tensor  # [L, T * H] int64 page-view slot of each (token, head) this step writes, -1: none
     same_lens: bool  # every layer has the same seq_lens: one scheduler metadata serves all layers
     _metadata: dict[tuple[str, int], object] = field(default_factory=dict)
+    key_value_pages: tuple[torch.Tensor, torch.Tensor] | None = None  # the page view's key and value halves
 
     def metadata(self, layer_idx: int, part: str, seq_lens: torch.Tensor, build) -> object:
         """vLLM's attention work partition for the `part` of this layer's pseudo rows whose lengths are `seq_lens`
@@ -160,37 +161,43 @@ def build_step_pages(
     requests that do not evict, from their own lists for those that do (`rows`, whose new entries' slots are
     `appended[row]`). vLLM's view of the step: `vllm_blocks` [R, W] its block table, `seq_lens` [R] the lengths after
     the step, `slot_mapping` [T] the slot of each token (-1: padding), `query_start_loc` [R + 1]."""
+    # built in numpy and handed to torch without a copy: a few small array operations per evicting request cost
+    # a fraction of torch's (this ran once per step and per request, which a second tensor-parallel rank does not
+    # divide: 4% of a tiny Llama step's samples as torch indexing)
     num_layers, num_heads, bs = layout.num_layers, layout.num_heads, layout.block_size
     num_reqs, vllm_width = vllm_blocks.shape
     num_tokens = slot_mapping.shape[0]
     width = max([vllm_width] + [plan.state.pages.table.shape[2] for plan in rows])
-    heads = torch.arange(num_heads)
-    layer_base = torch.arange(num_layers) * layout.num_blocks * num_heads
-    tables = torch.zeros(num_layers, num_heads, num_reqs, width, dtype=torch.long)
+    heads = np.arange(num_heads)
+    layer_base = np.arange(num_layers) * layout.num_blocks * num_heads
+    tables = np.zeros((num_layers, num_heads, num_reqs, width), dtype=np.int32)
     tables[..., :vllm_width] = (
-        vllm_blocks[None, None] * num_heads + heads[None, :, None, None] + layer_base[:, None, None, None]
+        vllm_blocks.numpy()[None, None] * num_heads + heads[None, :, None, None] + layer_base[:, None, None, None]
     )
-    lengths = seq_lens.to(torch.int32).repeat(num_layers, num_heads, 1)  # [L, H, R]
-    page_slots = ((slot_mapping // bs)[:, None] * num_heads + heads[None, :]) * bs + (slot_mapping % bs)[:, None]
+    lengths = np.repeat(seq_lens.numpy().astype(np.int32)[None, None], num_layers * num_heads, axis=0).reshape(
+        num_layers, num_heads, num_reqs
+    )
+    token_slots = slot_mapping.numpy()
+    page_slots = ((token_slots // bs)[:, None] * num_heads + heads[None, :]) * bs + (token_slots % bs)[:, None]
     slots = page_slots[None] + layer_base[:, None, None] * bs  # [L, T, H]
-    slots[:, slot_mapping < 0] = -1
+    slots[:, token_slots < 0] = -1
     for plan in rows:
         lists = plan.state.pages
         tables[:, :, plan.row] = 0
-        tables[:, :, plan.row, : lists.table.shape[2]] = torch.from_numpy(lists.table)
-        lengths[:, :, plan.row] = torch.from_numpy(lists.lens)
-        slots[:, plan.query_start : plan.query_end] = torch.from_numpy(appended[plan.row]).transpose(1, 2)
-    starts = (query_start_loc[:-1][None, :] + heads[:, None] * num_tokens).reshape(-1)
-    pseudo_starts = torch.cat([starts, torch.tensor([num_heads * num_tokens])]).to(torch.int32)
+        tables[:, :, plan.row, : lists.table.shape[2]] = lists.table
+        lengths[:, :, plan.row] = lists.lens
+        slots[:, plan.query_start : plan.query_end] = appended[plan.row].transpose(0, 2, 1)
+    starts = (query_start_loc.numpy()[:-1][None, :] + heads[:, None] * num_tokens).reshape(-1)
+    pseudo_starts = np.append(starts, num_heads * num_tokens).astype(np.int32)
     lengths = lengths.reshape(num_layers, -1)
     return StepPages(
         layout=layout,
         pages=pages,
         num_reqs=num_reqs,
         num_tokens=num_tokens,
-        tables=tables.reshape(num_layers, num_heads * num_reqs, width).to(torch.int32),
-        seq_lens=lengths,
-        query_start_loc=pseudo_starts,
-        slots=slots.reshape(num_layers, -1).contiguous(),
+        tables=torch.from_numpy(tables.reshape(num_layers, num_heads * num_reqs, width)),
+        seq_lens=torch.from_numpy(lengths),
+        query_start_loc=torch.from_numpy(pseudo_starts),
+        slots=torch.from_numpy(slots.reshape(num_layers, -1).astype(np.int64, copy=False)),
         same_lens=not rows or bool((lengths == lengths[0]).all()),
     )

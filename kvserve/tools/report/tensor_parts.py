@@ -25,6 +25,8 @@ REPEAT = "tp/qwen05-tp-long-decode-earlier.json"
 ROUNDS = (
     ("tp/tiny-llama-tp-rounds.json", "the tiny Llama"),
     ("tp/qwen05-tp-rounds.json", "Qwen2.5-Coder-0.5B"),
+    # the tiny Llama's command once more, right after: how far one run's verdict moves on this machine
+    ("tp/tiny-llama-tp-rounds-repeat.json", "the tiny Llama (the same command again)"),
 )
 
 
@@ -166,6 +168,19 @@ def own_share(source: Source) -> str:
     return " and ".join(parts)
 
 
+def repeat_spread(first: Source, again: Source) -> str:
+    """What the same rounds command gave twice in a row: kvserve's gain over vanilla's each time."""
+    gains = []
+    for source in (first, again):
+        results = source.data["results"]
+        (kvserve,) = {setting_key(r) for r in results if r["server"] == "kvserve"}
+        gains.append(gain_over_vanilla(results, kvserve, 2))
+    return (
+        f"The tiny Llama's command, run twice in a row, gave kvserve {gains[0]:.2f} and then {gains[1]:.2f} of "
+        "vanilla's gain: on this machine one run decides it only within about that much."
+    )
+
+
 def rounds_section(load) -> str:
     sources = [(load(name), model) for name, model in ROUNDS]
     preempted = sum(
@@ -190,7 +205,8 @@ def rounds_section(load) -> str:
             + " on the tiny Llama, whose model computes little per token, and "
             + own_share(sources[1][0])
             + " on Qwen2.5-Coder-0.5B (medians over the rounds): work per request and layer, which a second rank "
-            "divides only in part, weighs most where the model's own compute is smallest.",
+            "divides only in part, weighs most where the model's own compute is smallest. "
+            + repeat_spread(sources[0][0], sources[2][0]),
             *(source.caption() for source, _ in sources),
         ]
     )
