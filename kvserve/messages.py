@@ -69,8 +69,7 @@ class StagePages:
 
     def pages_after(self, tokens: int) -> int:
         """Pages its lists hold once `tokens` more entries are appended to every list."""
-        bs = len(self.free_slots)
-        return self.pages + sum(count * cdiv(max(tokens - free, 0), bs) for free, count in self._lists_by_free)
+        return self.pages + _pages_for(self._lists_by_free, tokens, len(self.free_slots))
 
     @functools.cached_property
     def _lists_by_free(self) -> tuple[tuple[int, int], ...]:
@@ -83,8 +82,13 @@ class StagePages:
 def pages_needed(free_slot_counts: tuple[int, ...], tokens: int) -> int:
     """Pages that appending `tokens` entries to every list takes, given how many lists have f free slots in their
     last page for f = 0 .. block_size - 1 (`HeadPages.free_slot_counts()`)."""
-    bs = len(free_slot_counts)
-    return sum(count * cdiv(max(tokens - free, 0), bs) for free, count in enumerate(free_slot_counts) if count)
+    lists_by_free = ((free, count) for free, count in enumerate(free_slot_counts) if count)
+    return _pages_for(lists_by_free, tokens, len(free_slot_counts))
+
+
+def _pages_for(lists_by_free, tokens: int, block_size: int) -> int:
+    """Pages that `tokens` more entries take over lists given as (f free slots, lists with f) pairs."""
+    return sum(count * cdiv(max(tokens - free, 0), block_size) for free, count in lists_by_free)
 
 
 @dataclass(frozen=True)

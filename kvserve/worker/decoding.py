@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from kvserve.policies.base import PassStatistics
 from kvserve.worker.layouts import CachePages
-from kvserve.worker.request import QueryWindow
 from kvserve.worker.step import StepContext
 
 logger = logging.getLogger(__name__)
@@ -54,11 +53,8 @@ def record_decode_windows(step: StepContext, layer_idx: int, query: torch.Tensor
     rows, recorded = [], []
     for plan in plans:
         try:
-            layer = plan.state.layer(layer_idx)
-            window = plan.state.policy.window_size()
-            if layer.window is None or layer.window.size != window:
-                layer.window = QueryWindow(window)
-            rows.append(layer.window.next_row(query, plan.logical_len - 1))
+            window = plan.state.layer(layer_idx).query_window(plan.state.policy.window_size())
+            rows.append(window.next_row(query, plan.logical_len - 1))
         except Exception as error:  # this request fails, as when its policy raises
             plan.failure = f"{type(error).__name__}: {error}"
             logger.exception("kvserve: request %s: recording its query window failed", plan.req_id)
@@ -71,7 +67,7 @@ def record_decode_windows(step: StepContext, layer_idx: int, query: torch.Tensor
             plan.failure = f"{type(error).__name__}: {error}"
         logger.exception("kvserve: recording the step's decode queries failed")
         return set()
-    share = (time.perf_counter() - start) / max(len(plans), 1)
+    share = (time.perf_counter() - start) / len(plans)
     for plan in plans:
         plan.eviction_seconds += share
     return {plan.req_id for plan in recorded}

@@ -30,7 +30,7 @@ from kvserve.worker.layouts import CachePages
 from kvserve.worker.pages import cdiv
 from kvserve.worker.pieces import meet_pieces
 from kvserve.worker.questions import keep_question, question_window
-from kvserve.worker.request import LayerState, QueryWindow
+from kvserve.worker.request import LayerState
 from kvserve.worker.step import RowPlan, StepContext
 
 logger = logging.getLogger(__name__)
@@ -170,9 +170,7 @@ def _evict(
 
 
 def _record_window(layer: LayerState, queries: torch.Tensor, plan: RowPlan, window: int) -> None:
-    if layer.window is None or layer.window.size != window:
-        layer.window = QueryWindow(window)
-    layer.window.record(queries, plan.logical_len - queries.shape[0])
+    layer.query_window(window).record(queries, plan.logical_len - queries.shape[0])
 
 
 def _observe(

@@ -192,7 +192,7 @@ class HeadPages:
     def append(self, tokens: int) -> np.ndarray:
         """Append `tokens` entries to every list; returns their cache slots `[L, H, tokens]` (page * bs + offset)."""
         bs = self.layout.block_size
-        have = cdiv(self.lens, bs)
+        have = self.page_counts()
         new_lens = self.lens + tokens
         need = cdiv(new_lens, bs)
         growing = need > have

@@ -73,14 +73,16 @@ class QueryWindow:
 
     def queries(self) -> torch.Tensor:
         """[w, Hq, D] oldest first (w = queries seen, at most size); a copy."""
-        if self._filled < self.size:  # not wrapped yet: rows 0 .. filled-1 in order
-            return self._queries[: self._filled].clone()
-        return torch.cat([self._queries[self._next :], self._queries[: self._next]])
+        return self._queries[torch.from_numpy(self._oldest_first())]
 
     def positions(self) -> torch.Tensor:
+        return torch.from_numpy(self._positions[self._oldest_first()])
+
+    def _oldest_first(self) -> np.ndarray:
+        """The ring's filled rows, oldest first (rows 0 .. filled-1 until it wraps)."""
         if self._filled < self.size:
-            return torch.from_numpy(self._positions[: self._filled].copy())
-        return torch.from_numpy(np.concatenate([self._positions[self._next :], self._positions[: self._next]]))
+            return np.arange(self._filled)
+        return (self._next + np.arange(self.size)) % self.size
 
 
 @dataclass
@@ -104,6 +106,12 @@ class LayerState:
     @property
     def window_positions(self) -> torch.Tensor | None:
         return self.window.positions() if self.window is not None else None
+
+    def query_window(self, size: int) -> QueryWindow:
+        """The layer's window of the last `size` queries (a new one when the policy's size differs)."""
+        if self.window is None or self.window.size != size:
+            self.window = QueryWindow(size)
+        return self.window
 
     def counts(self, num_heads: int) -> torch.Tensor:
         """[H] entries of each head that the last compaction kept (0 before any)."""
