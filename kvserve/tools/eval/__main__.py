@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 
 from kvserve.provenance import command_line, provenance
-from kvserve.tools.eval import parity
+from kvserve.tools.eval import parity, scoreboard
 from kvserve.tools.eval.client import Server, settings
 from kvserve.tools.eval.ruler import DEFAULT_TASKS, RULER_TASKS
 from kvserve.tools.eval.tasks import TASKS
@@ -181,13 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
         "suite", help="the verdict over ruler/tasks results: judged tasks, ratios to full", add_help=False
     )
     parity.add_parser(commands)
+    scoreboard.add_parser(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command == "parity":
+    if args.command in ("parity", "scoreboard"):
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if not args.table_only:

@@ -66,6 +66,17 @@ def duo_press(setting: dict, case_key: list):
     return press
 
 
+def compression_ratio(setting: dict, case: dict, tokens: int) -> float:
+    """kvpress's compression_ratio for a setting's budget B on a case of `tokens` context tokens. A setting with a
+    budget per case (`budgets`, keyed by the case's key as JSON: the scoreboard's) gets 1 - (B + 0.5) / tokens, for
+    which a press's int(tokens x (1 - ratio)) is exactly B; one budget for all (`budget`: parity's) 1 - B / tokens."""
+    if "budgets" in setting:
+        budget = setting["budgets"][json.dumps(case["key"])]
+        return max(0.0, 1.0 - (budget + 0.5) / tokens)
+    budget = setting["budget"]
+    return 0.0 if budget is None else max(0.0, 1.0 - budget / tokens)
+
+
 def main(cases_path: str, out_path: str) -> None:
     import kvpress  # noqa: F401  (registers the pipeline and patches attention for masked heads)
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
@@ -86,8 +97,7 @@ def main(cases_path: str, out_path: str) -> None:
             if (setting["label"], tuple(case["key"])) in done:
                 continue
             context = torch.tensor([case["context_ids"]])
-            budget = setting["budget"]
-            ratio = 0.0 if budget is None else max(0.0, 1.0 - budget / context.shape[1])
+            ratio = compression_ratio(setting, case, context.shape[1])
             press = None if setting["press"] == "full" else make_press(setting["press"], ratio, setting, case["key"])
             started = time.perf_counter()
             with torch.inference_mode():
@@ -104,6 +114,7 @@ def main(cases_path: str, out_path: str) -> None:
                 "references": case["references"],
                 "context_tokens": context.shape[1],
                 "compression_ratio": round(ratio, 4),
+                **({"budget": setting["budgets"][json.dumps(case["key"])]} if "budgets" in setting else {}),
                 "seconds": round(time.perf_counter() - started, 2),
             }
             with out.open("a") as f:

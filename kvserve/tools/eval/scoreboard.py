@@ -1,0 +1,323 @@
+"""`kvserve eval scoreboard`: RULER at 4k under kvpress's leaderboard protocol, the same cases through kvpress 0.5.5
+and through a kvserve server, setting by setting, so that kvserve stands on the plot the field compares methods on.
+
+A setting is `POLICY@RATIO/QUESTION` (`kvzip@0.75/outside`, `snapkv@0.5/inside`, `full`):
+- `outside` is the leaderboard's first loop: the context is compressed before the question is seen. kvpress
+  prefills the context under its press, then answers the question kept in full. kvserve: KVzip's context is
+  compressed by its reconstruction (`POST /v1/kvserve/compress`), any other policy's where the context ends
+  (`kv_document`: the policy's own scores, its queries the context's last ones); the question resumes from the
+  compressed lists and is kept in full, with the reply.
+- `inside` is the second loop (kvpress's `query_aware`): the question is part of what is compressed. kvpress
+  compresses context and question, the answer prefix kept in full; kvserve compacts the whole prompt where it
+  ends, as it serves by default.
+- RATIO r: every (layer, KV head) keeps (1 - r) x the compressed tokens on average, B entries
+  (`ruler4k.budget_for`), the same B on both sides (kvpress's ratio is set to give exactly B); a compressed document
+  keeps whole blocks, so its B is rounded to the server's block size.
+- POLICY: kvserve's name; the kvpress press is the one of that name (`parity.REFERENCE_KNOBS` makes kvserve's knobs
+  the press's). `default` is kvserve's serving default (snapkv with its own knobs, kvserve side only); `/global`
+  after the question names kvserve's kv_allocation (KVzip's default is global, as kvpress's KVzip ranks all heads).
+
+    kvserve eval scoreboard --url http://127.0.0.1:8000 --model-dir "$(kvserve setup-model qwen2.5-coder-0.5b)" \\
+        --settings full,kvzip@0.75/outside,snapkv@0.75/inside --samples 20 --out docs/eval/ruler4k/qwen05.jsonl
+
+Cases are interleaved task by task (`ruler4k.interleaved`), so a run stopped early has as many answers of each task;
+every answer is one JSON line, and a rerun resumes where the file ends. `--table-only` prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from kvserve.tools.eval import ruler4k
+from kvserve.tools.eval.client import Server, Setting, append_row, load_rows
+from kvserve.tools.eval.parity import KVPRESS_SIDE, REFERENCE_KNOBS, ParityCase, duo_reference, duo_retrieval_heads
+from kvserve.tools.markdown import table
+
+QUESTIONS = ("outside", "inside")
+KVSERVE_ONLY = ("default",)  # kvserve's serving default: snapkv as the server configures it
+
+
+@dataclass(frozen=True)
+class BoardSetting:
+    policy: str  # kvserve's policy, `full`, or `default`
+    ratio: float = 0.0
+    question: str = "outside"
+    allocation: str = "uniform"  # kvserve's kv_allocation
+
+    @property
+    def label(self) -> str:
+        if self.policy == "full":
+            return "full"
+        label = f"{self.policy}@{self.ratio:g}/{self.question}"
+        return label + (f"/{self.allocation}" if self.allocation != "uniform" else "")
+
+    @property
+    def reference(self) -> str | None:
+        """The kvpress row this setting is compared with (kvpress keeps every press's own allocation)."""
+        if self.policy in KVSERVE_ONLY:
+            return None
+        return self.label.removesuffix(f"/{self.allocation}") if self.allocation != "uniform" else self.label
+
+    @property
+    def served_policy(self) -> str:
+        return "snapkv" if self.policy == "default" else self.policy
+
+    @property
+    def compresses_document(self) -> bool:
+        """kvserve compresses the context alone, as a document (its lists then fill whole blocks)."""
+        return self.policy != "full" and self.question == "outside"
+
+
+def parse_setting(text: str) -> BoardSetting:
+    """`full` or POLICY@RATIO/QUESTION[/ALLOCATION]; ValueError names what is wrong."""
+    from kvserve.policies import POLICIES
+
+    if text == "full":
+        return BoardSetting("full")
+    match = re.fullmatch(r"([a-z_]+)@([0-9.]+)/(outside|inside)(?:/(uniform|global|heads|layers))?", text)
+    if not match:
+        raise ValueError(f"{text!r}: a setting is full or POLICY@RATIO/QUESTION[/ALLOCATION], e.g. kvzip@0.75/outside")
+    policy, ratio, question, allocation = match.groups()
+    if policy not in REFERENCE_KNOBS and policy not in KVSERVE_ONLY:
+        known = ", ".join([*REFERENCE_KNOBS, *KVSERVE_ONLY])
+        raise ValueError(f"{text!r}: {policy} has no kvpress press here; one of {known}")
+    if policy not in POLICIES and policy not in KVSERVE_ONLY:
+        raise ValueError(f"{text!r}: kvserve serves no policy {policy}")
+    ratio_value = float(ratio)
+    if not 0 < ratio_value < 1:
+        raise ValueError(f"{text!r}: the ratio is in (0, 1)")
+    default_allocation = "global" if policy == "kvzip" else "uniform"
+    return BoardSetting(policy, ratio_value, question, allocation or default_allocation)
+
+
+@dataclass(frozen=True)
+class BoardCase:
+    key: tuple[str, int]  # (task, index)
+    outside: tuple[list[int], list[int]]  # (compressed ids, kept ids): the context, then question and answer prefix
+    inside: tuple[list[int], list[int]]  # the context and question, then the template's reply start and prefix
+    references: tuple[str, ...]
+    max_tokens: int
+
+    def form(self, question: str) -> tuple[list[int], list[int]]:
+        return self.outside if question == "outside" else self.inside
+
+
+def board_cases(tokenizer, tasks: list[str], samples: int, seed: int = 0) -> list[BoardCase]:
+    cases = []
+    for case in ruler4k.interleaved(ruler4k.make_cases(tokenizer, tasks, samples, seed)):
+        outside = ruler4k.pipeline_ids(tokenizer, case.context, case.question, case.answer_prefix)
+        inside = ruler4k.pipeline_ids(tokenizer, case.context + case.question, "", case.answer_prefix)
+        cases.append(BoardCase(case.key, outside, inside, case.references, case.max_new_tokens))
+    return cases
+
+
+def budget_of(setting: BoardSetting, case: BoardCase, block_size: int) -> int | None:
+    if setting.policy == "full":
+        return None
+    compressed, _ = case.form(setting.question)
+    return ruler4k.budget_for(setting.ratio, len(compressed), block_size if setting.compresses_document else 1)
+
+
+# --- kvpress's side ---
+
+
+def run_kvpress(python: str, model_dir: str, cases: list[BoardCase], settings: list[BoardSetting], out: str,
+                block_size: int) -> None:
+    """kvpress's rows of every setting that has a press, one subprocess per question form (kvpress_side.py)."""
+    for question in QUESTIONS:
+        group = [s for s in settings if s.reference and (s.question == question or s.policy == "full")]
+        group = [s for s in group if question == "outside" or s.policy != "full"]
+        if not group:
+            continue
+        forms = [ParityCase(list(c.key), *c.form(question), c.references, c.max_tokens) for c in cases]
+        spec = {"model": model_dir, "settings": [], "cases": [
+            {"key": f.key, "context_ids": f.context_ids, "question_ids": f.question_ids,
+             "references": list(f.references), "max_tokens": f.max_tokens} for f in forms]}
+        for setting in dict.fromkeys(replace(s, allocation="uniform") for s in group):
+            entry = {"label": setting.label, "press": setting.policy, "budget": None}
+            if setting.policy != "full":
+                entry["budgets"] = {json.dumps(list(c.key)): budget_of(setting, c, block_size) for c in cases}
+            if setting.policy == "duoattention":
+                entry.update(duo_settings(model_dir, setting, forms, entry["budgets"]))
+            spec["settings"].append(entry)
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(spec, f)
+        subprocess.run([python, str(KVPRESS_SIDE), f.name, out], check=True)
+
+
+def duo_settings(model_dir: str, setting: BoardSetting, forms: list[ParityCase], budgets: dict[str, int]) -> dict:
+    """DuoAttention's head roles and each case's retrieval heads for kvpress's press at each case's budget."""
+    from kvserve.tools.eval.parity import roles_of
+
+    roles = roles_of(model_dir)
+    per_case = {}
+    for form in forms:
+        per_case.update(duo_reference(roles, budgets[json.dumps(form.key)], [form])["retrieval_heads"])
+    return {**duo_reference(roles, 1, forms[:1]), "retrieval_heads": per_case}
+
+
+# --- kvserve's side ---
+
+
+def server_block_size(server: Server) -> int:
+    """The server's block size, from vLLM's cache_config_info series."""
+    found = re.search(r'cache_config_info\{[^}]*block_size="(\d+)"', server.metrics_text())
+    if not found:
+        raise RuntimeError(f"{server.url}/metrics has no vllm:cache_config_info with a block_size")
+    return int(found.group(1))
+
+
+def served_setting(setting: BoardSetting, budget: int | None, model_dir: str, case: BoardCase) -> Setting:
+    if setting.policy == "full":
+        return Setting("full", None)
+    knobs = () if setting.policy in KVSERVE_ONLY else REFERENCE_KNOBS[setting.policy]
+    if setting.policy == "duoattention":
+        from kvserve.tools.eval.parity import roles_of
+
+        roles = roles_of(model_dir)
+        heads = duo_retrieval_heads(roles, budget, len(case.form(setting.question)[0]))
+        knobs = (("retrieval_fraction", repr(heads / roles.gates.numel())),)
+    return Setting(setting.served_policy, budget, allocation=setting.allocation, knobs=knobs)
+
+
+def run_kvserve(server: Server, model_dir: str, cases: list[BoardCase], settings: list[BoardSetting], out: str,
+                block_size: int) -> None:
+    rows = load_rows(out)
+    done = {(row["label"], tuple(row["key"])) for row in rows if row["side"] == "kvserve"}
+    # kvpress's rows record the B they kept: the same B here, or the comparison is not of the same memory
+    theirs = {(row["label"], tuple(row["key"])): row.get("budget") for row in rows if row["side"] == "kvpress"}
+    for setting in settings:
+        for case in cases:
+            if (setting.label, case.key) in done:
+                continue
+            budget = budget_of(setting, case, block_size)
+            if theirs.get((setting.reference, case.key), budget) != budget:
+                raise SystemExit(
+                    f"{setting.label} {case.key}: kvpress's row kept {theirs[(setting.reference, case.key)]} entries, "
+                    f"this server's block size ({block_size}) gives {budget}: run kvpress's side with --block-size "
+                    f"{block_size}"
+                )
+            served = served_setting(setting, budget, model_dir, case)
+            compressed, kept = case.form(setting.question)
+            extra = {}
+            if setting.compresses_document:
+                if served.compresses_documents:
+                    server.compress(served, compressed)  # KVzip: the context reconstructed, then compressed
+                extra["kv_document"] = len(compressed)
+            body = server.complete(served, compressed + kept, max_tokens=case.max_tokens, **extra)
+            evicted = body["usage"].get("kv_tokens_evicted", 0)
+            if budget is not None and not evicted:
+                raise RuntimeError(f"{setting.label} {case.key}: served without eviction (kv_tokens_evicted 0)")
+            answer = body["choices"][0]["text"]
+            append_row(out, {
+                "side": "kvserve", "label": setting.label, "key": list(case.key), "answer": answer,
+                "references": list(case.references), "context_tokens": len(compressed), "budget": budget,
+                "kv_tokens_evicted": evicted,
+            })
+            print(f"kvserve {setting.label} {case.key}: {answer[:60]!r}", flush=True)
+
+
+# --- the table ---
+
+
+def scored(rows: list[dict]) -> list[dict]:
+    """Rows with their task and RULER score."""
+    return [
+        {**row, "task": row["key"][0], "score": ruler4k.string_match(row["key"][0], row["answer"], row["references"])}
+        for row in rows
+    ]
+
+
+def cell(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    mean, low, high, n = ruler4k.mean_over_tasks(rows)
+    return f"{100 * mean:.1f} [{100 * low:.1f}, {100 * high:.1f}] (n={n})"
+
+
+def board_table(rows: list[dict]) -> str:
+    """Per setting: kvpress's and kvserve's RULER-4k mean over tasks (x100) with its 95% interval and answer count,
+    kvserve minus kvpress on the cases both answered, and each side's share of its own full."""
+    rows = scored(rows)
+    by: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        by.setdefault((row["side"], row["label"]), []).append(row)
+    labels = sorted({label for _, label in by}, key=label_order)
+    body = []
+    for label in labels:
+        setting = parse_setting(label)
+        ours, theirs = by.get(("kvserve", label), []), by.get(("kvpress", setting.reference or ""), [])
+        body.append([label, cell(theirs), cell(ours), paired_difference(theirs, ours),
+                     f"{share(theirs, by.get(('kvpress', 'full'), []))} / {share(ours, by.get(('kvserve', 'full'), []))}"])
+    return table(["setting", "kvpress", "kvserve", "kvserve - kvpress (same cases)", "share of full"], body)
+
+
+def label_order(label: str) -> tuple:
+    if label == "full":
+        return (0, 0.0, "")
+    setting = parse_setting(label)
+    return (1, setting.ratio, setting.question, setting.policy, setting.allocation)
+
+
+def paired_difference(theirs: list[dict], ours: list[dict]) -> str:
+    keys = {tuple(row["key"]) for row in theirs} & {tuple(row["key"]) for row in ours}
+    if not keys:
+        return ""
+    a = ruler4k.mean_over_tasks([row for row in ours if tuple(row["key"]) in keys])[0]
+    b = ruler4k.mean_over_tasks([row for row in theirs if tuple(row["key"]) in keys])[0]
+    return f"{100 * (a - b):+.1f} (n={len(keys)})"
+
+
+def share(rows: list[dict], full: list[dict]) -> str:
+    if not rows or not full:
+        return ""
+    keys = {tuple(row["key"]) for row in rows}
+    base = ruler4k.mean_over_tasks([row for row in full if tuple(row["key"]) in keys])[0]
+    return "" if not base else f"{ruler4k.mean_over_tasks(rows)[0] / base:.0%}"
+
+
+def main(args) -> None:
+    settings = [parse_setting(text) for text in args.settings.split(",") if text]
+    if not args.table_only:
+        from transformers import AutoTokenizer
+
+        if not args.model_dir:
+            raise SystemExit("kvserve eval scoreboard: --model-dir is required to run cases")
+        tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+        tasks = [task for task in args.tasks.split(",") if task]
+        cases = board_cases(tokenizer, tasks, args.samples, args.seed)
+        server = Server(args.url) if args.side == "kvserve" else None
+        block_size = server_block_size(server) if server else args.block_size
+        if args.side == "kvpress":
+            run_kvpress(args.reference_python, args.model_dir, cases, settings, args.out, block_size)
+        else:
+            run_kvserve(server, args.model_dir, cases, settings, args.out, block_size)
+    print(board_table(load_rows(args.out)))
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("scoreboard", help="RULER-4k under kvpress's leaderboard protocol, both sides")
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="a running kvserve server of the model")
+    parser.add_argument("--model-dir", help="the model's transformers directory (cases, and kvpress's model)")
+    parser.add_argument("--reference-python", default=".kvpress-venv/bin/python", help="kvpress's environment")
+    parser.add_argument("--side", choices=("kvserve", "kvpress"), default="kvserve")
+    parser.add_argument("--settings", default="full", help="comma list of full and POLICY@RATIO/QUESTION")
+    parser.add_argument("--tasks", default=",".join(ruler4k.TASKS), help="RULER tasks (all that can be generated)")
+    parser.add_argument("--samples", type=int, default=10, help="cases per task")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--block-size", type=int, default=32, help="kvpress side: the kvserve server's block size (B of documents)"
+    )
+    parser.add_argument("--table-only", action="store_true")
+    parser.add_argument("--out", required=True, help="JSON lines of both sides' answers; an existing file resumes")
+    parser.set_defaults(handler=main)
+
+
+if __name__ == "__main__":
+    sys.exit("run as `kvserve eval scoreboard ...`")
