@@ -47,16 +47,21 @@ QUESTION_PATTERNS = {
 }
 MAX_NEW_TOKENS = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50, "qa": 32}  # RULER's tokens_to_generate
 
-# each niah task as the harness generates it (`lm_eval/tasks/ruler/niah_utils.py`): haystack and needle counts
+
+def _niah(haystack: str, keys: str = "words", values: str = "numbers", **counts: int) -> dict:
+    """A niah task as the harness generates it (`lm_eval/tasks/ruler/niah_utils.py`): its haystack and needles."""
+    return {"type_haystack": haystack, "type_needle_k": keys, "type_needle_v": values, **counts}
+
+
 NIAH = {
-    "niah_single_1": {"type_haystack": "repeat", "type_needle_k": "words", "type_needle_v": "numbers"},
-    "niah_single_2": {"type_haystack": "essay", "type_needle_k": "words", "type_needle_v": "numbers"},
-    "niah_single_3": {"type_haystack": "essay", "type_needle_k": "words", "type_needle_v": "uuids"},
-    "niah_multikey_1": {"type_haystack": "essay", "type_needle_k": "words", "type_needle_v": "numbers", "num_needle_k": 4},
-    "niah_multikey_2": {"type_haystack": "needle", "type_needle_k": "words", "type_needle_v": "numbers"},
-    "niah_multikey_3": {"type_haystack": "needle", "type_needle_k": "uuids", "type_needle_v": "uuids"},
-    "niah_multivalue": {"type_haystack": "essay", "type_needle_k": "words", "type_needle_v": "numbers", "num_needle_v": 4},
-    "niah_multiquery": {"type_haystack": "essay", "type_needle_k": "words", "type_needle_v": "numbers", "num_needle_q": 4},
+    "niah_single_1": _niah("repeat"),
+    "niah_single_2": _niah("essay"),
+    "niah_single_3": _niah("essay", values="uuids"),
+    "niah_multikey_1": _niah("essay", num_needle_k=4),
+    "niah_multikey_2": _niah("needle"),
+    "niah_multikey_3": _niah("needle", keys="uuids", values="uuids"),
+    "niah_multivalue": _niah("essay", num_needle_v=4),
+    "niah_multiquery": _niah("essay", num_needle_q=4),
 }
 TASKS = (*NIAH, "vt", "cwe", "fwe")
 MISSING = {

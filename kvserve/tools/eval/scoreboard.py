@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from kvserve.tools.eval import ruler4k
 from kvserve.tools.eval.client import Server, Setting, append_row, load_rows
@@ -127,8 +126,9 @@ def budget_of(setting: BoardSetting, case: BoardCase, block_size: int) -> int | 
 # --- kvpress's side ---
 
 
-def run_kvpress(python: str, model_dir: str, cases: list[BoardCase], settings: list[BoardSetting], out: str,
-                block_size: int) -> None:
+def run_kvpress(
+    python: str, model_dir: str, cases: list[BoardCase], settings: list[BoardSetting], out: str, block_size: int
+) -> None:
     """kvpress's rows of every setting that has a press, one subprocess per question form (kvpress_side.py)."""
     for question in QUESTIONS:
         group = [s for s in settings if s.reference and (s.question == question or s.policy == "full")]
@@ -136,9 +136,20 @@ def run_kvpress(python: str, model_dir: str, cases: list[BoardCase], settings: l
         if not group:
             continue
         forms = [ParityCase(list(c.key), *c.form(question), c.references, c.max_tokens) for c in cases]
-        spec = {"model": model_dir, "settings": [], "cases": [
-            {"key": f.key, "context_ids": f.context_ids, "question_ids": f.question_ids,
-             "references": list(f.references), "max_tokens": f.max_tokens} for f in forms]}
+        spec = {
+            "model": model_dir,
+            "settings": [],
+            "cases": [
+                {
+                    "key": f.key,
+                    "context_ids": f.context_ids,
+                    "question_ids": f.question_ids,
+                    "references": list(f.references),
+                    "max_tokens": f.max_tokens,
+                }
+                for f in forms
+            ],
+        }
         for setting in dict.fromkeys(replace(s, allocation="uniform") for s in group):
             entry = {"label": setting.label, "press": setting.policy, "budget": None}
             if setting.policy != "full":
@@ -186,8 +197,9 @@ def served_setting(setting: BoardSetting, budget: int | None, model_dir: str, ca
     return Setting(setting.served_policy, budget, allocation=setting.allocation, knobs=knobs)
 
 
-def run_kvserve(server: Server, model_dir: str, cases: list[BoardCase], settings: list[BoardSetting], out: str,
-                block_size: int) -> None:
+def run_kvserve(
+    server: Server, model_dir: str, cases: list[BoardCase], settings: list[BoardSetting], out: str, block_size: int
+) -> None:
     rows = load_rows(out)
     done = {(row["label"], tuple(row["key"])) for row in rows if row["side"] == "kvserve"}
     # kvpress's rows record the B they kept: the same B here, or the comparison is not of the same memory
@@ -215,11 +227,19 @@ def run_kvserve(server: Server, model_dir: str, cases: list[BoardCase], settings
             if budget is not None and not evicted:
                 raise RuntimeError(f"{setting.label} {case.key}: served without eviction (kv_tokens_evicted 0)")
             answer = body["choices"][0]["text"]
-            append_row(out, {
-                "side": "kvserve", "label": setting.label, "key": list(case.key), "answer": answer,
-                "references": list(case.references), "context_tokens": len(compressed), "budget": budget,
-                "kv_tokens_evicted": evicted,
-            })
+            append_row(
+                out,
+                {
+                    "side": "kvserve",
+                    "label": setting.label,
+                    "key": list(case.key),
+                    "answer": answer,
+                    "references": list(case.references),
+                    "context_tokens": len(compressed),
+                    "budget": budget,
+                    "kv_tokens_evicted": evicted,
+                },
+            )
             print(f"kvserve {setting.label} {case.key}: {answer[:60]!r}", flush=True)
 
 
@@ -253,8 +273,8 @@ def board_table(rows: list[dict]) -> str:
     for label in labels:
         setting = parse_setting(label)
         ours, theirs = by.get(("kvserve", label), []), by.get(("kvpress", setting.reference or ""), [])
-        body.append([label, cell(theirs), cell(ours), paired_difference(theirs, ours),
-                     f"{share(theirs, by.get(('kvpress', 'full'), []))} / {share(ours, by.get(('kvserve', 'full'), []))}"])
+        shares = f"{share(theirs, by.get(('kvpress', 'full'), []))} / {share(ours, by.get(('kvserve', 'full'), []))}"
+        body.append([label, cell(theirs), cell(ours), paired_difference(theirs, ours), shares])
     return table(["setting", "kvpress", "kvserve", "kvserve - kvpress (same cases)", "share of full"], body)
 
 
