@@ -79,6 +79,9 @@ class KVConfig:
     piece_key: str = ""
     piece_start: int = 0
     piece_end: int = 0
+    # kv_document of a policy that scores by its own queries (not KVzip's knob): the prompt's first N tokens are a
+    # document, compacted once where it ends, before the rest of the prompt is read (`document`)
+    document_tokens: int = 0
     # kv_lookahead (`kvserve/server/lookahead.py`): the request records its prompt's queries under this key (a probe:
     # the question run alone), or its prefill compactions are voted on by the queries recorded under this key, the
     # question's first token being at position question_start of its prompt
@@ -108,14 +111,21 @@ class KVConfig:
 
     @property
     def document(self) -> int:
-        """The prompt's first tokens that are a document compressed once (`kv_document` of KVzip; 0: none)."""
-        if not self.evicts or not POLICIES[self.policy].reconstructs:
+        """The prompt's first tokens that are a document compressed once (`kv_document`; 0: none): KVzip's knob, or
+        any other policy's `document_tokens`."""
+        if not self.evicts:
             return 0
+        if not POLICIES[self.policy].reconstructs:
+            return self.document_tokens
         return int(dict(self.knobs).get("document", 0))
 
     @property
     def compresses_document(self) -> bool:
-        """It reconstructs the document's last piece (or the whole document): it compacts and publishes the lists."""
+        """It compacts the document and publishes the lists: KVzip's request that reconstructs the document's last
+        piece (or the whole document); with any other policy, every request that starts from the document's tokens
+        (one that resumes from the compressed document compacts nothing)."""
+        if self.document and not POLICIES[self.policy].reconstructs:
+            return True
         return self.reconstruct and (not self.piece_end or self.piece_end == self.document)
 
     @property
@@ -242,7 +252,13 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
     cls = POLICIES[policy]
     own = policy_defaults(defaults, policy)  # the server's defaults for this policy's own settings, no other's
     declared = {setting.key: name for name, setting in cls.knobs().items()}
-    foreign = [k for k in request if k in knob_keys() and k not in declared]
+    # kv_document is KVzip's knob (its scores read the document's reconstruction) and every other policy's setting
+    document_tokens = 0
+    if "kv_document" in request and not cls.reconstructs:
+        document_tokens = parse_int("kv_document", request["kv_document"])
+        if document_tokens <= 0:
+            raise InvalidSetting("kv_document", f"must be the document's token count (> 0), got {document_tokens}")
+    foreign = [k for k in request if k in knob_keys() and k not in declared and k != "kv_document"]
     if foreign:
         raise InvalidSetting(foreign[0], f"is not a setting of {policy}; its settings: {_knob_list(cls)}")
     # the policy's own fields parse and check each value; an error names the request key
@@ -274,6 +290,7 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
         allocation=allocation,
         span=span,
         evict_when=evict_when,
+        document_tokens=document_tokens,
     )
     return _with_question(with_document(_with_checkpoint(config, request, defaults), request), request)
 

@@ -1,5 +1,5 @@
-"""The settings of a document compressed once (`kv_document`, KVzip) and of the requests that compress it
-(`kv_reconstruct`, `kv_reconstruct_piece`): part of `parse_kv_config` (kvserve/config.py)."""
+"""The settings of a document compressed once (`kv_document`) and of KVzip's requests that compress it by its
+reconstruction (`kv_reconstruct`, `kv_reconstruct_piece`): part of `parse_kv_config` (kvserve/config.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ def with_document(config: KVConfig, request: dict[str, Any]) -> KVConfig:
             raise InvalidSetting(field, "needs kv_document: the tokens of the document it reconstructs")
         return config
     why = None
+    if reconstruct and config.document_tokens:  # (document_tokens: a policy that does not reconstruct)
+        raise InvalidSetting("kv_reconstruct", f"scores a document by its reconstruction, which {config.policy} does not")
     if config.budget is None:
         why = "compresses the document to kv_budget, and none is given"
     elif config.budget >= document:
@@ -39,7 +41,7 @@ def with_document(config: KVConfig, request: dict[str, Any]) -> KVConfig:
         or config.checkpoints_only
     ):
         why = (
-            "compresses the document once, where its reconstruction ends, to kv_budget per list on average: it takes "
+            "compresses the document once, where it (or its reconstruction) ends, to kv_budget per list on average: it takes "
             f"no kv_evict_every_chunk, kv_allocation other than {' or '.join(DOCUMENT_ALLOCATIONS)}, "
             "kv_evict_when=pressure or kv_checkpoint"
         )

@@ -1,4 +1,4 @@
-"""Documents compressed once (`kv_document`, KVzip) and the requests that start with them.
+"""Documents compressed once (`kv_document`: KVzip's, and any other policy's) and the requests that start with them.
 
 The request that compresses a document sends the document, KVzip's repeat instruction and the document again; its
 lists must be what the model's own attention during that reconstruction chooses (an independent transformers
@@ -194,6 +194,40 @@ def test_a_reconstruction_whose_prompt_is_not_its_document_twice_publishes_nothi
     assert evicted(out) == len(document) - BUDGET  # it still compacted: the engine only refuses to share it
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "tova", "streamingllm"])
+def test_any_policy_compresses_a_document_where_it_ends_and_its_questions_keep_theirs(engine, hf_model, policy):
+    """kv_document with a policy that scores by its own queries (kvpress's compression before the question): the
+    first request compacts once, where the document ends, keeping what the same policy keeps of the document alone
+    compacted at its prompt's end; its question and reply are kept in full, so its answer is the reference's greedy
+    answer from a cache of those entries; the next question resumes from the published document."""
+    document = haystack(engine.tokenizer, 300, seed=35)
+    kv = {"kv_policy": policy, "kv_budget": BUDGET, "kv_span": 1}
+    free = engine.free_blocks()
+    (alone,) = run(engine, [salted(document, uuid.uuid4().hex)], kv, 1)  # eager: compacted where its prompt ends
+    alone_state = engine.eviction_state(alone.request_id)
+    wanted = [alone_state.layers[layer].kept_positions[:, :BUDGET] for layer in sorted(alone_state.layers)]
+
+    salt, asked = uuid.uuid4().hex, question(engine, "What is this text about?")
+    published = counter("checkpoints_published")
+    with_document = {**kv, "kv_document": len(document)}
+    (first,) = run(engine, [salted(document + asked, salt)], with_document, max_tokens=6)
+    assert counter("checkpoints_published") == published + 1
+    assert evicted(first) == len(document) - BUDGET  # the question and the reply lost nothing
+    state = engine.eviction_state(first.request_id)
+    kept = [state.layers[layer].kept_positions[:, :BUDGET] for layer in sorted(state.layers)]
+    for layer, (ours, theirs) in enumerate(zip(kept, wanted, strict=True)):
+        assert torch.equal(ours, theirs), f"layer {layer}"
+    assert list(first.outputs[0].token_ids) == generate_after_kept_prefix(hf_model, document, kept, asked, 6)
+
+    other = question(engine, "Which words does it use most?")
+    hits = counter("checkpoint_hits")
+    (second,) = run(engine, [salted(document + other, salt)], with_document, max_tokens=6)
+    assert second.num_cached_tokens == len(document) and counter("checkpoint_hits") == hits + 1
+    assert evicted(second) == len(document) - BUDGET
+    assert list(second.outputs[0].token_ids) == generate_after_kept_prefix(hf_model, document, kept, other, 6)
+    assert engine.free_blocks() == free
+
+
 @pytest.mark.parametrize(
     "kv, field",
     [
@@ -204,6 +238,10 @@ def test_a_reconstruction_whose_prompt_is_not_its_document_twice_publishes_nothi
         ({"kv_policy": "kvzip", "kv_budget": 64, "kv_document": 300, "kv_allocation": "heads"}, "kv_document"),
         ({"kv_policy": "kvzip", "kv_budget": 64, "kv_reconstruct": 1}, "kv_reconstruct"),
         ({"kv_policy": "snapkv", "kv_budget": 64, "kv_reconstruct": 1}, "kv_reconstruct"),
+        ({"kv_policy": "snapkv", "kv_budget": 64, "kv_document": 300, "kv_reconstruct": 1}, "kv_reconstruct"),
+        ({"kv_policy": "snapkv", "kv_budget": 64, "kv_document": 0}, "kv_document"),
+        ({"kv_policy": "snapkv", "kv_budget": 64, "kv_document": 64}, "kv_document"),  # fits: nothing to compress
+        ({"kv_policy": "tova", "kv_budget": 64, "kv_document": 300, "kv_evict_every_chunk": 1}, "kv_document"),
     ],
 )
 def test_document_settings_that_cannot_hold_are_refused(kv, field):

@@ -90,8 +90,9 @@ def chunk_end(record: CoreRequest, progress: Progress, block_size: int) -> int:
     turn's end, or where its lists reach B + bs once a turn has ended (a miss compacts a resent reply where its
     decode did). The request's whole sequence when no such place comes before its end."""
     settings, computed = record.settings, progress.computed
-    if settings.document:  # it compacts where its prompt ends, or never
-        return progress.count
+    if settings.document:  # KVzip compacts where its prompt ends, or never; another policy where the document ends
+        plain = settings.compresses_document and not settings.reconstruct
+        return settings.document if plain and computed < settings.document else progress.count
     if not settings.checkpoint_turns:
         return next_checkpoint(computed, settings)
     stops = [end for end in record.turns.all(progress.tokens, progress.count) if end > computed]
@@ -109,8 +110,11 @@ def miss_compactions(record: CoreRequest, progress: Progress, limit: int, block_
 def first_compaction(record: CoreRequest, progress: Progress, block_size: int) -> int:
     """Where a miss of this sequence first compacts: what plain prefix-cache blocks may cover before it. A document's
     reconstruction votes with every query past the document, so a plain hit covers the document at most."""
-    if record.settings.document:
-        return record.settings.document + 1 if record.settings.reconstruct else progress.count
+    settings = record.settings
+    if settings.document:
+        if settings.reconstruct:
+            return settings.document + 1
+        return settings.document if settings.compresses_document else progress.count
     if not record.settings.checkpoint_turns:
         return first_compacting_checkpoint(record.settings)
     positions = miss_compactions(record, progress, progress.count, block_size)
@@ -147,6 +151,8 @@ def publish_key(record: CoreRequest, progress: Progress, logical: int, hash_bloc
     if record.private:  # it stopped publishing (no room for a copy)
         return None
     if settings.document:
+        if settings.compresses_document and not settings.reconstruct:  # compacted where the document ends
+            return document_key(progress, hash_block_size, settings) if logical == settings.document else None
         if not settings.compresses_document or logical < progress.prompt_tokens:
             return None
         if not reconstructs_its_document(progress, settings.document, settings.piece_start):

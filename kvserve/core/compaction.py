@@ -17,6 +17,9 @@ of that step (which must hold the compaction's spare blocks):
   an instruction and the document again, or its last piece) compacts once, where its prompt ends, keeping B of the
   document's entries; the reconstruction of an earlier piece, and a request that starts with the document, never
   compact (the latter resumes from the compressed document, or on a miss is served in full);
+- `kv_document=N` (any other policy): once, where the step that completes the document's N tokens ends (its chunk
+  is cut there), scored by the document's own queries; nothing after it, prompt or reply. A request that resumed
+  from the compressed document compacts nothing;
 - `kv_evict_when=pressure`: none of the above until the pool is short (`kvserve.core.pressure`); until its first
   compaction the request is a `full` one, and the first step it runs under pressure compacts it by the rules above.
 
@@ -59,10 +62,11 @@ def entries_to_keep(
     """The entries a request compacts to after this step, or None if it does not compact now. `compacted`: its
     lists were compacted before (by itself, or by the checkpoint it resumed from); `longest`: its longest list at
     that last compaction (None: never compacted)."""
-    if settings.document:  # a document's reconstruction compacts once, where it ends; its questions never do
-        if settings.compresses_document and step.prompt_done and not compacted:
-            return settings.budget
-        return None
+    if settings.document:  # a document compacts once: where its reconstruction ends, or where it ends
+        if not settings.compresses_document or compacted:
+            return None
+        done = step.prompt_done if settings.reconstruct else step.logical == settings.document
+        return settings.budget if done else None
     if settings.defers and not under_pressure and not compacted:
         return None  # kv_evict_when=pressure, and the pool has room: served as `full` for now
     budget = settings.budget

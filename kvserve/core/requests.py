@@ -119,10 +119,12 @@ class CoreRequests:
         hash_block_size: int,
     ) -> tuple[bytes, Published] | None:
         """(key, checkpoint) of the latest live checkpoint a waiting `kv_checkpoint` request can resume from,
-        leaving at least its computed tail (its policy's window, in whole blocks) to compute."""
+        leaving at least its computed tail (its policy's window, in whole blocks) to compute, or (`kv_document`) one
+        token."""
         if not record.evicts or not record.settings.checkpoints or not self.checkpoints.entries:
             return None
-        limit = progress.count - record.sharing.computed_tail
+        # a request that resumes from a compressed document compacts nothing after it: one token to compute is enough
+        limit = progress.count - (1 if record.settings.document else record.sharing.computed_tail)
         known = record.candidates
         if known is None or known[0] != limit:  # a waiting request's tokens change only when it is preempted
             found = candidates(record, progress, limit, self.block_size, hash_block_size)

@@ -109,7 +109,7 @@ def finish_global(plan: RowPlan) -> list[tuple[Deferred, Selection]]:
     total = sum(item.obs.num_heads for item in deferred) * budget
     limits = [item.limits for item in deferred]
     block_size = plan.state.pages.layout.block_size
-    whole = plan.state.config.reconstruct  # a compressed document is published as whole blocks: whole pages per list
+    whole = plan.state.config.compresses_document  # it is published as whole blocks: whole pages per list
     if whole:  # a list holds at least one page, so it keeps that page's worth of its best entries
         floor = -(-max(floor, 1) // block_size) * block_size
     counts = shares([item.keys for item in deferred], total, floor, limits)

@@ -15,12 +15,26 @@ from kvserve.tools.report import (
     quality,
     reliability,
     scale,
+    scoreboard,
     summary,
     throughput,
 )
 from kvserve.tools.report.sources import DataDir
 
-SECTIONS = (summary, quality, models, multikey, parity, throughput, long_prompts, costs, kernels, scale, reliability)
+SECTIONS = (
+    summary,
+    scoreboard,
+    quality,
+    models,
+    multikey,
+    parity,
+    throughput,
+    long_prompts,
+    costs,
+    kernels,
+    scale,
+    reliability,
+)
 
 INTRO = """# Benchmarks
 
@@ -36,6 +50,7 @@ Qwen2.5-Coder-0.5B-Instruct (24 layers, 2 KV heads of 64), has a section of its 
 (layer, KV head) keeps.
 
 - [Summary: which policy, how much memory, at what cost](#summary-which-policy-how-much-memory-at-what-cost)
+- [On kvpress's leaderboard: RULER at 4k](#on-kvpresss-leaderboard-ruler-at-4k)
 - [How much quality do I keep at 8x?](#how-much-quality-do-i-keep-at-8x)
 - [A second model: Qwen2.5-Coder-0.5B-Instruct](#a-second-model-qwen25-coder-05b-instruct)
 - [The hard half: multi-key lookup](#the-hard-half-multi-key-lookup)

@@ -1,0 +1,125 @@
+"""kvpress's leaderboard protocol, RULER at 4k (`kvserve eval scoreboard`): score against compression ratio, kvserve
+beside kvpress on the same cases, per model; the figure, the table and each task's scores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvserve.tools.eval import ruler4k
+from kvserve.tools.eval.scoreboard import board_table, parse_setting, scored
+from kvserve.tools.markdown import table
+from kvserve.tools.report.plots import pyplot, save
+from kvserve.tools.report.sources import DataDir
+
+TITLE = "## On kvpress's leaderboard: RULER at 4k"
+MODELS = (("Qwen2.5-Coder-0.5B-Instruct", "ruler4k/qwen05.jsonl", "ruler4k-qwen05.png"),)
+INTRO = (
+    "Where the field compares KV-cache compression is kvpress's leaderboard: RULER's tasks at 4,096 tokens, each "
+    "press at compression ratios 0.25 to 0.875, scored by RULER's string match, mean over tasks. `kvserve eval "
+    "scoreboard` runs that protocol on both sides with the same tokens: kvpress 0.5.5 in its own environment, and a "
+    "kvserve server. The cases are RULER's own generators as lm-evaluation-harness ships them, sized with the "
+    f"model's tokenizer ({len(ruler4k.TASKS)} tasks: {', '.join(ruler4k.TASKS)}); the five tasks whose haystack is "
+    "Paul Graham's essays (a download) use Python's documentation (`pydoc_data`) instead, cut into sentences by "
+    f"NLTK's untrained Punkt; {' and '.join(ruler4k.MISSING)} need SQuAD and HotpotQA from the hub and are not run. "
+    "Each case is split as kvpress splits RULER's input (context, question, answer prefix) and put in the chat "
+    "template as kvpress's pipeline does. `outside`: the context is compressed before the question is seen "
+    "(kvpress's default loop; kvserve: KVzip through `POST /v1/kvserve/compress`, the other policies with "
+    "`kv_document`, compacted where the context ends), the question and answer kept in full. `inside`: the question "
+    "is compressed with the context (kvpress's `query_aware`; kvserve compacts where the prompt ends, its serving "
+    "default). A ratio r keeps (1 - r) x the compressed tokens per (layer, KV head) on average, the same B on both "
+    "sides (rounded to the server's 32-token blocks for documents). `default` is kvserve's serving default (snapkv "
+    "with its own window and pooling); the other kvserve rows use kvpress's settings. Scores are x100; the interval "
+    "is 95% (each task's variance bounded as a proportion's, Agresti-Coull), and n counts answers. A line ends where "
+    "its runs have reached; every cell says how many answers it has."
+)
+
+
+def curves(rows: list[dict]) -> dict[tuple[str, str], list[tuple[float, float, float, float]]]:
+    """(side, method) -> [(ratio, mean, low, high)] over the ratios that side has rows for, full excluded."""
+    by: dict[tuple[str, str, float], list[dict]] = {}
+    for row in scored(rows):
+        if row["label"] == "full":
+            continue
+        setting = parse_setting(row["label"])
+        method = row["label"].split("@")[0] + "/" + setting.question
+        method += f"/{setting.allocation}" if row["side"] == "kvserve" and setting.allocation != "uniform" else ""
+        by.setdefault((row["side"], method, setting.ratio), []).append(row)
+    out: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
+    for (side, method, ratio), group in sorted(by.items()):
+        mean, low, high, _ = ruler4k.mean_over_tasks(group)
+        out.setdefault((side, method), []).append((ratio, 100 * mean, 100 * low, 100 * high))
+    return out
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Score against compression ratio: one colour per method (kvserve's allocation variant shares its policy's),
+    kvserve solid, kvpress dashed, 95% bands; `full` as horizontal lines."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    lines = curves(rows)
+    methods = sorted({method.split("/global")[0] for _, method in lines})
+    colours = {method: plt.get_cmap("tab10")(index % 10) for index, method in enumerate(methods)}
+    for (side, method), points in sorted(lines.items()):
+        ratios, means, lows, highs = zip(*points, strict=True)
+        colour = colours[method.split("/global")[0]]
+        style = "-" if side == "kvserve" else "--"
+        ax.plot(ratios, means, style, marker="o", color=colour, label=f"{side} {method}")
+        ax.fill_between(ratios, lows, highs, color=colour, alpha=0.12)
+    full = {
+        side: [row for row in scored(rows) if row["side"] == side and row["label"] == "full"]
+        for side in ("kvserve", "kvpress")
+    }
+    for side, group in full.items():
+        if group:
+            mean = 100 * ruler4k.mean_over_tasks(group)[0]
+            ax.axhline(
+                mean,
+                color="black",
+                linestyle="-" if side == "kvserve" else "--",
+                linewidth=1,
+                label=f"{side} full ({mean:.1f})",
+            )
+    ax.set_xlabel("compression ratio (share of the context's entries evicted)")
+    ax.set_ylabel("RULER-4k score (mean over tasks)")
+    ax.set_title(title)
+    ax.set_ylim(0, 100)
+    ax.legend(fontsize=7, loc="lower left")
+    ax.grid(alpha=0.3)
+    save(fig, path)
+
+
+def task_table(rows: list[dict]) -> str:
+    """Each setting's mean per task (x100, n answers), both sides."""
+    rows = scored(rows)
+    tasks = [task for task in ruler4k.TASKS if any(row["task"] == task for row in rows)]
+    by: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for row in rows:
+        by.setdefault((row["side"], row["label"]), {}).setdefault(row["task"], []).append(row["score"])
+    body = []
+    for side, label in sorted(by, key=lambda key: (key[1] != "full", key[1], key[0])):
+        scores = by[(side, label)]
+        body.append(
+            [side, label]
+            + [
+                f"{100 * sum(scores[task]) / len(scores[task]):.0f} ({len(scores[task])})" if task in scores else ""
+                for task in tasks
+            ]
+        )
+    return table(["side", "setting", *tasks], body)
+
+
+def section(data: DataDir, plots: Path, plot_link: str) -> str:
+    parts = [TITLE, INTRO]
+    for title, name, png in MODELS:
+        source = data.load(name)
+        plot(source.data, plots / png, f"{title}: RULER-4k, kvserve (solid) and kvpress 0.5.5 (dashed)")
+        parts += [
+            f"### {title}",
+            f"![RULER-4k score against compression ratio, {title}]({plot_link}/{png})",
+            board_table(source.data),
+            "<details><summary>per task (score x100, answers)</summary>\n\n"
+            + task_table(source.data)
+            + "\n\n</details>",
+            source.caption(),
+        ]
+    return "\n\n".join(parts)
