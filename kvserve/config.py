@@ -14,7 +14,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from kvserve.document_settings import with_document
+from kvserve.document_settings import plain_document, with_document
 from kvserve.errors import InvalidSetting
 from kvserve.policies import BASE_POLICIES, POLICIES, POLICY_NAMES, Policy
 from kvserve.policies.knobs import KEY_PREFIX, parse_bool, parse_int
@@ -252,12 +252,7 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
     cls = POLICIES[policy]
     own = policy_defaults(defaults, policy)  # the server's defaults for this policy's own settings, no other's
     declared = {setting.key: name for name, setting in cls.knobs().items()}
-    # kv_document is KVzip's knob (its scores read the document's reconstruction) and every other policy's setting
-    document_tokens = 0
-    if "kv_document" in request and not cls.reconstructs:
-        document_tokens = parse_int("kv_document", request["kv_document"])
-        if document_tokens <= 0:
-            raise InvalidSetting("kv_document", f"must be the document's token count (> 0), got {document_tokens}")
+    document_tokens = plain_document(request, cls.reconstructs)  # (kv_document is KVzip's knob, any other's setting)
     foreign = [k for k in request if k in knob_keys() and k not in declared and k != "kv_document"]
     if foreign:
         raise InvalidSetting(foreign[0], f"is not a setting of {policy}; its settings: {_knob_list(cls)}")

@@ -7,13 +7,23 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from kvserve.errors import InvalidSetting
-from kvserve.policies.knobs import parse_bool
+from kvserve.policies.knobs import parse_bool, parse_int
 
 KVConfig = TypeVar("KVConfig")  # kvserve.config.KVConfig, which imports this module
 
 # a compressed document's lists keep B each (uniform) or the counts of one ranking over every layer and head
 # (global, KVzip's own allotment), rounded to whole pages so that they are published as whole blocks
 DOCUMENT_ALLOCATIONS = ("uniform", "global")
+
+
+def plain_document(request: dict[str, Any], reconstructs: bool) -> int:
+    """`kv_document` of a policy that does not reconstruct (KVzip's is its knob): the document's token count, or 0."""
+    if "kv_document" not in request or reconstructs:
+        return 0
+    tokens = parse_int("kv_document", request["kv_document"])
+    if tokens <= 0:
+        raise InvalidSetting("kv_document", f"must be the document's token count (> 0), got {tokens}")
+    return tokens
 
 
 def with_document(config: KVConfig, request: dict[str, Any]) -> KVConfig:
@@ -29,7 +39,7 @@ def with_document(config: KVConfig, request: dict[str, Any]) -> KVConfig:
         return config
     why = None
     if reconstruct and config.document_tokens:  # (document_tokens: a policy that does not reconstruct)
-        raise InvalidSetting("kv_reconstruct", f"scores a document by its reconstruction, which {config.policy} does not")
+        raise InvalidSetting("kv_reconstruct", f"scores a document by its reconstruction; {config.policy} does not")
     if config.budget is None:
         why = "compresses the document to kv_budget, and none is given"
     elif config.budget >= document:
@@ -41,7 +51,8 @@ def with_document(config: KVConfig, request: dict[str, Any]) -> KVConfig:
         or config.checkpoints_only
     ):
         why = (
-            "compresses the document once, where it (or its reconstruction) ends, to kv_budget per list on average: it takes "
+            "compresses the document once, where it (or its reconstruction) ends, to kv_budget per list on average: "
+            "it takes "
             f"no kv_evict_every_chunk, kv_allocation other than {' or '.join(DOCUMENT_ALLOCATIONS)}, "
             "kv_evict_when=pressure or kv_checkpoint"
         )

@@ -219,7 +219,7 @@ def run_kvserve(
             compressed, kept = case.form(setting.question)
             extra = {}
             if setting.compresses_document:
-                if served.compresses_documents:
+                if served.compresses_documents():
                     server.compress(served, compressed)  # KVzip: the context reconstructed, then compressed
                 extra["kv_document"] = len(compressed)
             body = server.complete(served, compressed + kept, max_tokens=case.max_tokens, **extra)
@@ -268,7 +268,10 @@ def board_table(rows: list[dict]) -> str:
     by: dict[tuple[str, str], list[dict]] = {}
     for row in rows:
         by.setdefault((row["side"], row["label"]), []).append(row)
-    labels = sorted({label for _, label in by}, key=label_order)
+    # a kvserve row stands beside the press it names; a press no kvserve row names has a row of its own
+    named = {parse_setting(label).reference for side, label in by if side == "kvserve"}
+    labels = {label for side, label in by if side == "kvserve" or label not in named}
+    labels = sorted(labels, key=label_order)
     body = []
     for label in labels:
         setting = parse_setting(label)

@@ -10,7 +10,7 @@ from pathlib import Path
 from kvserve.config import BUILTIN_DEFAULTS, CHECKPOINT_POLICY_KEY
 from kvserve.tools.eval.suite import Cell, Suite
 from kvserve.tools.markdown import ratio, table
-from kvserve.tools.report import models, parity
+from kvserve.tools.report import models, parity, scoreboard
 from kvserve.tools.report.quality import FLOOR, base_policy, best_labels, load_suite, single_needle_cells
 from kvserve.tools.report.sources import DataDir
 from kvserve.tools.report.summary import OVERHEAD, decode_heavy_ratios
@@ -98,6 +98,7 @@ def results_block(data: DataDir) -> str:
                 data.load(models.OVERHEAD).data,
                 data.load(checkpoints["Qwen2.5-Coder-0.5B-Instruct"]).data,
             ),
+            scoreboard.readme_part(data, "docs/benchmarks"),
             notes(data, cells, qwen_cells),
             END,
         ]
@@ -116,7 +117,7 @@ def notes(data: DataDir, cells: list[Cell], qwen_cells: list[Cell]) -> str:
         f"Tasks: {names(cells)}; on Qwen {names(qwen_cells)}; `kv_checkpoint` rows: {names(checkpoint)}. "
         f"Throughput: {run['prompts']} requests of {run['prompt_tokens']:,} + {run['max_tokens']} tokens, a pool "
         f"holding {run['num_blocks'] * run['block_size'] // (run['prompt_tokens'] + run['max_tokens'])} without "
-        "eviction. Intervals and commands: [benchmarks](docs/benchmarks.md)."
+        "eviction. RULER-4k: scores x100, n answers. Intervals, commands: [benchmarks](docs/benchmarks.md)."
     )
 
 

@@ -123,3 +123,34 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             source.caption(),
         ]
     return "\n\n".join(parts)
+
+
+# the README's cells: full, the best compression before the question and the serving default, at 4x
+README_SETTINGS = ("full", "kvzip@0.75/outside/global", "default@0.75/inside")
+
+
+def readme_table(rows: list[dict]) -> str:
+    """The README's RULER-4k table for one model: kvpress's and kvserve's score (x100, answers) per setting."""
+    scored_rows = scored(rows)
+    body = []
+    for label in README_SETTINGS:
+        setting = parse_setting(label)
+        cells = []
+        for side, wanted in (("kvpress", setting.reference), ("kvserve", label)):
+            group = [row for row in scored_rows if row["side"] == side and row["label"] == wanted]
+            mean, _, _, n = ruler4k.mean_over_tasks(group)
+            cells.append(f"{100 * mean:.1f} (n={n})" if group else ("-" if wanted is None else "not run yet"))
+        body.append([f"`{label}`", *cells])
+    return table(["setting", "kvpress 0.5.5", "kvserve"], body)
+
+
+def readme_part(data: DataDir, plot_link: str) -> str:
+    """The README's RULER-4k lines: the figure the benchmarks page draws, and the table."""
+    title, name, png = MODELS[0]
+    return "\n\n".join(
+        [
+            f"**{title}, RULER-4k** (kvpress's protocol):",
+            f"![RULER-4k score against compression ratio]({plot_link}/{png})",
+            readme_table(data.load(name).data),
+        ]
+    )

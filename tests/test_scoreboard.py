@@ -1,0 +1,203 @@
+"""RULER at 4k under kvpress's leaderboard protocol (`kvserve eval scoreboard`, `kvserve/tools/eval/ruler4k.py`): the
+cases are lm-evaluation-harness's generators, seeded; the split is kvpress's; the score is RULER's string match; a
+ratio names the same B on both sides; the report draws its figure from a result file."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from kvserve.tools.eval import kvpress_side, ruler4k, scoreboard
+
+TASKS = ["niah_single_1", "niah_multivalue", "niah_multikey_3", "vt", "cwe", "fwe"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from kvserve.model import ensure_default_model
+
+    return AutoTokenizer.from_pretrained(str(ensure_default_model()))
+
+
+@pytest.fixture(scope="module")
+def cases(tokenizer):
+    return ruler4k.make_cases(tokenizer, TASKS, 2, seed=0)
+
+
+def test_cases_are_seeded_and_do_not_depend_on_how_many_are_made(tokenizer, cases):
+    again = ruler4k.make_cases(tokenizer, TASKS, 3, seed=0)
+    assert [case for case in again if case.index < 2] == cases
+    other = ruler4k.make_cases(tokenizer, TASKS, 2, seed=1)
+    assert all(a.context != b.context for a, b in zip(cases, other, strict=True))
+
+
+def test_each_case_is_split_at_its_last_question_with_its_answers_in_the_context(tokenizer, cases):
+    for case in cases:
+        pattern = ruler4k.QUESTION_PATTERNS[ruler4k.category(case.task)]
+        assert pattern.match(case.question), case.key
+        assert not pattern.search(case.question[1:]), case.key  # the last question: no other after its start
+        assert all(reference in case.context for reference in case.references), case.key
+        tokens = len(tokenizer(case.context + case.question).input_ids) + case.max_new_tokens
+        assert tokens <= ruler4k.LENGTH + 8, case.key  # RULER's 4k: prompt and answer (the template adds a few)
+    assert {case.task for case in cases} == set(TASKS)
+    assert "Question: What are the 10 most common words" in next(c for c in cases if c.task == "cwe").context
+
+
+@pytest.mark.parametrize(
+    "task, answer, references",
+    [
+        ("niah_single_1", " 4430567.", ["4430567"]),
+        ("niah_multivalue", "1234567, 7654321 and more", ["1234567", "7654321", "1111111", "2222222"]),
+        ("vt", "\x07 VAR abcde ", ["ABCDE", "FGHIJ"]),
+        ("cwe", "nothing", ["pudding", "cable"]),
+    ],
+)
+def test_the_score_is_rulers_string_match_all(task, answer, references):
+    from lm_eval.tasks.ruler.common_utils import postprocess_pred, string_match_all
+
+    expected = string_match_all(postprocess_pred([answer]), [references])  # the harness's RULER metric
+    assert ruler4k.string_match(task, answer, references) == pytest.approx(expected)
+
+
+def test_qa_is_scored_by_any_reference_found():
+    assert ruler4k.string_match("qa_1", "it was Paris", ["paris", "lyon"]) == 1.0
+    assert ruler4k.string_match("qa_1", "it was Rome", ["paris", "lyon"]) == 0.0
+    assert ruler4k.string_match("niah_multivalue", "it was Paris", ["paris", "lyon"]) == 0.5
+
+
+@pytest.mark.parametrize("ratio", ruler4k.RATIOS)
+@pytest.mark.parametrize("tokens", [3673, 3821, 4000])
+def test_a_ratio_keeps_one_minus_r_of_the_tokens_and_kvpress_keeps_the_same(ratio, tokens):
+    budget = ruler4k.budget_for(ratio, tokens)
+    assert abs(budget - (1 - ratio) * tokens) <= 0.5
+    blocks = ruler4k.budget_for(ratio, tokens, 32)
+    assert blocks % 32 == 0 and abs(blocks - (1 - ratio) * tokens) <= 16
+    key = ["vt", 0]
+    kvpress_ratio = kvpress_side.compression_ratio({"budgets": {json.dumps(key): budget}}, {"key": key}, tokens)
+    assert int(tokens * (1 - kvpress_ratio)) == budget  # kvpress's ScorerPress: n_kept = int(k_len * (1 - ratio))
+
+
+def test_a_ratio_outside_zero_to_one_is_refused():
+    with pytest.raises(ValueError):
+        ruler4k.budget_for(1.0, 100)
+
+
+def test_the_mean_is_over_tasks_and_its_interval_adds_their_bounded_variances():
+    rows = [{"task": "a", "score": s} for s in (1, 1, 1, 0)] + [{"task": "b", "score": s} for s in (0.5, 0.5)]
+    mean, low, high, n = ruler4k.mean_over_tasks(rows)
+    assert mean == pytest.approx((0.75 + 0.5) / 2) and n == 6
+    z = 1.96
+    variance = 0.0
+    for total, count in ((3, 4), (1, 2)):
+        p = (total + z * z / 2) / (count + z * z)
+        variance += p * (1 - p) / (count + z * z)
+    assert high - mean == pytest.approx(z * math.sqrt(variance) / 2)
+    assert low < mean < high
+    more = rows * 10
+    assert ruler4k.mean_over_tasks(more)[2] - ruler4k.mean_over_tasks(more)[1] < high - low
+
+
+@pytest.mark.parametrize(
+    "text, label",
+    [
+        ("full", "full"),
+        ("kvzip@0.75/outside", "kvzip@0.75/outside/global"),
+        ("snapkv@0.5/inside", "snapkv@0.5/inside"),
+        ("default@0.875/inside", "default@0.875/inside"),
+    ],
+)
+def test_settings_are_named_by_policy_ratio_and_question(text, label):
+    assert scoreboard.parse_setting(text).label == label
+    assert scoreboard.parse_setting(label) == scoreboard.parse_setting(text)
+
+
+@pytest.mark.parametrize("text", ["h2o@0.5/outside", "snapkv@1.5/inside", "snapkv@0.5", "kvzip@0.5/beside"])
+def test_a_setting_without_a_press_or_a_ratio_is_refused(text):
+    with pytest.raises(ValueError, match="setting|press|ratio"):
+        scoreboard.parse_setting(text)
+
+
+def _row(side: str, label: str, task: str, index: int, right: bool) -> dict:
+    return {
+        "side": side,
+        "label": label,
+        "key": [task, index],
+        "answer": "4430567" if right else "no",
+        "references": ["4430567"],
+    }
+
+
+def test_the_figure_and_table_are_drawn_from_a_small_result_file(tmp_path):
+    from kvserve.tools.report import scoreboard as page
+
+    rows = []
+    for index in range(4):
+        for task in ("niah_single_1", "vt"):
+            rows.append(_row("kvpress", "full", task, index, True))
+            rows.append(_row("kvserve", "full", task, index, True))
+            rows.append(_row("kvpress", "kvzip@0.5/outside", task, index, True))
+            rows.append(_row("kvserve", "kvzip@0.5/outside/global", task, index, index < 3))
+            rows.append(_row("kvpress", "kvzip@0.75/outside", task, index, index < 2))
+            rows.append(_row("kvserve", "kvzip@0.75/outside/global", task, index, index < 2))
+    lines = page.curves(rows)
+    assert set(lines) == {("kvpress", "kvzip/outside"), ("kvserve", "kvzip/outside/global")}
+    assert [point[:2] for point in lines[("kvserve", "kvzip/outside/global")]] == [(0.5, 75.0), (0.75, 50.0)]
+    png = tmp_path / "board.png"
+    page.plot(rows, png, "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = scoreboard.board_table(rows)
+    assert "| kvzip@0.5/outside/global | 100.0 " in text and "-25.0 (n=8)" in text
+
+
+def test_kvserves_side_asks_a_real_server_each_way_and_the_kept_counts_are_the_settings(server, tokenizer, tmp_path):
+    """kvserve's side of each setting kind against the real server, on short cases (the server's 2,048-token
+    context): full, a compressed document (kvzip through the compress route), another policy's document
+    (`kv_document`) and the question compressed with the context; every answer a row, the evicted count the one
+    its B gives, and a rerun resumes without asking again."""
+    from kvserve.tools.eval.client import Server
+    from kvserve.tools.eval.haystack import haystack
+
+    cases = []
+    for index in range(2):
+        context = ruler4k.RulerCase(
+            "niah_single_1",
+            index,
+            tokenizer.decode(haystack(tokenizer, 400, seed=index))
+            + " The special magic number for lake is: 4430567.\n",
+            "What is the special magic number for lake mentioned in the provided text?",
+            "The special magic number for lake mentioned in the provided text is",
+            ("4430567",),
+            8,
+        )
+        outside = ruler4k.pipeline_ids(tokenizer, context.context, context.question, context.answer_prefix)
+        inside = ruler4k.pipeline_ids(tokenizer, context.context + context.question, "", context.answer_prefix)
+        cases.append(scoreboard.BoardCase(context.key, outside, inside, context.references, 8))
+    settings = [
+        scoreboard.parse_setting(text)
+        for text in ("full", "kvzip@0.5/outside", "snapkv@0.5/outside", "snapkv@0.5/inside", "default@0.5/inside")
+    ]
+    out = str(tmp_path / "board.jsonl")
+    client = Server(server)
+    block_size = scoreboard.server_block_size(client)
+    assert block_size == 32  # the test server's
+    scoreboard.run_kvserve(client, "unused", cases, settings, out, block_size)
+    rows = [json.loads(line) for line in open(out)]
+    assert len(rows) == len(settings) * len(cases)
+    for row in rows:
+        setting = scoreboard.parse_setting(row["label"])
+        case = next(c for c in cases if list(c.key) == row["key"])
+        compressed = len(case.form(setting.question)[0])
+        if setting.policy == "full":
+            assert row["kv_tokens_evicted"] == 0 and row["budget"] is None
+            continue
+        assert row["budget"] == scoreboard.budget_of(setting, case, block_size)
+        evicted = compressed - row["budget"]
+        if setting.question == "inside":  # the whole prompt compacted where it ends
+            evicted = compressed + len(case.inside[1]) - row["budget"]
+        assert row["kv_tokens_evicted"] == evicted, row["label"]
+    scoreboard.run_kvserve(client, "unused", cases, settings, out, block_size)  # resumes: nothing asked again
+    assert len(open(out).read().splitlines()) == len(rows)
