@@ -302,11 +302,16 @@ def main(args) -> None:
     print(parity_table(load_rows(args.out)))
 
 
-def add_parser(commands) -> None:
-    parser = commands.add_parser("parity", help="the same cases through kvpress's presses and kvserve's server")
+def add_side_arguments(parser) -> None:
+    """The options of a command that runs cases through kvpress and a kvserve server (parity, scoreboard)."""
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="a running kvserve server of the model")
     parser.add_argument("--model-dir", help="the model's transformers directory (both sides load it)")
     parser.add_argument("--reference-python", default=".kvpress-venv/bin/python", help="kvpress's environment")
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("parity", help="the same cases through kvpress's presses and kvserve's server")
+    add_side_arguments(parser)
     parser.add_argument("--policies", default="kvzip", help=f"comma list of {', '.join(REFERENCE_PRESS)}")
     parser.add_argument("--budgets", default="512")
     parser.add_argument("--allocations", default="uniform", help="kvserve's kv_allocation values (comma list)")

@@ -35,7 +35,14 @@ from dataclasses import dataclass, replace
 
 from kvserve.tools.eval import ruler4k
 from kvserve.tools.eval.client import Server, Setting, append_row, load_rows
-from kvserve.tools.eval.parity import KVPRESS_SIDE, REFERENCE_KNOBS, ParityCase, duo_reference, duo_retrieval_heads
+from kvserve.tools.eval.parity import (
+    KVPRESS_SIDE,
+    REFERENCE_KNOBS,
+    ParityCase,
+    add_side_arguments,
+    duo_reference,
+    duo_retrieval_heads,
+)
 from kvserve.tools.markdown import table
 
 QUESTIONS = ("outside", "inside")
@@ -326,9 +333,7 @@ def main(args) -> None:
 
 def add_parser(commands) -> None:
     parser = commands.add_parser("scoreboard", help="RULER-4k under kvpress's leaderboard protocol, both sides")
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="a running kvserve server of the model")
-    parser.add_argument("--model-dir", help="the model's transformers directory (cases, and kvpress's model)")
-    parser.add_argument("--reference-python", default=".kvpress-venv/bin/python", help="kvpress's environment")
+    add_side_arguments(parser)
     parser.add_argument("--side", choices=("kvserve", "kvpress"), default="kvserve")
     parser.add_argument("--settings", default="full", help="comma list of full and POLICY@RATIO/QUESTION")
     parser.add_argument("--tasks", default=",".join(ruler4k.TASKS), help="RULER tasks (all that can be generated)")
