@@ -124,7 +124,7 @@ class KVConfig:
         """It compacts the document and publishes the lists: KVzip's request that reconstructs the document's last
         piece (or the whole document); with any other policy, every request that starts from the document's tokens
         (one that resumes from the compressed document compacts nothing)."""
-        if self.document and not POLICIES[self.policy].reconstructs:
+        if self.document_tokens:  # (set only for an evicting policy that does not reconstruct)
             return True
         return self.reconstruct and (not self.piece_end or self.piece_end == self.document)
 

@@ -91,8 +91,7 @@ def chunk_end(record: CoreRequest, progress: Progress, block_size: int) -> int:
     decode did). The request's whole sequence when no such place comes before its end."""
     settings, computed = record.settings, progress.computed
     if settings.document:  # KVzip compacts where its prompt ends, or never; another policy where the document ends
-        plain = settings.compresses_document and not settings.reconstruct
-        return settings.document if plain and computed < settings.document else progress.count
+        return settings.document if settings.document_tokens and computed < settings.document else progress.count
     if not settings.checkpoint_turns:
         return next_checkpoint(computed, settings)
     stops = [end for end in record.turns.all(progress.tokens, progress.count) if end > computed]
@@ -114,7 +113,7 @@ def first_compaction(record: CoreRequest, progress: Progress, block_size: int) -
     if settings.document:
         if settings.reconstruct:
             return settings.document + 1
-        return settings.document if settings.compresses_document else progress.count
+        return settings.document_tokens or progress.count
     if not record.settings.checkpoint_turns:
         return first_compacting_checkpoint(record.settings)
     positions = miss_compactions(record, progress, progress.count, block_size)
@@ -151,7 +150,7 @@ def publish_key(record: CoreRequest, progress: Progress, logical: int, hash_bloc
     if record.private:  # it stopped publishing (no room for a copy)
         return None
     if settings.document:
-        if settings.compresses_document and not settings.reconstruct:  # compacted where the document ends
+        if settings.document_tokens:  # compacted where the document ends
             return document_key(progress, hash_block_size, settings) if logical == settings.document else None
         if not settings.compresses_document or logical < progress.prompt_tokens:
             return None

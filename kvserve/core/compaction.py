@@ -65,7 +65,7 @@ def entries_to_keep(
     if settings.document:  # a document compacts once: where its reconstruction ends, or where it ends
         if not settings.compresses_document or compacted:
             return None
-        done = step.prompt_done if settings.reconstruct else step.logical == settings.document
+        done = step.logical == settings.document if settings.document_tokens else step.prompt_done
         return settings.budget if done else None
     if settings.defers and not under_pressure and not compacted:
         return None  # kv_evict_when=pressure, and the pool has room: served as `full` for now

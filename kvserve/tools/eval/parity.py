@@ -155,17 +155,24 @@ def run_reference(python: str, model_dir: str, cases: list[ParityCase], settings
 
 
 def _reference_run(python: str, model_dir: str, cases: list[ParityCase], settings, out: str) -> None:
+    entries = [
+        {
+            "label": label_of(policy, budget),
+            "press": policy,
+            "budget": budget,
+            **(duo_reference(roles_of(model_dir), budget, cases) if policy == "duoattention" else {}),
+        }
+        for policy, budget in settings
+    ]
+    run_kvpress_side(python, model_dir, cases, entries, out)
+
+
+def run_kvpress_side(python: str, model_dir: str, cases: list[ParityCase], settings: list[dict], out: str) -> None:
+    """kvpress_side.py in kvpress's environment over `cases` under each setting entry (label, press, budget or
+    budgets, DuoAttention's roles); its rows are appended to `out`."""
     spec = {
         "model": model_dir,
-        "settings": [
-            {
-                "label": label_of(policy, budget),
-                "press": policy,
-                "budget": budget,
-                **(duo_reference(roles_of(model_dir), budget, cases) if policy == "duoattention" else {}),
-            }
-            for policy, budget in settings
-        ],
+        "settings": settings,
         "cases": [
             {
                 "key": case.key,
@@ -179,7 +186,10 @@ def _reference_run(python: str, model_dir: str, cases: list[ParityCase], setting
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
-    subprocess.run([python, str(KVPRESS_SIDE), f.name, out], check=True)
+    try:
+        subprocess.run([python, str(KVPRESS_SIDE), f.name, out], check=True)
+    finally:
+        Path(f.name).unlink()
 
 
 def roles_of(model_dir: str) -> HeadRoles:

@@ -154,6 +154,7 @@ def _essay_words() -> tuple[str, ...]:
     return tuple(corpus().split(" "))
 
 
+@cache
 def _harness_ruler():
     """lm-evaluation-harness's RULER generators, imported without their network: importing `prepare_niah` asks
     NLTK to download `punkt_tab`, which cannot be had here; its sentence splitter becomes Punkt with default

@@ -28,20 +28,21 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, replace
+from functools import cache
 
+from kvserve.duo.roles import HeadRoles
 from kvserve.tools.eval import ruler4k
 from kvserve.tools.eval.client import Server, Setting, append_row, load_rows
 from kvserve.tools.eval.parity import (
-    KVPRESS_SIDE,
     REFERENCE_KNOBS,
     ParityCase,
     add_side_arguments,
     duo_reference,
     duo_retrieval_heads,
+    roles_of,
+    run_kvpress_side,
 )
 from kvserve.tools.markdown import table
 
@@ -138,46 +139,35 @@ def run_kvpress(
 ) -> None:
     """kvpress's rows of every setting that has a press, one subprocess per question form (kvpress_side.py)."""
     for question in QUESTIONS:
-        group = [s for s in settings if s.reference and (s.question == question or s.policy == "full")]
-        group = [s for s in group if question == "outside" or s.policy != "full"]
+        group = [s for s in settings if s.reference and s.question == question]  # (full's question is outside)
         if not group:
             continue
         forms = [ParityCase(list(c.key), *c.form(question), c.references, c.max_tokens) for c in cases]
-        spec = {
-            "model": model_dir,
-            "settings": [],
-            "cases": [
-                {
-                    "key": f.key,
-                    "context_ids": f.context_ids,
-                    "question_ids": f.question_ids,
-                    "references": list(f.references),
-                    "max_tokens": f.max_tokens,
-                }
-                for f in forms
-            ],
-        }
+        entries = []
         for setting in dict.fromkeys(replace(s, allocation="uniform") for s in group):
             entry = {"label": setting.label, "press": setting.policy, "budget": None}
             if setting.policy != "full":
                 entry["budgets"] = {json.dumps(list(c.key)): budget_of(setting, c, block_size) for c in cases}
             if setting.policy == "duoattention":
-                entry.update(duo_settings(model_dir, setting, forms, entry["budgets"]))
-            spec["settings"].append(entry)
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(spec, f)
-        subprocess.run([python, str(KVPRESS_SIDE), f.name, out], check=True)
+                entry.update(duo_settings(model_dir, forms, entry["budgets"]))
+            entries.append(entry)
+        run_kvpress_side(python, model_dir, forms, entries, out)
 
 
-def duo_settings(model_dir: str, setting: BoardSetting, forms: list[ParityCase], budgets: dict[str, int]) -> dict:
+def duo_settings(model_dir: str, forms: list[ParityCase], budgets: dict[str, int]) -> dict:
     """DuoAttention's head roles and each case's retrieval heads for kvpress's press at each case's budget."""
-    from kvserve.tools.eval.parity import roles_of
+    roles = model_roles(model_dir)
+    heads = {
+        json.dumps(form.key): duo_retrieval_heads(roles, budgets[json.dumps(form.key)], len(form.context_ids))
+        for form in forms
+    }
+    return {**duo_reference(roles, 1, []), "retrieval_heads": heads}
 
-    roles = roles_of(model_dir)
-    per_case = {}
-    for form in forms:
-        per_case.update(duo_reference(roles, budgets[json.dumps(form.key)], [form])["retrieval_heads"])
-    return {**duo_reference(roles, 1, forms[:1]), "retrieval_heads": per_case}
+
+@cache
+def model_roles(model_dir: str) -> HeadRoles:
+    """The model's DuoAttention roles, read once per run (`parity.roles_of`)."""
+    return roles_of(model_dir)
 
 
 # --- kvserve's side ---
@@ -196,9 +186,7 @@ def served_setting(setting: BoardSetting, budget: int | None, model_dir: str, ca
         return Setting("full", None)
     knobs = () if setting.policy in KVSERVE_ONLY else REFERENCE_KNOBS[setting.policy]
     if setting.policy == "duoattention":
-        from kvserve.tools.eval.parity import roles_of
-
-        roles = roles_of(model_dir)
+        roles = model_roles(model_dir)
         heads = duo_retrieval_heads(roles, budget, len(case.form(setting.question)[0]))
         knobs = (("retrieval_fraction", repr(heads / roles.gates.numel())),)
     return Setting(setting.served_policy, budget, allocation=setting.allocation, knobs=knobs)

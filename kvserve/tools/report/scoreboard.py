@@ -65,10 +65,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         style = "-" if side == "kvserve" else "--"
         ax.plot(ratios, means, style, marker="o", color=colour, label=f"{side} {method}")
         ax.fill_between(ratios, lows, highs, color=colour, alpha=0.12)
-    full = {
-        side: [row for row in scored(rows) if row["side"] == side and row["label"] == "full"]
-        for side in ("kvserve", "kvpress")
-    }
+    full_rows = [row for row in scored(rows) if row["label"] == "full"]
+    full = {side: [row for row in full_rows if row["side"] == side] for side in ("kvserve", "kvpress")}
     for side, group in full.items():
         if group:
             mean = 100 * ruler4k.mean_over_tasks(group)[0]
