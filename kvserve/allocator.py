@@ -2,11 +2,11 @@
 threshold.
 
 Scoring makes large temporaries of a different size every step (they grow with the cache). glibc's adaptive mmap
-threshold then serves them from the heap, which fragments: a worker grew ~400 MB per 3k-token h2o request (2.8 ->
-4.4 GB RSS in 5 requests). A fixed 1 MiB threshold cures that but costs ~13% of throughput (every large temporary
-is a fresh mmap). vLLM's CPU documentation recommends preloading tcmalloc, which does neither (Debian:
-`libtcmalloc-minimal4`). `kvserve serve` and the benchmarks' servers (vanilla too) get the environment from here;
-`KVSERVE_ALLOCATOR=glibc` keeps glibc.
+threshold then serves them from the heap, which fragments: a worker's memory grew with every long h2o request. A
+fixed 1 MiB threshold cures that but costs throughput (every large temporary is a fresh, zeroed mmap; measured:
+docs/benchmarks.md, section "Memory over long evicting requests"). vLLM's CPU documentation recommends preloading
+tcmalloc, which does neither (Debian: `libtcmalloc-minimal4`). `kvserve serve` and the benchmarks' servers (vanilla
+too) get the environment from here; `KVSERVE_ALLOCATOR=glibc` keeps glibc.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import ctypes.util
 import os
 from pathlib import Path
 
-ALLOCATOR_ENV = "KVSERVE_ALLOCATOR"
+from kvserve.environment import declared
+
+ALLOCATOR_ENV = declared("KVSERVE_ALLOCATOR")
 GLIBC_MMAP_THRESHOLD = 1 << 20
 TCMALLOC_PATHS = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",  # Debian / Ubuntu: libtcmalloc-minimal4
@@ -50,7 +52,7 @@ def allocator_env(env: dict[str, str] | os._Environ) -> tuple[dict[str, str], st
     why = (
         "as asked"
         if choice == "glibc"
-        else "tcmalloc not found: `apt-get install libtcmalloc-minimal4` for ~10% more throughput"
+        else "tcmalloc not found: `apt-get install libtcmalloc-minimal4` for more throughput"
     )
     threshold = added.get("MALLOC_MMAP_THRESHOLD_", env.get("MALLOC_MMAP_THRESHOLD_"))
     return added, f"allocator: glibc with MALLOC_MMAP_THRESHOLD_={threshold} against fragmentation ({why})"

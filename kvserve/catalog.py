@@ -20,10 +20,11 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvserve.environment import declared
 from kvserve.model import DEFAULT_MODEL_NAME, cache_dir, ensure_default_model
 
 # Tests point this at a folder of wheels (pip's --find-links, no index) to run the fetch without a network.
-WHEELS_ENV = "KVSERVE_MODEL_WHEELS"
+WHEELS_ENV = declared("KVSERVE_MODEL_WHEELS")
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,13 @@ override them.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -26,11 +28,14 @@ from kvserve.config import (
     parse_kv_config,
 )
 from kvserve.cpu_dtype import default_dtype, has_dtype_flag
+from kvserve.effective_defaults import builtin_values, shown
+from kvserve.environment import declared, default
 from kvserve.errors import InvalidSetting
 from kvserve.parallelism import parallel_env
 from kvserve.policies import POLICY_NAMES
-from kvserve.policies.allocation import ALLOCATIONS
 from kvserve.policy_settings import check_checkpoint_policy
+from kvserve.server.profile import DEFAULT_TARGET
+from kvserve.settings import SETTINGS
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -42,70 +47,34 @@ def _serve_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     general = parser.add_argument_group("server-wide eviction defaults (each request may override them)")
-    general.add_argument("--kv-config", type=Path, help="YAML file of kv_* defaults (see configs/)")
     general.add_argument(
-        "--kv-policy",
-        dest="kv_policy",
-        default=None,
-        help=f"eviction policy: {', '.join(POLICY_NAMES)} (default snapkv with --kv-budget 1024 --kv-span 8)",
+        "--kv-config", type=Path, help="YAML file of kv_* defaults, examples in configs/ (default none)"
     )
-    general.add_argument("--kv-budget", dest="kv_budget", default=None, help="entries each (layer, KV head) keeps: B")
-    general.add_argument(
-        "--kv-evict-every-chunk",
-        dest="kv_evict_every_chunk",
-        action="store_true",
-        default=None,
-        help="evict after every prefill chunk (bounds a long prompt's cache)",
-    )
-    general.add_argument(
-        "--kv-allocation",
-        dest="kv_allocation",
-        default=None,
-        help=f"how the budget spreads over layers and heads: {', '.join(ALLOCATIONS)} (default uniform; B stays "
-        "the average per layer and KV head)",
-    )
-    general.add_argument(
-        "--kv-span",
-        dest="kv_span",
-        default=None,
-        help="score-based policies keep whole spans of this many tokens (default 8 with the built-in snapkv)",
-    )
-    general.add_argument(
-        "--kv-evict-when",
-        dest="kv_evict_when",
-        default=None,
-        help="eager (default): compact at the end of the prompt; pressure: serve as full, with prefix caching of "
-        "replies, until the pool is short of blocks",
-    )
-    general.add_argument(
-        "--kv-checkpoint",
-        dest="kv_checkpoint",
-        default=None,
-        help="prompt checkpoints (default 0: none): turns (compact where each chat turn's prompt ends and by the "
-        "decode rule after it) or a token count C (compact at every multiple of C, a multiple of the block size); "
-        "the compacted lists enter the prefix cache, so the next chat turn resumes from them",
-    )
-    general.add_argument(
-        "--kv-checkpoint-policy",
-        dest="kv_checkpoint_policy",
-        default=None,
-        help="the policy of requests with checkpoints (kv_checkpoint) that name none (default kvzip: each prefix "
-        "compressed once by its reconstruction, before any question; without this flag, a --kv-policy or --kv-config "
-        "policy serves them)",
-    )
+    builtin = builtin_values()  # what the server applies without --kv-*: each flag's help shows its default
+    for setting in SETTINGS:
+        if not setting.server:
+            continue
+        allowed = POLICY_NAMES if setting.key == "kv_policy" else setting.choices
+        text = f"{setting.help}: {', '.join(allowed)}" if allowed else setting.help
+        default = f"default {shown(builtin[setting.key])}"
+        if setting.policy_default:
+            default += f", {builtin['kv_policy']}'s; with another --kv-policy, that policy's own"
+        boolean = {"action": "store_true"} if setting.kind == "bool" else {}
+        general.add_argument(setting.flag, dest=setting.key, default=None, help=f"{text} ({default})", **boolean)
     profile = parser.add_argument_group("the model's profile (kvserve calibrate MODEL)")
     profile.add_argument(
         "--kv-profile",
         dest="profile_choice",
         default="auto",
-        help="the profile to use: auto (default: kvserve's cache, if calibrated), a file, or none",
+        help="the profile to use: auto (kvserve's cache, if calibrated), a file, or none (default auto)",
     )
     profile.add_argument(
         "--kv-target",
         dest="profile_target",
         type=float,
         default=None,
-        help="share of full whose recommended setting becomes the default (default 0.95; any --kv-* default wins)",
+        help=f"share of full whose recommended setting becomes the default (default {DEFAULT_TARGET}; any --kv-* "
+        "default wins)",
     )
     knobs = parser.add_argument_group("policy settings (each applies to the policies that declare it)")
     for key, help_text in sorted(_knob_help().items()):
@@ -123,7 +92,8 @@ def _knob_help() -> dict[str, str]:
         if "+" in policy:
             continue
         for setting in cls.knobs().values():
-            meanings.setdefault(setting.key, {}).setdefault(setting.help, []).append(policy)
+            meaning = f"{setting.help} (default {shown(setting.default)})"  # the policy's own, as the parser's
+            meanings.setdefault(setting.key, {}).setdefault(meaning, []).append(policy)
     return {
         key: "; ".join(f"{', '.join(owners)}: {text}" for text, owners in by_help.items())
         for key, by_help in meanings.items()
@@ -185,16 +155,27 @@ def _has_flag(args: list[str], name: str) -> bool:
     return any(arg == name or arg.startswith(name + "=") for arg in args)
 
 
-def print_help() -> None:
-    """kvserve's own flags first, then vLLM's (every flag kvserve does not own goes to vLLM unchanged)."""
+def help_flag(argv: list[str]) -> str | None:
+    """The help flag among `argv`: `-h`, `--help`, or `vllm serve`'s `--help=all|SECTION|FLAG`; None without one."""
+    return next((arg for arg in argv if arg in ("-h", "--help") or arg.startswith("--help=")), None)
+
+
+def print_help(vllm_help: str = "--help") -> None:
+    """kvserve's own flags first, then vLLM's as `vllm serve` prints them (every flag kvserve does not own goes to
+    vLLM unchanged): all of them for `-h` / `--help`; `--help=SECTION` and `--help=FLAG` are vLLM's, passed on."""
+    from kvserve.server.launch import VLLM_SERVE
+
+    if vllm_help in ("-h", "--help"):
+        vllm_help = "--help=all"  # vLLM's plain --help lists its sections only
     _serve_parser().print_help()
-    print("\nvLLM's flags (python -m vllm.entrypoints.openai.api_server --help):\n", flush=True)
-    subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--help"], check=False)
+    print(f"\nvLLM's flags (vllm serve {vllm_help}):\n", flush=True)
+    subprocess.run([*VLLM_SERVE, vllm_help], check=False)
 
 
 def serve(argv: list[str]) -> None:
-    if "-h" in argv or "--help" in argv:
-        print_help()
+    asked_help = help_flag(argv)
+    if asked_help is not None:
+        print_help(asked_help)
         return
     # MODEL may stand anywhere among the flags, as in `vllm serve`: kvserve's parser takes only its own flags and
     # leaves MODEL among vLLM's, which the server process resolves with `--model` (kvserve/server/launch.py).
@@ -221,14 +202,14 @@ def serve(argv: list[str]) -> None:
             )
         env[TARGET_ENV] = str(args.profile_target)
     # kvserve's metrics live in the engine-core process; multiprocess mode brings them to the API server's /metrics.
-    env.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="kvserve-prom-"))
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    env.setdefault(declared("PROMETHEUS_MULTIPROC_DIR"), tempfile.mkdtemp(prefix="kvserve-prom-"))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", default("VLLM_CPU_KVCACHE_SPACE"))
     added, allocator = allocator_env(env)  # tcmalloc, or glibc with a fixed mmap threshold (kvserve/allocator.py)
     env.update(added)
     print(f"kvserve: {allocator}", file=sys.stderr, flush=True)
     # Accumulating policies (h2o, ems) add O(n^2) CPU work to a long prefill step; on a loaded 2-core machine one
     # 3k-token h2o step passed vLLM's 300 s worker deadline and vLLM shut the engine down. Allow 30 minutes.
-    env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "1800")
+    env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", default("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"))
     # (the x-kv-* header middleware is installed by the plugin itself, inside vLLM's --api-key check)
     command = [sys.executable, "-m", "kvserve.server.launch"]
     if "--async-scheduling" not in vllm_args:
@@ -279,6 +260,25 @@ def usage() -> str:
     return "usage: " + "\n       ".join(lines)
 
 
+# `kvserve COMMAND ...`: the function that runs each ("module:function", imported only when that command runs, so each
+# loads only what it needs); docs/reference/cli.md reads every command's flags from their parsers through this table
+SUBCOMMANDS = {
+    "serve": "kvserve.cli:serve",
+    "eval": "kvserve.tools.eval.__main__:main",
+    "bench": "kvserve.tools.bench.__main__:main",
+    "report": "kvserve.tools.report.__main__:main",
+    "setup-model": "kvserve.cli:setup_model_command",
+    "calibrate": "kvserve.tools.calibrate.command:main",
+    "router": "kvserve.server.router:main",
+}
+
+
+def command_function(command: str) -> Callable[[list[str]], None]:
+    """The function `kvserve COMMAND ARGS` calls with ARGS."""
+    module, _, function = SUBCOMMANDS[command].partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -290,34 +290,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"kvserve {__version__} (for vLLM {REQUIRED_VLLM_VERSION})")
         return
     command, rest = argv[0], argv[1:]
-    if command == "serve":
-        serve(rest)
-    elif command == "eval":
-        from kvserve.tools.eval.__main__ import main as eval_main
-
-        eval_main(rest)
-    elif command == "bench":
-        from kvserve.tools.bench.__main__ import main as bench_main
-
-        bench_main(rest)
-    elif command == "report":
-        from kvserve.tools.report.__main__ import main as report_main
-
-        report_main(rest)
-    elif command == "setup-model":
-        setup_model_command(rest)
-    elif command == "calibrate":
-        from kvserve.tools.calibrate.command import main as calibrate_main
-
-        calibrate_main(rest)
-    elif command == "router":
-        from kvserve.server.router import main as router_main
-
-        router_main(rest)
-    else:
-        raise SystemExit(
-            f"kvserve: unknown command {command!r} (serve, eval, bench, report, setup-model, calibrate, router)"
-        )
+    if command not in SUBCOMMANDS:
+        raise SystemExit(f"kvserve: unknown command {command!r} ({', '.join(SUBCOMMANDS)})")
+    command_function(command)(rest)
 
 
 if __name__ == "__main__":

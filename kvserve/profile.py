@@ -24,17 +24,18 @@ from pathlib import Path
 import torch
 
 from kvserve import __version__
+from kvserve.environment import declared
 from kvserve.model import cache_dir
 
 FORMAT = 1
-PROFILE_ENV = "KVSERVE_PROFILE"  # set by `kvserve serve` for its engine: the profile it checked at start-up
+PROFILE_ENV = declared("KVSERVE_PROFILE")  # set by `kvserve serve` for its engine: the profile it checked at start-up
 
 
 class ProfileError(ValueError):
     pass
 
 
-PROFILES_ENV = "KVSERVE_PROFILES"  # where profiles live (default: kvserve's cache folder's profiles/)
+PROFILES_ENV = declared("KVSERVE_PROFILES")  # where profiles live (default: kvserve's cache folder's profiles/)
 
 
 def profiles_dir() -> Path:

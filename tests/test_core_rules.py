@@ -1,7 +1,8 @@
 """The engine core's rules (`kvserve/core/`) on kvserve's own types, with no engine: when a request compacts and to
 how many entries, where its checkpoints fall, what a prefix-cache hit may cover, when the pool is short, which waiting
-request goes first. The tables follow the rules as docs/architecture.md states them; the chunked misses check that
-the step-by-step rule, the chunk cuts and the positions a lookup computes from the tokens alone agree."""
+request goes first. The tables follow the rules as kvserve/core/compaction.py's docstring states them; the chunked
+misses check that the step-by-step rule, the chunk cuts and the positions a lookup computes from the tokens alone
+agree."""
 
 from __future__ import annotations
 

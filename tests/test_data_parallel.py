@@ -76,8 +76,8 @@ def test_each_engine_evicts_as_one_engine_does_and_counts_under_its_own_label(dp
     finished = grew(before, after, "vllm:request_success_total")
     assert finished == {str(rank): len(settings) for rank in range(ENGINES)}
     # the server's total is the sum of its engines' (each engine counted once, in its own processes)
-    assert sum(per_engine(after, "kvserve:kv_pages_total").values()) == pytest.approx(
-        2 * per_engine(after, "kvserve:kv_pages_total")["0"]
+    assert sum(per_engine(after, "kvserve:kv_pages_capacity").values()) == pytest.approx(
+        2 * per_engine(after, "kvserve:kv_pages_capacity")["0"]
     )
 
 

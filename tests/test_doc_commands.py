@@ -1,4 +1,5 @@
-"""Every command the docs print runs as printed: the README, docs/*.md and the benchmarks page's folded commands.
+"""Every command the docs print runs as printed: the README and every page of the site (the user's guide, the
+generated references and the benchmarks page's folded commands included).
 
 Each command line in a shell code block, and each inline code span that starts with a program, is checked against
 what is installed today: `kvserve SUB [SUB2]`, `vllm SUB [SUB2]`, `python -m MODULE [SUB]` and `make TARGET` must
@@ -19,9 +20,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from doc_pages import site_pages
 
 ROOT = Path(__file__).parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *site_pages()]
 BIN = Path(sys.executable).parent
 SHELL_FENCES = {"", "bash", "sh", "shell", "console"}
 CHECKED = ("kvserve", "vllm", "python", "python3", "make")
@@ -165,6 +167,7 @@ def test_the_pages_print_commands_at_all():
     assert any(line.startswith("make serve") for line in found["README.md"]), found["README.md"]
     assert sum("kvserve bench" in line for line in found["docs/benchmarks.md"]) >= 10
     assert any("vllm bench serve" in line for line in found["docs/tools.md"]), found["docs/tools.md"]
+    assert any("kvserve serve" in line for line in found["docs/guide/serving.md"]), found["docs/guide/serving.md"]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))

@@ -69,14 +69,15 @@ def test_the_guide_adds_a_policy_the_contract_test_covers(tmp_path):
 
 
 def test_the_guides_sizing_table_computes_each_models_bytes_per_token_from_its_shape():
-    """Sizing: a token's KV entries take 2 (keys, values) x layers x KV heads x head size x 2 bytes (bf16); each row's
-    last column is that product of its own columns, and the default model's row is the served model's config."""
+    """docs/guide/deployment.md, "Sizing the pool": a token's KV entries take 2 (keys, values) x layers x KV heads x
+    head size x 2 bytes (bf16); each row's last column is that product of its own columns, and the default model's row
+    is the served model's config."""
     import json
 
     from kvserve.model import ensure_default_model
 
-    guide = (ROOT / "docs" / "guide.md").read_text()
-    section = guide[guide.index("## Sizing") : guide.index("\n## ", guide.index("## Sizing") + 1)]
+    page = (ROOT / "docs" / "guide" / "deployment.md").read_text()
+    section = page[page.index("## Sizing the pool") : page.index("\n## ", page.index("## Sizing the pool") + 1)]
     row = r"^\| (\S[^|]*?) \| (\d+) \| (\d+) \| (\d+) \| ([\d,]+) \((\d+(?:\.\d+)?) KiB\) \|$"
     rows = re.findall(row, section, re.M)
     assert len(rows) >= 6 and any("8B" in row[0] for row in rows)

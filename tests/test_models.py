@@ -5,8 +5,8 @@ vLLM 0.32's CPU backend serves (kvserve/tools/bench/tiny_models.py), each run th
 Per model: kvserve's `full` gives vanilla vLLM's greedy tokens; where the model evicts (on every layer, or on a hybrid
 model's full-attention layers only), each policy evicts at a small budget, a budget above the prompt gives `full`'s
 tokens, and the block pool is idle afterwards; where it cannot (every layer windowed, attention sinks), every request
-that asks for eviction is refused with the reason, naming the field, and `full` serves. The user's guide's
-(docs/guide.md) "Models" table states the same matrix.
+that asks for eviction is refused with the reason, naming the field, and `full` serves. The models page's
+(docs/guide/models.md) "Which models evict" table states the same matrix.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from kvserve.tools.bench.tiny_models import ARCHITECTURES, tiny_model
 
 TESTS = Path(__file__).parent
 
-# architecture -> the model layers kvserve evicts on (its row in docs/guide.md), or the words of the reason it cannot
+# architecture -> the layers kvserve evicts on (its row in docs/guide/models.md), or the words of why it cannot
 EXPECTED: dict[str, list[int] | str] = {
     "llama": [0, 1, 2, 3],
     "qwen2": [0, 1, 2, 3],

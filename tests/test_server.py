@@ -10,6 +10,7 @@ import httpx
 import pytest
 from engine_settings import SERVED_MODEL
 
+from kvserve.metrics import DEPRECATED_METRICS
 from kvserve.model import ensure_default_model
 
 
@@ -23,6 +24,13 @@ def metric(base: str, name: str, labels: str = "", missing: float | None = None)
             raise AssertionError(f"{name}{labels} not in /metrics")
         return missing
     return float(found[0])
+
+
+def samples(text: str, name: str) -> dict[str, float]:
+    """Each sample of `name` in a /metrics text: its labels -> its value."""
+    return {
+        labels: float(value) for labels, value in re.findall(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.M)
+    }
 
 
 ENGINE_0 = '{engine="0"}'  # kvserve's series carry vLLM's engine label (one engine here)
@@ -39,7 +47,7 @@ def test_headers_select_the_policy_and_metrics_count_what_was_evicted(server, lo
     evicted_before = metric(server, "kvserve:tokens_evicted_total", labels, missing=0.0)
     runs_before = metric(server, "kvserve:evictions_total", labels, missing=0.0)
     timed_before = metric(server, "kvserve:compaction_seconds_count", labels, missing=0.0)
-    bytes_before = metric(server, "kvserve:kv_cache_bytes_freed_total", labels, missing=0.0)
+    bytes_before = metric(server, "kvserve:kv_cache_freed_bytes_total", labels, missing=0.0)
     blocks_before = metric(server, "kvserve:blocks_freed_total", labels, missing=0.0)
     ratio_sum_before = metric(server, "kvserve:kept_token_ratio_sum", labels, missing=0.0)
     seconds_before = metric(server, "kvserve:compaction_seconds_sum", labels, missing=0.0)
@@ -60,7 +68,11 @@ def test_headers_select_the_policy_and_metrics_count_what_was_evicted(server, lo
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     block_bytes = 2 * 32 * config["num_key_value_heads"] * head_dim * 4 * config["num_hidden_layers"]
     blocks = metric(server, "kvserve:blocks_freed_total", labels) - blocks_before
-    assert metric(server, "kvserve:kv_cache_bytes_freed_total", labels) - bytes_before == blocks * block_bytes
+    assert metric(server, "kvserve:kv_cache_freed_bytes_total", labels) - bytes_before == blocks * block_bytes
+    # a renamed series is still served under its deprecated name, every sample at the same value (one release)
+    text = httpx.get(server + "/metrics", timeout=120).text
+    for deprecated, renamed in DEPRECATED_METRICS.items():
+        assert samples(text, deprecated) == samples(text, renamed) != {}
     # finished with 64 kept prompt entries + 7 computed output tokens (the 8th is sampled, never fed back)
     kept_ratio = metric(server, "kvserve:kept_token_ratio_sum", labels) - ratio_sum_before
     assert kept_ratio == pytest.approx((64 + 7) / (prompt_tokens + 7))

@@ -350,8 +350,8 @@ def decode_attention_with_scores(
     if need_logits:
         score_buf = scores if scores is not None else lse
         last_buf = last_probs if last_probs is not None else lse
-        # 1024 slots a program: at 128 this launch read at about a third of the copy bandwidth (H100: 25 us for
-        # 16 x 8192 slots x 8 KV heads of group 4, against 10 us at 1024)
+        # 1024 slots a program: at 128 this launch read well below the copy bandwidth (profiled on an H100:
+        # `python -m kvserve_kernels.profile`; timings in docs/benchmarks.md, section "The kernels on a GPU")
         block_s = 1024
         _decode_scores_kernel[(num_reqs, num_kv_heads, triton.cdiv(max_seq_len, block_s))](
             logits,

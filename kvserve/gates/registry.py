@@ -14,7 +14,9 @@ from pathlib import Path
 
 import yaml
 
-REGISTRY_ENV = "KVSERVE_GATES"
+from kvserve.environment import declared
+
+REGISTRY_ENV = declared("KVSERVE_GATES")
 DEFAULT_REGISTRY = Path(__file__).parent / "registry.yaml"
 
 

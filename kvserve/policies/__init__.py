@@ -73,7 +73,6 @@ __all__ = [
     "caote_variant",
     "knob",
     "representative_policies",
-    "settings_table",
 ]
 
 
@@ -89,15 +88,3 @@ def representative_policies(ragged: bool = True) -> list[str]:
     ]
     first_scored = next(cls.name for cls in BASE_POLICIES if issubclass(cls, ScoredPolicy))
     return names + [f"{first_scored}+{meta}" for meta in META_SCORES]
-
-
-def settings_table() -> str:
-    """The per-policy settings as a Markdown table (the README embeds it; a test keeps the two in sync)."""
-    rows = ["| policy | request key | header | default | meaning |", "| --- | --- | --- | --- | --- |"]
-    for cls in BASE_POLICIES:
-        for setting in cls.knobs().values():
-            allowed = f" ({', '.join(setting.choices)})" if setting.choices else ""
-            rows.append(
-                f"| `{cls.name}` | `{setting.key}` | `{setting.header}` | {setting.default} | {setting.help}{allowed} |"
-            )
-    return "\n".join(rows)

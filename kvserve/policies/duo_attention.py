@@ -35,7 +35,8 @@ class DuoAttention(SnapKV):
     own_counts: ClassVar[bool] = True
     # the retrieval heads' pool as every DuoAttention result was measured (SnapKV's was 7 then; its 15 is untested here)
     kernel_size: int = knob(7, "pooling kernel over keys (odd)", minimum=1, odd=True)
-    # 0.25 by the quality suite: 95% / 98% / 98% of full at B = 128 / 256 / 512 against 82% / 92% / 100% with 0.5
+    # 0.25 rather than 0.5 by the quality suite (measured: docs/benchmarks.md, section "How much quality do I keep at
+    # 8x?"): at small budgets fewer retrieval heads with larger shares keep more
     retrieval_fraction: float = knob(
         0.25, "share of KV heads (largest trained gates) that retrieve", minimum=0.0, maximum=1.0
     )

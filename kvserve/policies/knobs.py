@@ -2,7 +2,8 @@
 
 A policy declares `window: int = knob(32, "observation window ...", minimum=1)`, and everything a user sees of the
 setting follows from that line: the request key `kv_window`, the header `x-kv-window`, the check of a value (the 400
-message names the key), `kvserve serve --help`, and the README's settings table (`settings_table`).
+message names the key), `kvserve serve --help` (with its default), and docs/reference/settings.md
+(`python -m kvserve.tools.reference`).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ exactly." and then the document again (teacher forcing), and each cached entry s
 reconstruction queries, in any query head of its KV head's GQA group, gave it: score(k) = max over t, g of
 softmax(q_t,g . K / sqrt(D))[k]. An entry nothing needed to rebuild the text is one no question will need either, so
 the choice serves every later question: this is the query-agnostic scorer behind `kv_document`, which compresses a
-document once and lets every request that starts with it resume from the compressed lists (docs/guide.md,
-"Compress once, ask many"). The softmax is over everything a query sees (the document, the instruction and the copy
+document once and lets every request that starts with it resume from the compressed lists (docs/guide/serving.md,
+"Documents"). The softmax is over everything a query sees (the document, the instruction and the copy
 so far), as in the paper's definition. A document is reconstructed in pieces of at most 2,048 tokens, as the paper
 does, one request each (`kvserve/server/documents.py`, `kvserve/worker/pieces.py`): each piece's queries see the
 whole document, and an entry scores its maximum over every piece.

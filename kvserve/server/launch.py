@@ -1,5 +1,5 @@
-"""The process `kvserve serve` becomes: vLLM's OpenAI API server, started the way vLLM's own entry point starts it,
-with the model resolved first.
+"""The process `kvserve serve` becomes: vLLM's OpenAI API server, started through the entry point vLLM documents
+(`vllm serve`'s command, `vllm.entrypoints.cli.serve`), with the model resolved and kvserve's checks run first.
 
 vLLM's parser takes the model as `--model` or as a positional `model_tag` anywhere among the flags (as `vllm serve`
 does); its own launcher would let a default `--model` win over that positional and serve another model without a
@@ -10,6 +10,10 @@ refused, and none means kvserve's default model.
 from __future__ import annotations
 
 import sys
+
+# vLLM's documented command line, `vllm serve` (the module of vLLM's `vllm` console script): what kvserve runs for
+# vLLM's own help and a vanilla server; vLLM 0.32 deprecates `python -m vllm.entrypoints.openai.api_server`
+VLLM_SERVE = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
 
 
 def resolve_model(positional: str | None, flag: str | None) -> str | None:
@@ -67,7 +71,8 @@ def refuse_ray_where_vllm_cannot_run_it(args) -> None:
                 f"kvserve serve: {flag} ray: vLLM's {current_platform.device_name} build cannot run Ray workers (its "
                 f"platform names no Ray device: 'current platform {current_platform.device_name} does not support "
                 "ray'). Across machines, use vLLM's own multiprocessing executor: --nnodes N --node-rank R "
-                "--master-addr HEAD on every node, --headless on all but the head node (docs/guide.md, Scale-out)."
+                "--master-addr HEAD on every node, --headless on all but the head node (docs/guide/deployment.md, "
+                "Scale-out)."
             )
 
 
@@ -83,15 +88,30 @@ def refuse_several_api_servers(args) -> None:
         )
 
 
+def refuse_other_frontends(args) -> None:
+    """`vllm serve` may serve through another front end than its Python API server (gRPC, vLLM's Rust front end, a
+    supervisor of one server per data-parallel rank), none of which runs kvserve's middleware: refused, named."""
+    import vllm.envs as envs
+
+    for given, what in (
+        (getattr(args, "grpc", False), "--grpc (vLLM's gRPC server)"),
+        (getattr(args, "data_parallel_multi_port_external_lb", False), "--data-parallel-multi-port-external-lb"),
+        (envs.VLLM_USE_RUST_FRONTEND, "VLLM_USE_RUST_FRONTEND (vLLM's Rust front end)"),
+    ):
+        if given:
+            raise SystemExit(
+                f"kvserve serve: {what}: kvserve serves through vLLM's Python API server, where its middleware "
+                "validates and routes requests; leave it out."
+            )
+
+
 def main(argv: list[str] | None = None) -> None:
     refuse_where_kvserve_cannot_evict()
-    import uvloop
-    from vllm.entrypoints.launchers.api_server import entry
-    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+    from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
 
-    cli_env_setup()
+    cli_env_setup()  # as `vllm`'s own main does before any subcommand
     args = parse_serve_args(sys.argv[1:] if argv is None else argv)
     from kvserve import REQUIRED_VLLM_VERSION, __version__
 
@@ -100,20 +120,20 @@ def main(argv: list[str] | None = None) -> None:
 
     apply_profile(args.model)  # before vLLM starts its engine: the engine's processes inherit what it sets
     configure_logging_from_args(args)
-    validate_parsed_serve_args(args)
+    refuse_other_frontends(args)  # before vLLM's own checks of those front ends' flags
+    serve = ServeSubcommand()
+    serve.validate(args)
     refuse_ray_where_vllm_cannot_run_it(args)
     refuse_several_api_servers(args)
-    if args.headless:  # a node of a model split over several machines: its workers only, with vLLM's own runner
-        from vllm.entrypoints.cli.serve import run_headless
-
+    if args.headless:  # a node of a model split over several machines: its workers only, as `vllm serve` runs them
         from kvserve.server.headless import watch_head
 
-        args.api_server_count = 0
         if args.node_rank > 0:  # a node holding workers of the head node's engine (multi-node TP/PP)
             watch_head(args.master_addr, args.master_port)
-        run_headless(args)
-        return
-    uvloop.run(entry.run_server(args))
+    else:
+        # one API server in this process (`vllm serve` would start one per data-parallel engine by default)
+        args.api_server_count = 1
+    serve.cmd(args)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,7 @@ from kvserve.errors import InvalidSetting
 from kvserve.model_support import ServedEngine, served_settings
 from kvserve.policies.knobs import parse_int
 from kvserve.server.documents import prompt_ids, tokenizer_of
-
-MAX_LOOKAHEAD = 512  # question tokens run ahead: its queries are kept per layer until the request ends
+from kvserve.settings import MAX_LOOKAHEAD  # (declared with the setting)
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,14 @@ import sys
 from pathlib import Path
 
 from kvserve.config import DEFAULTS_ENV, parse_kv_config
+from kvserve.environment import declared, default
 from kvserve.errors import InvalidSetting
 from kvserve.profile import PROFILE_ENV, ProfileError, find_profile
 
-CHOICE_ENV = "KVSERVE_PROFILE_CHOICE"  # `--kv-profile`: auto (default), none, or a file
-TARGET_ENV = "KVSERVE_PROFILE_TARGET"  # `--kv-target`
-USER_DEFAULTS_ENV = "KVSERVE_USER_DEFAULTS"  # "1" when the command line gave eviction defaults
-DEFAULT_TARGET = 0.95
+CHOICE_ENV = declared("KVSERVE_PROFILE_CHOICE")  # `--kv-profile`: auto (default), none, or a file
+TARGET_ENV = declared("KVSERVE_PROFILE_TARGET")  # `--kv-target`
+USER_DEFAULTS_ENV = declared("KVSERVE_USER_DEFAULTS")  # "1" when the command line gave eviction defaults
+DEFAULT_TARGET = float(default(TARGET_ENV))
 
 
 def _say(text: str) -> None:

@@ -30,6 +30,7 @@ import os
 from typing import TYPE_CHECKING
 
 from kvserve import REQUIRED_VLLM_VERSION
+from kvserve.environment import declared
 
 if TYPE_CHECKING:
     import torch
@@ -75,7 +76,7 @@ def inactive_reason() -> str | None:
     return None
 
 
-INACTIVE_ENV = "KVSERVE_INACTIVE_WARNED"  # set once warned: vLLM's other processes inherit it and stay quiet
+INACTIVE_ENV = declared("KVSERVE_INACTIVE_WARNED")  # set once warned: vLLM's other processes inherit it and stay quiet
 
 
 def apply() -> None:

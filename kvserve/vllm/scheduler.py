@@ -355,7 +355,7 @@ class EvictingScheduler(Scheduler):
         used_blocks = total_blocks - pool.get_num_free_blocks()
         pages_per_block = self.core.pages_per_block
         metrics().pages_in_use.set(used_blocks * pages_per_block - self.evicting_manager.free_pages_held())
-        metrics().pages_total.set(total_blocks * pages_per_block)
+        metrics().pages_capacity.set(total_blocks * pages_per_block)
 
     def _report_evicted_counts(self, outputs_by_client, failures: dict[str, str]) -> None:
         """A request's first output, and each later one whose evicted count changed, carries the count to the front

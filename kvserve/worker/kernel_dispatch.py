@@ -17,9 +17,11 @@ from typing import Literal
 
 import torch
 
+from kvserve.environment import declared
+
 Backend = Literal["auto", "triton", "torch"]
-BACKEND_ENV = "KVSERVE_KERNELS"
-ATTENTION_ENV = "KVSERVE_ATTENTION"
+BACKEND_ENV = declared("KVSERVE_KERNELS")
+ATTENTION_ENV = declared("KVSERVE_ATTENTION")
 ATTENTION_MODES = ("vllm", "kernels")
 
 

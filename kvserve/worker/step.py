@@ -80,8 +80,8 @@ class RowPlan:
 class LayerTables(Mapping[str, torch.Tensor]):
     """Each evicting request's [H, W] page lists of one layer (`RowPlan.table`) by request id, each made on its first
     read: a decode step in which nothing is measured or compacted reads none, and making every request's table for
-    every layer of every step was per-layer work that does not shrink with the ranks (it was 1% of a Qwen
-    tensor-parallel rank's samples)."""
+    every layer of every step was per-layer work that does not shrink with the ranks (it showed in a Qwen
+    tensor-parallel rank's profile)."""
 
     def __init__(self, rows: dict[str, RowPlan], layer_idx: int) -> None:
         self._rows = rows  # by request id, shared by the step's layers
@@ -163,7 +163,7 @@ def build_step_pages(
     the step, `slot_mapping` [T] the slot of each token (-1: padding), `query_start_loc` [R + 1]."""
     # built in numpy and handed to torch without a copy: a few small array operations per evicting request cost
     # a fraction of torch's (this ran once per step and per request, which a second tensor-parallel rank does not
-    # divide: 4% of a tiny Llama step's samples as torch indexing)
+    # divide: it showed in a tiny Llama step's profile as torch indexing)
     num_layers, num_heads, bs = layout.num_layers, layout.num_heads, layout.block_size
     num_reqs, vllm_width = vllm_blocks.shape
     num_tokens = slot_mapping.shape[0]

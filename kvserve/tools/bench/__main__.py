@@ -76,7 +76,7 @@ def run(
     engines) started together (one at a time) and kept up, each given one uncounted pass of the workload, then the
     workload sent to each in turn, the order reversed every other round, so that the machine's drift lands on every
     server of the size alike; then the next size. Four Qwen2.5-0.5B servers at once (both sizes) filled this
-    machine's 24 GB; an idle server's processes sleep (under 1% of a core each, read with `top`)."""
+    machine's memory; an idle server's processes sleep (read with `top`)."""
 
     def start(number: int, label: str, kind: str, engine_args: list[str]):
         return running_server(kind, workload["model"], engine_args, log_dir / f"{number}-{label}.log", env)

@@ -121,7 +121,7 @@ async def _conversation(client, url: str, number: int, document: str, users: lis
 async def _sample_usage(client: httpx.AsyncClient, url: str, stop: asyncio.Event, samples: list) -> None:
     while not stop.is_set():
         text = (await client.get(url + "/metrics")).text
-        pages, total = metric_sum(text, "kvserve:kv_pages_in_use"), metric_sum(text, "kvserve:kv_pages_total")
+        pages, total = metric_sum(text, "kvserve:kv_pages_in_use"), metric_sum(text, "kvserve:kv_pages_capacity")
         samples.append(
             (time.perf_counter(), metric_sum(text, "vllm:kv_cache_usage_perc"), pages / total if total else None)
         )

@@ -45,7 +45,7 @@ SERVED_NAME = "bench"
 class PeakPages:
     """The most pages the server reported while this is open (polled every `every` s): `peak` in use
     (`kvserve:kv_pages_in_use`: live entries' pages), `peak_allocated` in the blocks vLLM has handed out
-    (`vllm:kv_cache_usage_perc` of `kvserve:kv_pages_total`), which counts a chunk's blocks before it is written."""
+    (`vllm:kv_cache_usage_perc` of `kvserve:kv_pages_capacity`), which counts a chunk's blocks before it is written."""
 
     def __init__(self, url: str, every: float = 0.2) -> None:
         self.url, self.every, self.peak, self.peak_allocated = url, every, 0.0, 0.0
@@ -57,7 +57,7 @@ class PeakPages:
             while not self._stop.is_set():
                 text = client.get(self.url + "/metrics").text
                 self.peak = max(self.peak, metric_sum(text, "kvserve:kv_pages_in_use"))
-                allocated = metric_sum(text, "vllm:kv_cache_usage_perc") * metric_sum(text, "kvserve:kv_pages_total")
+                allocated = metric_sum(text, "vllm:kv_cache_usage_perc") * metric_sum(text, "kvserve:kv_pages_capacity")
                 self.peak_allocated = max(self.peak_allocated, allocated)
                 self._stop.wait(self.every)
 

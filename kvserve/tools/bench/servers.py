@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from kvserve.allocator import allocator_env
+from kvserve.server.launch import VLLM_SERVE
 
 
 def free_port() -> int:
@@ -30,7 +31,7 @@ def server_command(kind: str, model: str | None, port: int, args: list[str]) -> 
         raise ValueError("only kvserve serves a default model; name the model for vanilla vLLM")
     common = [*(["--model", model] if model else []), "--host", "127.0.0.1", "--port", str(port), *args]
     if kind == "vanilla":
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *common]
+        return [*VLLM_SERVE, *common]
     if kind == "kvserve":
         return [sys.executable, "-m", "kvserve.cli", "serve", *common]
     if kind == "vllm-cli":  # vLLM's own `vllm serve`: kvserve's plugin active, none of `kvserve serve`'s defaults

@@ -115,18 +115,18 @@ def probe_seconds_per_token(model) -> float:
     return (time.time() - started) / ROLES_SEQ_LEN
 
 
-# Served prefill time per token against the reference forward's (fp32, attention materialised): measured 0.34 on
-# Qwen2.5-Coder-0.5B with 2k-token prompts (5.5 s served, 16 s estimated at 1.0; AMD EPYC, 2 cores, bf16).
+# Served prefill time per token against the reference forward's (fp32, attention materialised): measured on
+# Qwen2.5-Coder-0.5B with 2k-token prompts (AMD EPYC, 2 cores, bf16), rounded up.
 SERVED_PER_REFERENCE = 0.35
 
 
 def estimate(args: argparse.Namespace, plan: CheckPlan, per_token: float) -> dict[str, float]:
     """Seconds per phase from the probe; the check's at the requests it is expected to send (`expected_requests`:
-    the upper bound had put the recorded Qwen2.5-Coder-0.5B calibration at 3.5x its measured time)."""
+    the upper bound had put the recorded Qwen2.5-Coder-0.5B calibration well above its measured time)."""
     phases = {"roles": args.roles_samples * ROLES_SEQ_LEN * per_token * 1.3, "server start": 120.0}
     phases["check"] = expected_requests(plan) * served_seconds_per_request(plan, per_token)
     if args.gates:  # forward and backward of the gated model and the teacher's forward, per 1,024-token step: the
-        # default model's 100 steps took 848 s, about 4x its probe's time per token
+        # default model's training measured this factor over its probe's time per token
         phases["gates"] = args.gate_steps * 1024 * per_token * 4
     return phases
 
@@ -395,7 +395,7 @@ def check_through_server(
     args = ["--kv-profile", str(profile), "--max-model-len", str(max(plan.lengths) + 1024), *shlex.split(server_args)]
     # The check is the only work on the machine: its worker takes every CPU this process may use (vLLM's default
     # leaves one to the API server, which waits on one request at a time here; 4k-token prompts of the 0.5B model
-    # took 24-31 s on one of 2 cores, 13-14 s on both).
+    # ran markedly faster on both of 2 cores than on one).
     cpus = ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0)))
     env = {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cpus)}
     progress.phase, progress.server_log = "during the check's server start-up", rows.with_name("server.log")

@@ -92,8 +92,9 @@ def main(cases_path: str, out_path: str) -> None:
     if out.exists():
         rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
         done = {(row["label"], tuple(row["key"])) for row in rows if row["side"] == "kvpress"}
-    for setting in spec["settings"]:
-        for case in spec["cases"]:
+    # case by case, every setting on each: a run stopped early has as many answers of each setting
+    for case in spec["cases"]:
+        for setting in spec["settings"]:
             if (setting["label"], tuple(case["key"])) in done:
                 continue
             context = torch.tensor([case["context_ids"]])

@@ -199,8 +199,8 @@ def run_kvserve(
     done = {(row["label"], tuple(row["key"])) for row in rows if row["side"] == "kvserve"}
     # kvpress's rows record the B they kept: the same B here, or the comparison is not of the same memory
     theirs = {(row["label"], tuple(row["key"])): row.get("budget") for row in rows if row["side"] == "kvpress"}
-    for setting in settings:
-        for case in cases:
+    for case in cases:  # case by case, as kvpress's side: a run stopped early is balanced over the settings
+        for setting in settings:
             if (setting.label, case.key) in done:
                 continue
             budget = budget_of(setting, case, block_size)

@@ -1,5 +1,5 @@
 """Does it carry to another model? The quality suite on Qwen2.5-Coder-0.5B-Instruct beside the default model's, what
-`kvserve calibrate` recommends for it and how long that took, and the measured head roles against the trained ones."""
+`kvserve calibrate` recommends for it and how long that took, and the serving benchmarks on it."""
 
 from __future__ import annotations
 
@@ -16,17 +16,17 @@ from kvserve.tools.report.quality import (
     FLOOR,
     best_labels,
     load_suite,
-    per_task_table,
     share_cell,
     share_table,
     variants_table,
 )
-from kvserve.tools.report.sources import DataDir
+from kvserve.tools.report.sources import DataDir, captions
 from kvserve.tools.report.throughput import capacity_table, chat_table, chat_workload, workload
 
 QWEN = ("qwen05/tasks.jsonl", "qwen05/multikey.jsonl")
 CALIBRATION = "qwen05/calibrate.json"
-ROLES = "duo/measured-vs-trained.json"
+# duo/measured-vs-trained.json (the head roles kvserve calibrate measures against DuoAttention's trained ones, on the
+# default model) is not shown: it validates the method rather than deciding a setting; docs/tools.md runs it
 CAPACITY = "qwen05/capacity-decode-heavy.json"
 OVERHEAD = "qwen05/overhead.json"
 CHAT = "qwen05/chat.json"
@@ -37,29 +37,10 @@ def at_length(cells: list[Cell], thousands: int) -> list[Cell]:
     return [cell for cell in cells if cell[1] == thousands]
 
 
-def side_by_side(default: tuple[Suite, list[Cell]], qwen: tuple[Suite, list[Cell]], budget: int) -> str:
-    """Each policy's share of full at `budget` on each model's judged 4k-token cells, its best setting on each."""
-    rows = []
-    default_labels, qwen_labels = (best_labels(suite, cells) for suite, cells in (default, qwen))
-
-    def order(policy: str) -> tuple[float, str]:  # best on the second model first; ties by name (a set has no order)
-        return -(qwen[0].ratio((qwen_labels.get(policy, ""), budget), qwen[1]) or 0), policy
-
-    for policy in sorted(set(default_labels) | set(qwen_labels), key=order):
-        cells_text = []
-        for (suite, cells), labels in ((default, default_labels), (qwen, qwen_labels)):
-            label = labels.get(policy)
-            shown = share_cell(suite, label, budget, cells) if label else "-"
-            cells_text.append(f"{shown} `{label}`" if shown != "-" else "-")
-        if any(text != "-" for text in cells_text):
-            rows.append([f"`{policy}`", *cells_text])
-    return table(["policy", f"SmolLM2-135M, B={budget}", f"Qwen2.5-Coder-0.5B, B={budget}"], rows)
-
-
 def revised_text(check: dict) -> str:
     """The revised estimate, where the run recorded one (printed once its server had answered the full cache)."""
     revised = check.get("revised_estimated_seconds")
-    return "" if revised is None else f"; revised once its server had answered the full cache: {revised / 60:.0f} min"
+    return "" if revised is None else f", {revised / 60:.0f} min after the full cache's answers"
 
 
 def calibration_part(data: DataDir, suite: Suite, cells: list[Cell]) -> list[str]:
@@ -69,13 +50,11 @@ def calibration_part(data: DataDir, suite: Suite, cells: list[Cell]) -> list[str
     plan = check["plan"]
     lines = [
         f"`kvserve calibrate qwen2.5-coder-0.5b` took {check['seconds'] / 60:.1f} min on 2 cores (estimated "
-        f"before it started: {check['estimated_seconds'] / 60:.0f} min{revised_text(check)}): head roles from "
-        f"{check['roles_samples']} "
-        f"retrieval samples, then a check of {len(plan['tasks'])} tasks ({', '.join(plan['tasks'])}) at "
-        f"{'/'.join(map(str, plan['lengths']))} tokens, "
-        f"{plan['samples']} cases each, {len(plan['policies'])} policies at B = "
-        f"{'/'.join(map(str, plan['budgets']))}; the full cache answered {check['full_answers']} of {check['cases']} "
-        "cases. What it recommends, and where that setting stands on the suite above (4k tokens):",
+        f"{check['estimated_seconds'] / 60:.0f} min at the start{revised_text(check)}): head roles from "
+        f"{check['roles_samples']} retrieval samples, then {len(plan['tasks'])} tasks ({', '.join(plan['tasks'])}) "
+        f"at {'/'.join(map(str, plan['lengths']))} tokens, {plan['samples']} cases each, {len(plan['policies'])} "
+        f"policies at B = {'/'.join(map(str, plan['budgets']))} (`full`: {check['full_answers']} of "
+        f"{check['cases']} cases). Its recommendation against the suite above (4k tokens):",
     ]
     rows = []
     for target, setting in check["recommended"].items():
@@ -113,34 +92,6 @@ def calibration_part(data: DataDir, suite: Suite, cells: list[Cell]) -> list[str
     return lines
 
 
-def roles_part(data: DataDir) -> list[str]:
-    source = data.load(ROLES)
-    record = source.data
-    rows = [
-        [
-            f"{row['retrieval_fraction']:g}",
-            f"{row['trained_roles']:.4f}",
-            f"{row['measured_roles']:.4f}",
-            f"{row['random_roles']:.4f}",
-            f"{row['heads_in_common']} of {row['retrieval_heads']}",
-        ]
-        for row in record["held_out"]
-    ]
-    return [
-        "### Head roles measured, not trained",
-        f"DuoAttention's roles for {record['model']}: the paper's training (gradient descent on the gates, "
-        f"{record['trained_seconds']:.0f} s on 2 cores) against `kvserve calibrate`'s measurement (one forward pass "
-        f"per sample, {record['measured_samples']} samples, {record['measured_seconds']:.0f} s). Held-out distillation "
-        "error (the paper's loss: the last hidden states' squared distance to the full model's at the answer "
-        "positions, relative; lower is better) with each route's top fraction as retrieval heads and the rest "
-        f"streaming; rank correlation of the two gate tables {record['gate_rank_correlation']:.2f}.",
-        table(
-            ["retrieval fraction", "trained roles", "measured roles", "random roles", "retrieval heads in common"], rows
-        ),
-        source.caption(),
-    ]
-
-
 def serving_part(data: DataDir, plots: Path, plot_link: str) -> list[str]:
     """The default model's serving benchmarks on the second model: each against vanilla vLLM in its own run."""
     capacity, overhead, chat = (data.load(name) for name in (CAPACITY, OVERHEAD, CHAT))
@@ -149,22 +100,16 @@ def serving_part(data: DataDir, plots: Path, plot_link: str) -> list[str]:
     chat_args = chat.data["args"]
     return [
         "### Throughput and cost on it",
-        "The default model's serving benchmarks on this model, each against vanilla vLLM started by the same command "
-        "with the same engine flags. Decode-heavy, at 8x: " + workload(capacity),
-        capacity_table(capacity),
         f"![throughput and concurrency against compression, Qwen2.5-Coder-0.5B]({plot_link}/qwen05-capacity.png)",
-        capacity.caption(),
-        "With nothing evicted (eviction off, and each policy scoring with a budget above every sequence): "
-        + workload(overhead).split("; a pool")[0]
-        + ".",
-        overhead_table(overhead),
-        overhead.caption(),
-        f"Multi-turn chat: {chat_workload(chat)}, in a pool of {chat_args['small_pool_blocks']} blocks of "
-        f"{chat_args['block_size']} tokens (2 conversations at their longest without eviction; the settings as in "
-        "[the default model's chat benchmark](#multi-turn-chat-with-prefix-caching)):",
-        chat_table(chat),
         f"![TTFT and output tokens/s by turn, Qwen2.5-Coder-0.5B]({plot_link}/qwen05-chat.png)",
-        chat.caption(),
+        "Each against vanilla vLLM with the same engine flags. Decode-heavy at 8x: " + workload(capacity),
+        capacity_table(capacity),
+        "Scoring with nothing evicted: " + workload(overhead).split("; a pool")[0] + ".",
+        overhead_table(overhead),
+        f"Multi-turn chat: {chat_workload(chat)}, a pool of {chat_args['small_pool_blocks']} blocks of "
+        f"{chat_args['block_size']} tokens ([settings](#multi-turn-chat-with-prefix-caching)):",
+        chat_table(chat),
+        captions([capacity, overhead, chat]),
     ]
 
 
@@ -189,15 +134,21 @@ def qwen_suite(data: DataDir):
     return sources, suite, cells, best_labels(suite, cells)
 
 
-def by_length_table(suite: Suite, overall: bool = False) -> str:
-    """Every setting that ran at more than one prompt length: its share of full [95% interval] per length (the
-    compression grows with the length: B=256 is 4x at 1k tokens, 16x at 4k), and with `overall` over them all."""
+def by_length_table(
+    suite: Suite, overall: bool = False, labels: set[str] | None = None, min_budget: int | None = None
+) -> str:
+    """Every setting that ran at more than one prompt length (of `labels` where given, at budgets of at least
+    `min_budget` where given): its share of full [95% interval] per length (the compression grows with the length:
+    B=256 is 4x at 1k tokens, 16x at 4k), and with `overall` over them all."""
     judged = suite.judged_cells(FLOOR)
     by_length = {k: at_length(judged, k) for k in sorted({k for _, k in judged})}  # shortest first
     settings = [
         setting
         for setting in suite.cells
-        if setting[0] != "full" and sum(suite.mean(setting, cells) is not None for cells in by_length.values()) > 1
+        if setting[0] != "full"
+        and (labels is None or setting[0] in labels)
+        and (min_budget is None or setting[1] is None or setting[1] >= min_budget)
+        and sum(suite.mean(setting, cells) is not None for cells in by_length.values()) > 1
     ]
     main = by_length[main_length(suite, judged)]
     settings.sort(key=lambda setting: (-(suite.ratio(setting, main) or 0), str(setting)))
@@ -205,7 +156,7 @@ def by_length_table(suite: Suite, overall: bool = False) -> str:
     rows = [["`full` (its mean)", *(f"{suite.mean(('full', None), cells)[0]:.3f}" for cells in columns.values())]]
     for label, budget in settings:
         name = f"`{label}`" + (f" B={budget}" if budget else " (its own keep ratio)")
-        rows.append([name, *(share_cell(suite, label, budget, cells) for cells in columns.values())])
+        rows.append([name, *(share_cell(suite, label, budget, cells, mean=False) for cells in columns.values())])
     headers = [f"{k}k tokens" for k in by_length] + (["all lengths"] if overall else [])
     return table(["setting", *headers], rows)
 
@@ -225,8 +176,8 @@ def own_ratio_lines(rows: list[dict], suite: Suite, cells: list[Cell]) -> list[s
         # the gates' own count: the share of (layer, KV head, prompt token) entries they kept
         kept = sum(sum(r["gate_keep_by_layer"]) / len(r["gate_keep_by_layer"]) for r in ran) / max(len(ran), 1)
         lines.append(
-            f"`{label}` at its own keep ratio (no budget; it kept {kept:.0%} of the prompt's entries, mean over "
-            f"layers and KV heads): {share_cell(suite, label, None, cells)} of full."
+            f"`{label}` at its own keep ratio ({kept:.0%} of the prompt's entries kept, mean over layers and KV "
+            f"heads): {share_cell(suite, label, None, cells, mean=False)} of full."
         )
     return lines
 
@@ -240,7 +191,7 @@ def summary_part(data: DataDir) -> list[str]:
         f"{max(k for _, k in cells)}k tokens ({answers} answers a setting; `duoattention` with the head roles "
         "`kvserve calibrate` measured for it; [details](#a-second-model-qwen25-coder-05b-instruct)):",
         share_table(suite, cells, labels),
-        *(source.caption() for source in sources),
+        captions(sources),
     ]
 
 
@@ -248,33 +199,23 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
     sources, suite, cells, labels = qwen_suite(data)
     _, default_suite, default_cells = load_suite(data)
     length = max(k for _, k in cells)
-    full_mean, full_n = suite.mean(("full", None), cells)
     return "\n\n".join(
         [
             TITLE,
-            "The same suite on a larger model of another family: Qwen2.5-Coder-0.5B-Instruct (Qwen2: 24 layers, 14 "
-            "query / 2 KV heads of 64; `kvserve setup-model qwen2.5-coder-0.5b`, the 4-bit GGUF de-quantised, so its "
-            f"quality is the 4-bit file's). Judged tasks: every task where `full` scores at least {FLOOR} "
-            f"({', '.join(sorted({t for t, _ in cells}))}), at {length}k tokens, where B=256 is "
-            f"{round(length * 1000 / 256)}x. `full` answers {full_mean:.3f} of them (n = {full_n}). `duoattention` "
-            "serves with the head roles `kvserve calibrate` "
-            "measured for this model (no training).",
+            "The suite on Qwen2.5-Coder-0.5B-Instruct (Qwen2: 24 layers, 14 query / 2 KV heads; `kvserve "
+            "setup-model qwen2.5-coder-0.5b`: the 4-bit GGUF de-quantised). Judged, where `full` scores at least "
+            f"{FLOOR}: {', '.join(sorted({t for t, _ in cells}))}, at {length}k tokens (B=256 is "
+            f"{round(length * 1000 / 256)}x). `duoattention` uses the head roles `kvserve calibrate` measured (no "
+            "training).",
             share_table(suite, cells, labels),
-            f"`{DEFAULT_POLICY}` (the default model's server default) in every setting that ran these cells:",
-            variants_table(suite, cells, DEFAULT_POLICY),
+            f"`{DEFAULT_POLICY}` in every setting that ran them:",
+            variants_table(suite, cells, DEFAULT_POLICY, mean=False),
             *own_ratio_lines([row for source in sources for row in source.data], suite, cells),
-            "By prompt length, the settings run at more than one (share of full [95% interval] (mean)):",
+            "By prompt length, the settings run at more than one (share of full [95% interval]):",
             by_length_table(suite),
-            "Per task at B=256 (mean [95% Wilson interval] and answers):",
-            per_task_table(suite, cells, labels, 256),
-            *(source.caption() for source in sources),
-            "### Side by side with the default model",
-            f"Each policy's best setting on each model's {length}k-token judged cells (the default model's suite "
-            f"at {length}k: {', '.join(sorted({t for t, k in default_cells if k == length}))}; 12 answers a cell):",
-            side_by_side((default_suite, at_length(default_cells, length)), (suite, cells), 256),
+            captions(sources),
             "### What `kvserve calibrate` recommends for it",
             *calibration_part(data, suite, cells),
-            *roles_part(data),
             *serving_part(data, plots, plot_link),
         ]
     )

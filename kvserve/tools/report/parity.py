@@ -19,27 +19,12 @@ MODELS = (
     ("SmolLM2-135M-Instruct (the default model)", "parity/smollm2.jsonl"),
 )
 INTRO = (
-    "A method is done when it scores at least what its reference implementation scores on the same model and cases."
-    " kvpress (NVIDIA's library of KV-cache presses for transformers, 0.5.5, in an environment of its own, "
-    "`.kvpress-venv`: kvpress and transformers<5.3 on `.venv`'s torch) is the reference for KVzip, SnapKV, TOVA, "
-    "StreamingLLM, Expected Attention, KeyDiff and DuoAttention. `kvserve eval parity` gives both sides the same "
-    "tokens: the quality suite's passkey and multi-key lookup, each document in a chat's user message and the "
-    "question after it, as kvpress's pipeline builds them, answered greedily. B is the entries each (layer, KV "
-    "head) keeps of the context on average, on both sides. KVzip compresses the context before the question "
-    "(`question: outside`): kvpress's pipeline prefills the context under the press and then asks; kvserve "
-    "compresses it with `POST /v1/kvserve/compress` and the question resumes from it. kvpress's KVzip ranks every "
-    "(layer, head, token) score together (`kvzip`; `kvzip_layerwise` gives every layer the same share); kvserve's "
-    "rows say their `kv_allocation` (`global` is kvzip's default; a compressed document's lists are then rounded to"
-    " whole pages). The other policies compress the whole prompt, question included (`inside`: kvpress compresses "
-    "all but the last token, kvserve compacts where the prompt ends), since kvserve compacts before a question only"
-    " through a compressed document, which KVzip's reconstruction scores; their kvserve rows use kvpress's settings"
-    " (SnapKV's window of 64 and pooling over 5, KeyDiff with no protected window, TOVA ranking by the whole "
-    "layer's votes, `kv_vote_scope=layer`, as TOVA's own code does; single tokens). DuoAttention runs in the "
-    "paper's plain form on both sides (retrieval heads keep everything, the others their 16 sinks and 64 newest "
-    "entries), its heads ranked by the roles kvserve ships for the model (kvpress downloads the authors' patterns, "
-    "which exist only for 7-8B models), with as many retrieval heads as B allows on each case. Each cell: the mean "
-    "score [95% interval] (n answers), and in the last column each side's mean as a share of its own `full` (the "
-    "two sides' full caches differ in bf16 rounding, which flips a few of a small model's answers)."
+    "A method is done when it scores at least what its reference implementation does: kvpress 0.5.5 (in "
+    "`.kvpress-venv`) for KVzip, SnapKV, TOVA, StreamingLLM, Expected Attention, KeyDiff and DuoAttention. `kvserve "
+    "eval parity` gives both the same tokens (the suite's passkey and multi-key lookup in kvpress's chat layout, "
+    "greedy) and B; KVzip compresses the context before the question (`outside`), the others the whole prompt "
+    "(`inside`). Cells: mean score [95% interval] (n answers); last column: each side's mean as a share of its "
+    "own `full`."
 )
 
 
@@ -49,13 +34,11 @@ CHECKPOINT_MODELS = (
     ("SmolLM2-135M-Instruct", "checkpoint/smollm2.jsonl"),
 )
 CHECKPOINT_INTRO = (
-    "A request with `kv_checkpoint=C` has the prompt's last multiple of C before its end compacted before any "
-    "question is seen, and the prefix is shared by every request that starts with it; the rest of the prompt and "
-    "the reply are kept in full. The suite's passkey and multi-key lookup (plain prompts, `/v1/completions`), at "
-    "`kv_checkpoint=512` and B=512: a 1k-token prompt's prefix (512) is not compressed, a 2k one's 1,536 tokens "
-    "keep 512, a 4k one's 3,584 keep 512. Each cell: the mean score over both tasks; the last column the share of "
-    "`full` over all cells with its 95% interval. A request with `kv_checkpoint=C` that names no policy gets "
-    "`kv_checkpoint_policy` (the server's built-in: `{policy}`)."
+    "With `kv_checkpoint=C` the prompt up to its last multiple of C is compacted before any question is seen and "
+    "shared by every request that starts with it; the rest is kept in full. The suite's passkey and multi-key lookup "
+    "(plain prompts) at `kv_checkpoint=512`, B=512: a 1k-token prompt's prefix is not compressed, a 2k one's 1,536 "
+    "tokens and a 4k one's 3,584 keep 512. Cells: mean score over both tasks; last column: share of `full` [95% "
+    "interval]. A checkpoint naming no policy uses `kv_checkpoint_policy` (built in: `{policy}`)."
 )
 
 

@@ -1,7 +1,7 @@
 """How much quality do I keep at 8x? The quality suite (RULER's single needle through lm-evaluation-harness, the
 passkey, one pass key among several, and pass keys asked in a follow-up chat turn; 1k / 2k / 4k tokens) per policy
-against the entries it keeps, with 95% intervals; the older single-needle suite, which every policy ran; perplexity;
-and Attention-Gate at its own keep ratio against the baselines at equal memory per case."""
+against the entries it keeps, with 95% intervals; the older single-needle suite, which every policy ran, on bf16 and
+fp8 caches; and Attention-Gate at its own keep ratio against the baselines at equal memory per case."""
 
 from __future__ import annotations
 
@@ -10,23 +10,21 @@ from pathlib import Path
 
 from kvserve.config import BUILTIN_DEFAULTS
 from kvserve.policies import POLICIES, POLICY_NAMES
-from kvserve.tools.eval.perplexity import perplexities
-from kvserve.tools.eval.quality import mean_scores
-from kvserve.tools.eval.report import allocation_table
-from kvserve.tools.eval.suite import Cell, Suite, cell_text, length_group
+from kvserve.tools.eval.suite import Cell, Suite, length_group
 from kvserve.tools.markdown import table
 from kvserve.tools.report.plots import pyplot, save
-from kvserve.tools.report.sources import DataDir, Source
+from kvserve.tools.report.sources import DataDir, Source, captions
 
 # the last is the hard half (RULER's multi-key lookup); its by-length tables with the query-agnostic rows are in
 # "The hard half" (kvserve/tools/report/multikey.py)
 SUITE = ("suite/ruler.jsonl", "suite/tasks.jsonl", "suite/broad.jsonl", "suite/multikey.jsonl")
 # the tasks of the first suite, which every policy ran (the broader one adds multi-needle and chat tasks)
 SINGLE_NEEDLE = ("niah_single_1", "passkey")
-PERPLEXITY = "suite/ppl.jsonl"
+# suite/ppl.jsonl (perplexity of two 2,048-token passages under eviction, one run without intervals) is not shown:
+# the suite above decides between policies; `kvserve eval ppl` prints it and git has the page that showed it
 GATE = ("gate/suite-ruler.jsonl", "gate/suite-tasks.jsonl")
-GATE_PERPLEXITY = "gate/ppl.jsonl"
-ALLOCATION = ("allocation/ppl.jsonl", "allocation/tasks.jsonl", "allocation/capacity.json")
+# allocation/*.jsonl (2026-11-24, kvserve 0.1: allocations and spans at equal memory) is not shown: the suite's rows
+# since then carry each setting's allocation and span, and each policy's table row is its best of them
 # the same suite on an fp8 cache (`--kv-cache-dtype fp8`), with `full` on the unquantised cache run beside it
 FP8 = ("fp8/ruler.jsonl", "fp8/tasks.jsonl")
 FP8_UNQUANTISED = ("fp8/bf16-ruler.jsonl", "fp8/bf16-tasks.jsonl")
@@ -54,13 +52,14 @@ def best_labels(suite: Suite, cells: list[Cell]) -> dict[str, str]:
     return {policy: min(options, key=lambda o: (-o[0], -o[1], o[2]))[2] for policy, options in scored.items()}
 
 
-def share_cell(suite: Suite, label: str, budget: int, cells: list[Cell]) -> str:
-    """A setting's share of `full` at `budget` over `cells` with its 95% interval and mean score:
-    `92% [84-100%] (0.764)`, `-` if not run."""
-    found, mean = suite.share_interval((label, budget), cells), suite.mean((label, budget), cells)
-    if found is None or mean is None:
+def share_cell(suite: Suite, label: str, budget: int, cells: list[Cell], mean: bool = True) -> str:
+    """A setting's share of `full` at `budget` over `cells` with its 95% interval and, with `mean`, its mean score:
+    `92% [84-100%] (0.764)`, `-` if not run. Without the mean (`92% [84-100%]`) where the table gives `full`'s: the
+    share times it is the mean."""
+    found, score = suite.share_interval((label, budget), cells), suite.mean((label, budget), cells)
+    if found is None or score is None:
         return "-"
-    return f"{found[0]:.0%} [{found[1]:.0%}-{found[2]:.0%}] ({mean[0]:.3f})"
+    return f"{found[0]:.0%} [{found[1]:.0%}-{found[2]:.0%}]" + (f" ({score[0]:.3f})" if mean else "")
 
 
 def single_needle_cells(cells: list[Cell]) -> list[Cell]:
@@ -72,7 +71,7 @@ def budgets_run(suite: Suite, cells: list[Cell], labels: list[str]) -> list[int]
     return [b for b in suite.budgets() if any(suite.ratio((label, b), cells) is not None for label in labels)]
 
 
-def share_table(suite: Suite, cells: list[Cell], labels: dict[str, str]) -> str:
+def share_table(suite: Suite, cells: list[Cell], labels: dict[str, str], mean: bool = True) -> str:
     budgets = budgets_run(suite, cells, list(labels.values()))
     full_mean, full_n = suite.mean(("full", None), cells)
     lines = [
@@ -89,22 +88,22 @@ def share_table(suite: Suite, cells: list[Cell], labels: dict[str, str]) -> str:
         label = labels[policy]
         row = []
         for b in budgets:
-            ratio, text = suite.ratio((label, b), cells), share_cell(suite, label, b, cells)
+            ratio, text = suite.ratio((label, b), cells), share_cell(suite, label, b, cells, mean)
             row.append(f"**{text}**" if ratio is not None and ratio == top[b] else text)
         setting = label.removeprefix(policy).lstrip("/:") or "uniform, span 1"
         lines.append(f"| `{policy}` | {setting} | " + " | ".join(row) + " |")
     text = "\n".join(lines) + f"\n\n`full` answers {full_mean:.3f} of the judged cells (n = {full_n} answers)."
-    return text + too_small_budgets(labels, budgets, suite, cells)
+    return text
 
 
-def variants_table(suite: Suite, cells: list[Cell], policy: str) -> str:
+def variants_table(suite: Suite, cells: list[Cell], policy: str, mean: bool = True) -> str:
     """Every setting of `policy` that answered the judged cells at some budget (its knobs, spans, allocations), the
     best first: how the shown best setting compares with the policy's others."""
     labels = [label for label in suite.labels() if base_policy(label) == policy and CHECKPOINT not in label]
     budgets = budgets_run(suite, cells, labels)
     shown = [label for label in labels if any(suite.ratio((label, b), cells) is not None for b in budgets)]
     shown.sort(key=lambda lb: -sum(suite.ratio((lb, b), cells) or 0 for b in budgets))
-    rows = [[f"`{label}`", *(share_cell(suite, label, b, cells) for b in budgets)] for label in shown]
+    rows = [[f"`{label}`", *(share_cell(suite, label, b, cells, mean) for b in budgets)] for label in shown]
     return table(["setting", *(f"B={b}" for b in budgets)], rows)
 
 
@@ -121,25 +120,9 @@ def checkpoint_table(suite: Suite, cells: list[Cell]) -> str:
         if all(suite.ratio((label, b), cells) is None for b in budgets):
             continue  # ran on other tasks than these cells'
         for shown, name in ((base, f"`{base}`"), (label, f"`{base}`, `kv_checkpoint={every}`")):
-            row = [share_cell(suite, shown, b, cells) for b in budgets]
+            row = [share_cell(suite, shown, b, cells, mean=False) for b in budgets]
             lines.append(f"| {name} | " + " | ".join(row) + " |")
     return "\n".join(lines)
-
-
-def too_small_budgets(labels: dict[str, str], budgets: list[int], suite: Suite, cells: list[Cell]) -> str:
-    """Why cells are empty: a budget not above what the policy always keeps (the server refuses it), or not run."""
-    reasons = []
-    for policy, label in labels.items():
-        protected = POLICIES[policy]().protected_tokens()
-        empty = [b for b in budgets if suite.ratio((label, b), cells) is None]
-        refused, missing = [b for b in empty if b <= protected], [b for b in empty if b > protected]
-        if refused:
-            reasons.append(
-                f"`{policy}` always keeps {protected} entries, so B={'/'.join(map(str, refused))} is refused"
-            )
-        if missing:
-            reasons.append(f"`{policy}` has not run at B={'/'.join(map(str, missing))}")
-    return " A `-` is an empty cell: " + "; ".join(reasons) + "." if reasons else ""
 
 
 def share_plot(suite: Suite, cells: list[Cell], labels: dict[str, str], path: Path, title: str) -> None:
@@ -163,33 +146,15 @@ def share_plot(suite: Suite, cells: list[Cell], labels: dict[str, str], path: Pa
     save(fig, path)
 
 
-def perplexity_table(rows: list[dict], labels: dict[str, str]) -> str:
-    values = perplexities(rows)
-    budgets = sorted({b for _, b in values if b is not None})
-    full = values[("full", None)]
-    lines = [
-        "| policy | setting | " + " | ".join(f"B={b}" for b in budgets) + " |",
-        "| --- | --- |" + " --- |" * len(budgets),
-        "| `full` | | " + " | ".join([f"{full:.2f}"] * len(budgets)) + " |",
-    ]
-    shown = sorted({label for label, b in values if b is not None}, key=lambda lb: (base_policy(lb), lb))
-    for label in shown:
-        policy = base_policy(label)
-        cells = [f"{values[(label, b)]:.2f}" if (label, b) in values else "-" for b in budgets]
-        mark = " (best on the suite)" if labels.get(policy) == label else ""
-        setting = (label.removeprefix(policy).lstrip("/:") or "uniform, span 1") + mark
-        lines.append(f"| `{policy}` | {setting} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def kept_share(row: dict) -> float:
     """The share of the prompt a request kept per (layer, KV head), from its evicted count."""
     return 1 - row.get("kv_tokens_evicted", 0) / row["prompt_tokens"]
 
 
 def gate_table(rows: list[dict]) -> str:
-    """Attention-Gate settings (and the baselines given its kept count per case) on each task and length, with the
-    mean over each task's cells and over all cells as shares of `full`'s mean over the same cells."""
+    """Attention-Gate settings (and the baselines given its kept count per case): the mean over each task's cells
+    (1k / 2k / 4k tokens, each weighing the same) and over all cells, each with its share of `full`'s mean over the
+    same cells."""
     by_setting: dict[str, dict[tuple[str, int], list[float]]] = defaultdict(lambda: defaultdict(list))
     keep: dict[str, list[float]] = defaultdict(list)
     for row in rows:
@@ -210,26 +175,14 @@ def gate_table(rows: list[dict]) -> str:
 
     lines = []
     for setting in ["full"] + sorted(s for s in by_setting if s != "full"):
-        scores = by_setting[setting]
         kept = f"{sum(keep[setting]) / len(keep[setting]):.0%}" if keep.get(setting) else "100%" * (setting == "full")
         lines.append(
             [f"`{setting}`", kept or "-"]
-            + [f"{sum(scores[c]) / len(scores[c]):.2f}" if scores.get(c) else "-" for c in cells]
             + [share(setting, [c for c in cells if c[0] == task]) for task in tasks]
             + [share(setting, cells)]
         )
-    headers = ["setting", "kept share of the prompt", *(f"{t} {k}k" for t, k in cells)]
-    return table([*headers, *(f"{task} (share of full)" for task in tasks), "all (share of full)"], lines)
-
-
-def gate_perplexity(rows: list[dict]) -> str:
-    values = perplexities(rows)
-    gates = {label: value for (label, _), value in values.items() if label.startswith("attention_gate")}
-    shown = ", ".join(f"`{label}` {value:.2f}" for label, value in sorted(gates.items()))
-    return (
-        f"Perplexity of the same two 2,048-token passages as above, in 256-token prefill chunks: {shown}, "
-        f"`full` {values[('full', None)]:.2f}."
-    )
+    headers = ["setting", "kept share of the prompt", *(f"{task} (share of full)" for task in tasks)]
+    return table([*headers, "all (share of full)"], lines)
 
 
 def gate_curve(rows: list[dict], path: Path) -> None:
@@ -290,81 +243,19 @@ def fp8_part(data: DataDir, suite: Suite, cells: list[Cell], labels: dict[str, s
         rows.append(
             [
                 shown,
-                *(share_cell(suite, plain_label, b, cells) for b in budgets),
-                *(share_cell(fp8, label, b, cells) for b in budgets),
+                *(share_cell(suite, plain_label, b, cells, mean=False) for b in budgets),
+                *(share_cell(fp8, label, b, cells, mean=False) for b in budgets),
             ]
         )
     headers = ["setting", *(f"bf16 B={b}" for b in budgets), *(f"fp8 B={b}" for b in budgets)]
     return [
         "### On an fp8 KV cache",
-        "The same suite served with `--kv-cache-dtype fp8` (one byte per value: half the memory of every column "
-        "above). Each group is a share of its own cache's `full`: the bf16 group repeats the table above (that "
-        "policy's best setting there), the fp8 group ran the settings named. "
-        f"On the same machine and day, `full` answered {fp8_full[0]:.3f} of the judged cells on fp8 against "
-        f"{plain_full[0]:.3f} on bf16 ({fp8_full[0] / plain_full[0]:.0%}; n = {fp8_full[1]} answers each).",
+        "The same suite with `--kv-cache-dtype fp8` (half bf16's memory), each group a share of its own cache's "
+        f"`full`, which answered {fp8_full[0]:.3f} of the judged cells on fp8 and {plain_full[0]:.3f} on bf16 "
+        f"({fp8_full[0] / plain_full[0]:.0%}; n = {fp8_full[1]} each, same machine and day).",
         table(headers, rows),
-        fp8_ruler.caption(),
-        fp8_tasks.caption(),
-        plain_ruler.caption(),
-        plain_tasks.caption(),
+        captions([fp8_ruler, fp8_tasks, plain_ruler, plain_tasks]),
     ]
-
-
-def allocation_part(data: DataDir) -> list[str]:
-    """Each allocation against `uniform` at the same policy, span and budget, the summary first."""
-    from kvserve.tools.report.throughput import capacity_table
-
-    ppl, tasks, capacity = (data.load(name) for name in ALLOCATION)
-    parts = ["### Allocations and spans at equal memory"]
-    tables = (
-        ("Perplexity (4 passages of 1,024 tokens; lower is better)", allocation_table(perplexities(ppl.data), False)),
-        (
-            "Passkey at 1,000 tokens (12 cases a cell; higher is better)",
-            allocation_table(
-                {key: mean for key, (mean, _) in mean_scores(tasks.data, ("policy", "budget")).items()}, True
-            ),
-        ),
-    )
-    for title, text in tables:
-        rows, _, summary = text.partition("\n\n")
-        parts += [
-            f"{title}: {summary.replace(chr(10), '; ')}.",
-            f"<details><summary>every cell</summary>\n\n{rows}\n\n</details>",
-        ]
-    parts += [
-        ppl.caption(),
-        tasks.caption(),
-        "The same memory in a fixed pool (`snapkv` B=128 under each allocation):",
-        capacity_table(capacity),
-        capacity.caption(),
-    ]
-    return parts
-
-
-def per_task_table(suite: Suite, cells: list[Cell], labels: dict[str, str], budget: int) -> str:
-    """Every judged (task, length) cell at `budget` for the shown settings, `full` first, each with its mean, 95%
-    interval and answer count."""
-    rows = []
-    for name, setting in [("`full`", ("full", None))] + [(f"`{lb}`", (lb, budget)) for lb in sorted(labels.values())]:
-        have = suite.cells.get(setting, {})
-        if all(cell in have for cell in cells):
-            rows.append([name, *(cell_text(*have[cell]) for cell in cells)])
-    return table([f"B={budget}", *(f"{task} {k}k" for task, k in cells)], rows)
-
-
-def longest_table(suite: Suite, cells: list[Cell], labels: dict[str, str]) -> str:
-    """The shares at the longest prompts alone (the issue's goals are set at 4k tokens, where B=512 is 8x)."""
-    longest = max(k for _, k in cells)
-    at_longest = [cell for cell in cells if cell[1] == longest]
-    budgets = (256, 512)
-    rows = [
-        [f"`{label}`", *(share_cell(suite, label, b, at_longest) for b in budgets)]
-        for label in sorted(labels.values(), key=lambda lb: -(suite.ratio((lb, 512), at_longest) or 0))
-        if any(suite.ratio((label, b), at_longest) is not None for b in budgets)
-    ]
-    full_mean, full_n = suite.mean(("full", None), at_longest)
-    caption = f"At {longest}k tokens alone (`full` {full_mean:.3f}, n = {full_n}):"
-    return caption + "\n\n" + table(["setting", *(f"B={b} ({longest * 1024 // b}x)" for b in budgets)], rows)
 
 
 def load_suite(data: DataDir) -> tuple[list[Source], Suite, list[Cell]]:
@@ -381,11 +272,9 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
     single = single_needle_cells(cells)
     single_labels = best_labels(suite, single)
     share_plot(suite, cells, labels, plots / "quality.png", "Quality suite, 1k/2k/4k tokens")
-    ppl = data.load(PERPLEXITY)
     gate_ruler, gate_tasks = (data.load(name) for name in GATE)
     gate_rows = gate_ruler.data + gate_tasks.data
     gate_curve(gate_tasks.data, plots / "attention-gate.png")
-    gate_ppl = data.load(GATE_PERPLEXITY)
     judged = ", ".join(sorted({task for task, _ in cells}))
     unjudged = sorted({task for task, _ in suite.full} - {task for task, _ in cells})
     # a document's reconstruction (kvzip) is measured where documents are: "The hard half" section
@@ -395,61 +284,39 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
         if p not in single_labels and p not in ("full", "attention_gate") and not POLICIES[p].reconstructs
     ]
     missing = (
-        "Not in the suite yet (served, measured only on the older tasks in git history): "
-        + ", ".join(f"`{p}`" for p in unmeasured)
-        + "."
+        "Served, not yet in this suite: " + ", ".join(f"`{p}`" for p in unmeasured) + "."
         if unmeasured
         else "Every served policy is in the single-needle suite."
     )
     return "\n\n".join(
         [
             "## How much quality do I keep at 8x?",
-            "Share of the full cache's score on the quality suite, by the entries each (layer, KV head) keeps (B); "
-            "a 4k-token prompt at B=512 is 8x. Judged tasks are those where `full` scores at least "
-            f"{FLOOR} ({judged}); each (task, length) cell weighs the same. Not judged, because `full` itself fails "
-            f"them on the default model: {', '.join(unjudged) or 'none'} (`kvserve/tools/eval/tasks.py` says how each "
-            "is built). Each policy is shown with its best measured setting (span, allocation, knobs); the bold cell "
-            "leads its budget; the bracket is a 95% interval (the cells' binomial spread). Rebuild the verdict with "
+            f"![share of full against B]({plot_link}/quality.png)",
+            "Share of the full cache's score on the quality suite by B (a 4k-token prompt at B=512 is 8x), each "
+            "policy at its best setting; bold leads its budget; brackets: 95% intervals. Judged, where `full` scores "
+            f"at least {FLOOR}: {judged}, each (task, length) cell weighing the same (not judged: "
+            f"{', '.join(unjudged) or 'none'}). Rebuild with "
             f"`kvserve eval suite {' '.join(s.name for s in sources)} --by-task`.",
             share_table(suite, cells, labels),
-            longest_table(suite, cells, labels),
-            f"The server's default policy, `{DEFAULT_POLICY}`, in every setting that ran the judged tasks (the "
-            "server default is the best of them; `kernel_size` is the pool over the votes: SnapKV's default is 15, "
-            "`kernel_size=7` the paper's pool):",
-            variants_table(suite, cells, DEFAULT_POLICY),
-            "Per task and length at B=256 and B=512 (mean [95% Wilson interval] and answers):",
-            per_task_table(suite, cells, labels, 256),
-            per_task_table(suite, cells, labels, 512),
-            "Prompt checkpoints (`kv_checkpoint`, for documents and chat turns that resume from compacted prefixes): "
-            "`kv_checkpoint=turns` keeps on one prompt exactly what eager eviction keeps (tested), so the rows above "
-            "are its rows; `kv_checkpoint=C` compacts every C tokens with only what came before each checkpoint "
-            "(the queries before it, or for `keydiff` the keys alone), not once with the question, and that costs:",
+            f"The default policy, `{DEFAULT_POLICY}`, in every setting that ran them (`kernel_size`: the pool over "
+            "the votes):",
+            variants_table(suite, cells, DEFAULT_POLICY, mean=False),
+            "`kv_checkpoint=turns` keeps on one prompt what eager eviction keeps (tested): the rows above. "
+            "`kv_checkpoint=C` compacts every C tokens with only what came before, not with the question:",
             checkpoint_table(suite, cells),
-            f"![share of full against B]({plot_link}/quality.png)",
-            *(source.caption() for source in sources),
+            captions(sources),
             "### The single-needle suite, every policy",
-            f"The first suite's tasks only ({', '.join(sorted({t for t, _ in single}))}), which every policy ran: "
-            "the broader suite above is the one that decides defaults, this one compares the policies not yet run "
-            "on it.",
-            share_table(suite, single, single_labels),
+            f"The tasks every policy ran ({', '.join(sorted({t for t, _ in single}))}); the suite above decides "
+            "defaults.",
+            share_table(suite, single, single_labels, mean=False),
             missing,
-            checkpoint_table(suite, single),
             *fp8_part(data, suite, single, single_labels),
-            "### Perplexity under eviction",
-            "Two 2,048-token passages, eviction after every 256-token prefill chunk (lower is better).",
-            perplexity_table(ppl.data, single_labels),
-            ppl.caption(),
             "### Attention-Gate at its own keep ratio",
-            "The gates decide per token and head what to keep, so they have no B. Each baseline "
-            "(`policy@attention_gate`) gets, on each case, the entries the gates kept there (`kvserve eval tasks "
-            "--match-budget attention_gate`); `attention_gate:tau=...` rows serve the same gates with another keep "
-            "threshold (the score-against-keep curve).",
-            gate_table(gate_rows),
             f"![passkey score against kept share]({plot_link}/attention-gate.png)",
-            gate_ruler.caption(),
-            gate_tasks.caption(),
-            gate_perplexity(gate_ppl.data),
-            gate_ppl.caption(),
-            *allocation_part(data),
+            "The gates decide per token and head what to keep (no B). Each baseline (`policy@attention_gate`) keeps, "
+            "per case, as many entries as the gates kept (`kvserve eval tasks --match-budget attention_gate`); "
+            "`tau` rows move the gates' keep threshold.",
+            gate_table(gate_rows),
+            captions([gate_ruler, gate_tasks]),
         ]
     )

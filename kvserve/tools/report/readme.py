@@ -11,6 +11,7 @@ from kvserve.config import BUILTIN_DEFAULTS, CHECKPOINT_POLICY_KEY
 from kvserve.tools.eval.suite import Cell, Suite
 from kvserve.tools.markdown import ratio, table
 from kvserve.tools.report import models, parity, scoreboard
+from kvserve.tools.report.headline import THROUGHPUT_PNG
 from kvserve.tools.report.quality import FLOOR, base_policy, best_labels, load_suite, single_needle_cells
 from kvserve.tools.report.sources import DataDir
 from kvserve.tools.report.summary import OVERHEAD, decode_heavy_ratios
@@ -99,6 +100,7 @@ def results_block(data: DataDir) -> str:
                 data.load(checkpoints["Qwen2.5-Coder-0.5B-Instruct"]).data,
             ),
             scoreboard.readme_part(data, "docs/benchmarks"),
+            f"![output tokens/s against KV memory, kvserve, vanilla, ceiling](docs/benchmarks/{THROUGHPUT_PNG})",
             notes(data, cells, qwen_cells),
             END,
         ]

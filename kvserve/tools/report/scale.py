@@ -42,16 +42,13 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             sessions_table(sessions.data["results"]),
             sessions.caption(),
             "### Decode-heavy over data-parallel engines",
-            "Vanilla vLLM and kvserve with one engine and with `--data-parallel-size 2` (an engine per core; every "
-            "server with one API server process, `--api-server-count 1`), one after another in one run; every engine "
-            "has the pool below: "
+            "Vanilla vLLM and kvserve with one engine and with `--data-parallel-size 2` (an engine per core, "
+            "`--api-server-count 1`), one after another, each engine with: "
             + workload(engines)
             + " "
             + data_parallel_gain(engines)
-            + " With one engine, vLLM binds its worker to one core and leaves the other to the server's own "
-            "processes; with two, both cores compute and those processes share them. Vanilla at equal memory is "
-            "bound by its pool, which a second engine doubles; kvserve and the compute ceiling are bound by compute, "
-            "which the second engine adds less of on 2 cores.",
+            + " Vanilla is bound by its pool, which a second engine doubles; kvserve and the ceiling by compute, "
+            "which it adds less of on 2 cores.",
             tensor_table(engines, "engines"),
             engines.caption(),
         ]

@@ -14,23 +14,14 @@ from kvserve.tools.report.sources import DataDir
 TITLE = "## On kvpress's leaderboard: RULER at 4k"
 MODELS = (("Qwen2.5-Coder-0.5B-Instruct", "ruler4k/qwen05.jsonl", "ruler4k-qwen05.png"),)
 INTRO = (
-    "Where the field compares KV-cache compression is kvpress's leaderboard: RULER's tasks at 4,096 tokens, each "
-    "press at compression ratios 0.25 to 0.875, scored by RULER's string match, mean over tasks. `kvserve eval "
-    "scoreboard` runs that protocol on both sides with the same tokens: kvpress 0.5.5 in its own environment, and a "
-    "kvserve server. The cases are RULER's own generators as lm-evaluation-harness ships them, sized with the "
-    f"model's tokenizer ({len(ruler4k.TASKS)} tasks: {', '.join(ruler4k.TASKS)}); the five tasks whose haystack is "
-    "Paul Graham's essays (a download) use Python's documentation (`pydoc_data`) instead, cut into sentences by "
-    f"NLTK's untrained Punkt; {' and '.join(ruler4k.MISSING)} need SQuAD and HotpotQA from the hub and are not run. "
-    "Each case is split as kvpress splits RULER's input (context, question, answer prefix) and put in the chat "
-    "template as kvpress's pipeline does. `outside`: the context is compressed before the question is seen "
-    "(kvpress's default loop; kvserve: KVzip through `POST /v1/kvserve/compress`, the other policies with "
-    "`kv_document`, compacted where the context ends), the question and answer kept in full. `inside`: the question "
-    "is compressed with the context (kvpress's `query_aware`; kvserve compacts where the prompt ends, its serving "
-    "default). A ratio r keeps (1 - r) x the compressed tokens per (layer, KV head) on average, the same B on both "
-    "sides (rounded to the server's 32-token blocks for documents). `default` is kvserve's serving default (snapkv "
-    "with its own window and pooling); the other kvserve rows use kvpress's settings. Scores are x100; the interval "
-    "is 95% (each task's variance bounded as a proportion's, Agresti-Coull), and n counts answers. A line ends where "
-    "its runs have reached; every cell says how many answers it has."
+    "kvpress's leaderboard protocol: RULER at 4,096 tokens, compression ratios 0.25 to 0.875, RULER's string match, "
+    "mean over tasks; `kvserve eval scoreboard` gives kvpress 0.5.5 and a kvserve server the same tokens: RULER's "
+    f"generators from lm-evaluation-harness ({len(ruler4k.TASKS)} tasks; Python's documentation as the essay "
+    f"haystack; {' and '.join(ruler4k.MISSING)} need the hub). `outside`: the context compressed "
+    "before the question (kvserve: KVzip through `POST /v1/kvserve/compress`, the others `kv_document`); `inside`: "
+    "with it (kvpress's `query_aware`); `default`: kvserve's serving default. Ratio r keeps (1 - r) x the context's "
+    "entries per (layer, KV head) on both sides. Scores x100 [95% interval, Agresti-Coull per task] (n answers); a "
+    "line ends where the runs have reached."
 )
 
 

@@ -38,33 +38,63 @@ class Source:
     data: dict | list
     runs: list[dict]
 
+    def commanded_runs(self) -> list[dict]:
+        """The runs that wrote the file (a record with a note only relabels rows: no run)."""
+        return [run for run in self.runs if "command" in run]
+
+    def latest_command(self) -> str | None:
+        """The command of the latest run, as run today; the last recorded of that day's runs."""
+        runs = self.commanded_runs()
+        if not runs:
+            return None
+        newest = max(run["date"] for run in runs)
+        return as_run_today([run for run in runs if run["date"] == newest][-1]["command"])
+
     def caption(self) -> str:
-        """Markdown under a table: the file, then each run's machine, date and command (runs on the same machine
-        and date share a line)."""
-        lines = [f"Data: `{self.name}`."]
-        by_machine: dict[tuple[str, str], list[str]] = {}
-        notes = []
-        for run in self.runs:
-            if "command" not in run:  # a note on the rows, not a run
-                notes.append(f"{run['date']}: {run['note']}")
-                continue
-            key = (describe_machine(run["machine"]), run["date"])
-            command = as_run_today(run["command"])
-            by_machine.setdefault(key, []).append(command)
-            if command != run["command"]:
-                notes.append("Recorded under a module's old name (kvserve.bench, kvserve.eval); shown as run now.")
-            if run.get("note"):
-                notes.append(run["note"])
-        for (machine, date), commands in by_machine.items():
-            distinct = list(dict.fromkeys(commands))  # each distinct command once, in run order
-            lines.append(f"Machine: {machine}; {date}.")
-            lines.append("")
-            # folded: a table's commands (57 of them under one) come after what it says, not before
-            summary = "command" if len(distinct) == 1 else f"{len(distinct)} commands"
-            lines.append(f"<details><summary>{summary}</summary>")
-            lines += ["", "```", *distinct, "```", "", "</details>"]
-        lines.extend(dict.fromkeys(notes))
+        """Markdown under a table: the file, each machine with the dates it ran there, and the command of the latest
+        run. A file written by many runs shows one command, not each (57 of them under one table were most of the
+        page's words), and no run's notes (what was done when: history): both stay in the file's record of runs."""
+        runs = self.commanded_runs()
+        lines = [f"Data: `{self.name}`.", *machine_lines({self.name: runs})]
+        commands = list(dict.fromkeys(run["command"] for run in runs))
+        latest = self.latest_command()
+        if latest is not None:
+            record = f"`{self.name.removesuffix('.jsonl')}.runs.jsonl`" if self.name.endswith(".jsonl") else "the file"
+            summary = "command" if len(commands) == 1 else f"latest of {len(commands)} commands (all in {record})"
+            lines += ["", f"<details><summary>{summary}</summary>", "", "```", latest, "```", "", "</details>"]
         return "\n".join(lines)
+
+
+def machine_lines(runs_by_file: dict[str, list[dict]]) -> list[str]:
+    """`Machine: <machine>; <first date>[ to <last date>].` per machine the files' runs used; where several files ran
+    on more than one machine, each line names the files that ran there."""
+    dates: dict[str, dict[str, list[str]]] = {}
+    for name, runs in runs_by_file.items():
+        for run in runs:
+            dates.setdefault(describe_machine(run["machine"]), {}).setdefault(name, []).append(run["date"])
+    lines = []
+    for machine, files in dates.items():
+        when = [date for file_dates in files.values() for date in file_dates]
+        first, last = min(when), max(when)
+        named = len(dates) > 1 and len(runs_by_file) > 1
+        which = f" ({', '.join(f'`{Path(name).name}`' for name in files)})" if named else ""
+        lines.append(f"Machine: {machine}; {first if first == last else f'{first} to {last}'}{which}.")
+    return lines
+
+
+def captions(sources: list[Source]) -> str:
+    """One caption for the files of one table or section: the files, each machine with the dates of the files' runs
+    there, and each file's latest command in the files' order, folded together. A caption per file repeated the
+    machine and the fold for every file (a fifth of the page's words); every run stays in the files' records."""
+    if len(sources) == 1:
+        return sources[0].caption()
+    lines = ["Data: " + ", ".join(f"`{source.name}`" for source in sources) + "."]
+    lines += machine_lines({source.name: source.commanded_runs() for source in sources})
+    commands = [command for source in sources if (command := source.latest_command()) is not None]
+    if commands:
+        summary = "latest commands, in the files' order"
+        lines += ["", f"<details><summary>{summary}</summary>", "", "```", *commands, "```", "", "</details>"]
+    return "\n".join(lines)
 
 
 class DataDir:

@@ -8,8 +8,7 @@ from pathlib import Path
 
 from kvserve.config import BUILTIN_DEFAULTS, parse_kv_config
 from kvserve.tools.markdown import ratio, table
-from kvserve.tools.report import models
-from kvserve.tools.report.quality import base_policy, best_labels, load_suite, single_needle_cells
+from kvserve.tools.report.quality import base_policy, best_labels, load_suite
 from kvserve.tools.report.sources import DataDir
 from kvserve.tools.report.throughput import DECODE_HEAVY
 
@@ -44,12 +43,10 @@ def decode_heavy_ratios(runs: list[dict]) -> dict[str, str]:
 
 
 def policy_table(data: DataDir) -> tuple[str, list]:
+    """One row per policy that ran the whole suite (its best setting there), the server's default first: a share over
+    the single-needle tasks alone does not compare with these, so those policies are in the quality section only."""
     sources, suite, cells = load_suite(data)
-    single = single_needle_cells(cells)
-    # each policy on the whole suite where it ran there, else on the single-needle tasks every policy ran
-    broad, on_single = best_labels(suite, cells), best_labels(suite, single)
-    chosen = {policy: (label, single, "single needle") for policy, label in on_single.items()}
-    chosen.update({policy: (label, cells, "all tasks") for policy, label in broad.items()})
+    chosen = best_labels(suite, cells)
     capacity = data.load(DECODE_HEAVY[0])
     more = [data.load(name) for name in MORE_DECODE_HEAVY]
     throughput = decode_heavy_ratios([run.data for run in (capacity, *more)])
@@ -58,57 +55,29 @@ def policy_table(data: DataDir) -> tuple[str, list]:
     full = next(r for r in costs if r["server"] == "kvserve" and r["policy"] == "full")
     decode = {r["policy"]: ratio(r["tpot_p50"], full["tpot_p50"]) for r in costs if r["server"] == "kvserve"}
     default = BUILTIN_DEFAULTS["kv_policy"]
-    order = sorted(
-        chosen,
-        key=lambda p: (
-            p != default,
-            chosen[p][2] != "all tasks",
-            -(suite.ratio((chosen[p][0], 256), chosen[p][1]) or 0),
-        ),
-    )
-    rows: dict[str, list[list[str]]] = {"all tasks": [], "single needle": []}
+    order = sorted(chosen, key=lambda p: (p != default, -(suite.ratio((chosen[p], 256), cells) or 0)))
+    rows = []
     for policy in order:
-        label, judged, tasks = chosen[policy]
+        label = chosen[policy]
         shares = []
         for budget in SHOWN_BUDGETS:
-            found = suite.share_interval((label, budget), judged)
+            found = suite.share_interval((label, budget), cells)
             shares.append("-" if found is None else f"{found[0]:.0%} ({found[1]:.0%}-{found[2]:.0%})")
         name = f"`{policy}`" + (" **(default)**" if policy == default else "")
         setting = label.removeprefix(policy).lstrip("/:") or "span 1"
-        rows[tasks].append(
+        rows.append(
             [
                 name,
                 setting,
-                tasks,
                 *shares,
                 throughput.get(base_policy(policy), "not run"),
                 decode.get(policy, "not run"),
                 prefix_support(policy),
             ]
         )
-
-    def headers(tasks: str) -> list[str]:
-        return [
-            "policy",
-            "setting",
-            "suite tasks",
-            *(f"share of full on {tasks}, B={b} (95% interval)" for b in SHOWN_BUDGETS),
-            "output tok/s vs vanilla, equal memory",
-            "decode step vs `full`, nothing evicted",
-            "prefix cache",
-        ]
-
-    # one table per task set: a share over the single-needle tasks alone is not comparable with one over all of them
-    tables = "\n\n".join(
-        [
-            "On all the suite's judged tasks:",
-            table(headers("all tasks"), rows["all tasks"]),
-            "Policies that ran only the single-needle tasks, on those alone (easier than the whole suite: these shares "
-            "do not compare with the table above):",
-            table(headers("single needle"), rows["single needle"]),
-        ]
-    )
-    return tables, [*sources, capacity, *more, overhead]
+    headers = ["policy", "setting", *(f"B={b}" for b in SHOWN_BUDGETS)]
+    headers += ["output tok/s vs vanilla, equal memory", "decode step vs `full`", "prefix cache"]
+    return table(headers, rows), [*sources, capacity, *more, overhead]
 
 
 def memory_table() -> str:
@@ -131,22 +100,17 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
     return "\n\n".join(
         [
             "## Summary: which policy, how much memory, at what cost",
-            "Each policy at its best measured setting on the quality suite (the next section), the server's default "
-            "first: the share of the full cache's score it keeps at B entries per (layer, KV head), with a 95% "
-            "interval from the suite's answers (12 a cell); on all the suite's judged tasks where the policy ran "
-            "them, else (a table of its own) on the single-needle tasks every policy ran, which say less about "
-            "multi-needle retrieval, where most of the loss is; its "
-            "output tokens/s against vanilla vLLM in the same KV memory on the decode-heavy benchmark where it ran; "
-            "its decode step against kvserve `full` when it scores but evicts nothing (what its statistics cost); "
-            "and whether its requests read and publish prefix-cache blocks.",
+            "Each policy that ran the whole quality suite, at its best setting, the default first: its share of "
+            "`full`'s score at B (95% interval); output tokens/s against vanilla vLLM in equal KV memory "
+            "(decode-heavy); decode step against kvserve `full` when scoring without evicting; prefix-cache use. "
+            "The others: [the single-needle suite](#the-single-needle-suite-every-policy); the second model: "
+            "[its table](#a-second-model-qwen25-coder-05b-instruct).",
             policies,
             "Data: " + ", ".join(f"`{source.name}`" for source in sources) + " (machines and commands in the sections "
             "below).",
-            *models.summary_part(data),
-            "What a request holds, computed from the default model's shape (30 layers x 3 KV heads x 64 dimensions, "
-            f"bf16: {2 * LAYERS * KV_HEADS * HEAD_DIM * BYTES:,} bytes a token) with {OUTPUT_TOKENS} output tokens "
-            f"and blocks of {BLOCK_SIZE}: every token's entries without eviction, at most B + one block per layer "
-            "and KV head with it. Divide the pool (`VLLM_CPU_KVCACHE_SPACE`) by these to size it.",
+            f"KV memory a request holds (the default model, {2 * LAYERS * KV_HEADS * HEAD_DIM * BYTES:,} bytes a "
+            f"token in bf16; {OUTPUT_TOKENS} output tokens, blocks of {BLOCK_SIZE}; evicting, at most B + one block a "
+            "list): divide the pool (`VLLM_CPU_KVCACHE_SPACE`) by it.",
             memory_table(),
         ]
     )
