@@ -87,3 +87,21 @@ def seeded_prompt(tokenizer) -> list[int]:
     from kvserve.tools.eval.haystack import haystack
 
     return haystack(tokenizer, 600, seed=11)
+
+
+# Features vanilla serves that an evicting request must serve alike (tests/test_vanilla_features.py): prompt and sampled
+# logprobs on the first equivalence prompt, a JSON-schema answer on a prompt long enough to evict.
+FEATURE_MAX_TOKENS = 8
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"topic": {"type": "string", "maxLength": 24}, "pages": {"type": "integer"}},
+    "required": ["topic", "pages"],
+    "additionalProperties": False,
+}
+
+
+def json_prompt(tokenizer) -> list[int]:
+    from kvserve.tools.eval.haystack import haystack
+
+    ask = " Describe this text as JSON with its topic and a number of pages:"
+    return haystack(tokenizer, 300, seed=5) + tokenizer.encode(ask, add_special_tokens=False)

@@ -163,6 +163,18 @@ def test_duplicate_header_is_rejected(server):
     assert response.status_code == 400 and response.json()["error"]["param"] == "x-kv-budget"
 
 
+def test_n_choices_each_evict_and_usage_sums_them(server, long_prompt):
+    """`n` > 1: vLLM serves one engine request per choice; each evicts by the request's policy on its own (the
+    prompt to B: StreamingLLM keeps exactly B, and 8 new tokens stay under B + a block), and usage counts every
+    choice's evicted tokens, as it counts every prompt of a list; the pool test below sees all of them returned."""
+    headers = {"x-kv-policy": "streamingllm", "x-kv-budget": "64"}
+    response = complete(server, long_prompt, headers, n=3, temperature=0.8, seed=3)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert len(body["choices"]) == 3
+    assert body["usage"]["kv_tokens_evicted"] == 3 * (body["usage"]["prompt_tokens"] - 64)
+
+
 def test_pool_is_full_again_after_all_requests(server):
     assert httpx.get(server + "/health", timeout=120).status_code == 200
     assert metric(server, "vllm:kv_cache_usage_perc", f'{{engine="0",model_name="{SERVED_MODEL}"}}') == 0.0

@@ -14,11 +14,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 if __name__ == "__main__":
     assert os.environ.get("VLLM_PLUGINS") == "none", "run with VLLM_PLUGINS=none: this is the no-kvserve baseline"
     from engine_settings import (
+        ANSWER_SCHEMA,
         EQUIVALENCE_MAX_TOKENS,
+        FEATURE_MAX_TOKENS,
         SEEDED_SAMPLING,
         engine_kwargs,
         equivalence_prompts,
         in_process_env,
+        json_prompt,
         seeded_prompt,
     )
 
@@ -36,7 +39,33 @@ if __name__ == "__main__":
         SamplingParams(**SEEDED_SAMPLING),
         use_tqdm=False,
     )
+    # the features an evicting request must serve as vanilla does (tests/test_vanilla_features.py)
+    from vllm.sampling_params import StructuredOutputsParams
+
+    with_prompt_logprobs = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompts[0])],
+        SamplingParams(temperature=0, max_tokens=FEATURE_MAX_TOKENS, prompt_logprobs=1, logprobs=1),
+        use_tqdm=False,
+    )[0]
+    structured = llm.generate(
+        [TokensPrompt(prompt_token_ids=json_prompt(llm.get_tokenizer()))],
+        SamplingParams(
+            temperature=0,
+            max_tokens=EQUIVALENCE_MAX_TOKENS,
+            structured_outputs=StructuredOutputsParams(json=ANSWER_SCHEMA),
+        ),
+        use_tqdm=False,
+    )[0]
     result = {
+        "prompt_logprobs": [
+            None if entry is None else {str(token): lp.logprob for token, lp in entry.items()}
+            for entry in with_prompt_logprobs.prompt_logprobs
+        ],
+        "logprobs": [
+            {str(token): lp.logprob for token, lp in entry.items()}
+            for entry in with_prompt_logprobs.outputs[0].logprobs
+        ],
+        "structured": list(structured.outputs[0].token_ids),
         "scheduler": scheduler_cls,
         "outputs": [list(o.outputs[0].token_ids) for o in outputs],
         "seeded": list(seeded[0].outputs[0].token_ids),
