@@ -66,9 +66,10 @@ class BoardSetting:
 
     @property
     def reference(self) -> str | None:
-        """The kvpress row this setting is compared with (kvpress keeps every press's own allocation)."""
+        """The kvpress row this setting is compared with (kvpress keeps every press's own allocation); kvserve's
+        default is SnapKV as the server configures it, so its row is kvpress's SnapKV at the same ratio and question."""
         if self.policy in KVSERVE_ONLY:
-            return None
+            return f"{self.served_policy}@{self.ratio:g}/{self.question}"
         return self.label.removesuffix(f"/{self.allocation}") if self.allocation != "uniform" else self.label
 
     @property
@@ -144,7 +145,8 @@ def run_kvpress(
             continue
         forms = [ParityCase(list(c.key), *c.form(question), c.references, c.max_tokens) for c in cases]
         entries = []
-        for setting in dict.fromkeys(replace(s, allocation="uniform") for s in group):
+        # kvpress keeps each press's own allocation: its rows are labelled uniform; default runs as kvpress's snapkv
+        for setting in dict.fromkeys(replace(parse_setting(s.reference), allocation="uniform") for s in group):
             entry = {"label": setting.label, "press": setting.policy, "budget": None}
             if setting.policy != "full":
                 entry["budgets"] = {json.dumps(list(c.key)): budget_of(setting, c, block_size) for c in cases}
