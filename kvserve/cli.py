@@ -56,11 +56,11 @@ def _serve_parser() -> argparse.ArgumentParser:
             continue
         allowed = POLICY_NAMES if setting.key == "kv_policy" else setting.choices
         text = f"{setting.help}: {', '.join(allowed)}" if allowed else setting.help
-        default = f"default {shown(builtin[setting.key])}"
+        applied = f"default {shown(builtin[setting.key])}"
         if setting.policy_default:
-            default += f", {builtin['kv_policy']}'s; with another --kv-policy, that policy's own"
+            applied += f", {builtin['kv_policy']}'s; with another --kv-policy, that policy's own"
         boolean = {"action": "store_true"} if setting.kind == "bool" else {}
-        general.add_argument(setting.flag, dest=setting.key, default=None, help=f"{text} ({default})", **boolean)
+        general.add_argument(setting.flag, dest=setting.key, default=None, help=f"{text} ({applied})", **boolean)
     profile = parser.add_argument_group("the model's profile (kvserve calibrate MODEL)")
     profile.add_argument(
         "--kv-profile",

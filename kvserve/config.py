@@ -243,14 +243,14 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
 
     cls = POLICIES[policy]
     own = policy_defaults(defaults, policy)  # the server's defaults for this policy's own settings, no other's
-    declared = {setting.key: name for name, setting in cls.knobs().items()}
+    knob_names = {setting.key: name for name, setting in cls.knobs().items()}
     document_tokens = plain_document(request, cls.reconstructs)  # (kv_document is KVzip's knob, any other's setting)
-    foreign = [k for k in request if k in knob_keys() and k not in declared and k != "kv_document"]
+    foreign = [k for k in request if k in knob_keys() and k not in knob_names and k != "kv_document"]
     if foreign:
         raise InvalidSetting(foreign[0], f"is not a setting of {policy}; its settings: {_knob_list(cls)}")
     # the policy's own fields parse and check each value; an error names the request key
     policy_obj = cls(
-        **{name: request.get(key, own.get(key, cls.knobs()[name].default)) for key, name in declared.items()}
+        **{name: request.get(key, own.get(key, cls.knobs()[name].default)) for key, name in knob_names.items()}
     )
 
     budget: int | None = None

@@ -19,7 +19,9 @@ from kvserve.policies.knobs import HEADER_PREFIX, KEY_PREFIX
 from kvserve.policy_settings import BUILTIN_CHECKPOINT_POLICY, CHECKPOINT_POLICY_KEY, EVICT_WHEN
 
 MAX_LOOKAHEAD = 512  # question tokens run ahead: its queries are kept per layer until the request ends
-MAX_SESSION = 256  # characters of a kv_session (kvserve/server/affinity.py checks it)
+# characters of a kv_session: kvserve/server/affinity.py checks it with its own constant (the router imports that
+# module without torch, which this one loads); tests/test_serve_help.py holds the two equal
+MAX_SESSION = 256
 
 
 @dataclass(frozen=True)

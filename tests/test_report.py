@@ -28,9 +28,9 @@ DATA = REPO / "docs" / "eval"
 
 
 def guide_pages() -> list[Path]:
-    """The user's guide: its pages by task (docs/guide/*.md) and docs/guide.md while it exists."""
-    pages = sorted((REPO / "docs" / "guide").glob("*.md")) + [p for p in [REPO / "docs" / "guide.md"] if p.exists()]
-    assert pages, "no user's guide (docs/guide/*.md or docs/guide.md)"
+    """The user's guide: its pages by task (docs/guide/*.md)."""
+    pages = sorted((REPO / "docs" / "guide").glob("*.md"))
+    assert pages, "no user's guide (docs/guide/*.md)"
     return pages
 
 

@@ -76,3 +76,22 @@ def test_the_declared_headers_are_the_servers():
     headers = [(s.header.encode(), b"1") for s in SETTINGS if s.request]
     assert headers_to_xargs(headers) == {s.key: "1" for s in SETTINGS if s.request}
     assert BY_KEY["kv_session"].maximum == DECLARED_MAX_SESSION == MAX_SESSION
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [s for s in SETTINGS if s.field and s.request and (s.minimum, s.maximum) != (None, None)],
+    ids=lambda s: s.key,
+)
+def test_the_declared_ranges_are_the_parsers(setting):
+    """The reference prints each setting's range from its declaration while the parser checks its own bounds: a
+    value just outside the declared range is refused naming the setting (SnapKV reads every ranged setting)."""
+    from kvserve.errors import InvalidSetting
+
+    base = {"kv_policy": "snapkv", "kv_budget": 1024}
+    outside = [bound - 1 for bound in [setting.minimum] if bound is not None]
+    outside += [bound + 1 for bound in [setting.maximum] if bound is not None]
+    for value in outside:
+        with pytest.raises(InvalidSetting) as refused:
+            parse_kv_config({**base, setting.key: value}, defaults={})
+        assert refused.value.field == setting.key, value
