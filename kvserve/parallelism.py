@@ -33,6 +33,28 @@ def parallelism_refusal(
     return None
 
 
+# Speculative methods kvserve serves with eviction: n-gram prompt lookup proposes from the token ids alone. A drafter
+# with its own layers (a draft model, EAGLE, MTP) writes its own KV cache into the request's blocks, which a
+# compaction would free under it.
+SPECULATIVE_METHODS = ("ngram",)
+
+
+def speculation_refusal(speculative_config, pipeline_parallel_size: int = 1) -> str | None:
+    """Why kvserve cannot evict beside this `--speculative-config`, or None (none given, or n-gram)."""
+    if speculative_config is None:
+        return None
+    method = speculative_config.method
+    if method not in SPECULATIVE_METHODS:
+        return (
+            f"kvserve eviction serves speculative decoding by n-gram prompt lookup ('method': 'ngram') only, not "
+            f"{method!r}: its drafter keeps a KV cache of its own in the request's blocks, which eviction would free "
+            "under it. Use 'ngram', or run vanilla vLLM (VLLM_PLUGINS without 'kvserve')."
+        )
+    if pipeline_parallel_size > 1:
+        return "kvserve eviction does not serve speculative decoding under pipeline parallelism"
+    return None
+
+
 def flag_value(args: list[str], *names: str) -> str | None:
     """The value of a vLLM flag given as `--flag V` or `--flag=V` (the last one wins, as in argparse)."""
     value = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections import OrderedDict
 
@@ -105,3 +106,33 @@ def json_prompt(tokenizer) -> list[int]:
 
     ask = " Describe this text as JSON with its topic and a number of pages:"
     return haystack(tokenizer, 300, seed=5) + tokenizer.encode(ask, add_special_tokens=False)
+
+
+# Speculative decoding (tests/test_speculative.py): n-gram prompt lookup on prompts whose answer repeats them, so
+# drafts are proposed and accepted often.
+SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPECULATIVE_MAX_TOKENS = 72
+
+
+def quoting_prompts(tokenizer) -> list[list[int]]:
+    from kvserve.tools.eval.haystack import haystack
+
+    text = haystack(tokenizer, 200, seed=1)
+    repeat = tokenizer.encode(" Repeat the text above word for word:", add_special_tokens=False)
+    counting = tokenizer.encode("one two three four one two three four one two", add_special_tokens=False)
+    return [text + repeat + text[:16], haystack(tokenizer, 120, seed=2) + repeat, counting]
+
+
+def speculation_salt(kv: dict) -> str:
+    """Each setting's requests under a salt of their own: they miss the prefix cache on both sides of the comparison."""
+    return "speculation " + json.dumps(kv, sort_keys=True)
+
+
+def kept_lists(state) -> dict:
+    """What a finished request's lists held: how many compactions, and per layer each head's kept positions at the
+    last one (a function of every compaction before it)."""
+    layers = {
+        str(index): None if layer.kept_positions is None else layer.kept_positions.tolist()
+        for index, layer in sorted(state.layers.items())
+    }
+    return {"compactions": state.compactions, "positions": layers}

@@ -537,3 +537,25 @@ def test_kvserves_clients_drop_idle_connections_before_vllms_server_closes_them(
         clients += [(path.name, call) for call in re.findall(r"httpx\.(?:Async)?Client\((.*)", path.read_text())]
     assert len(clients) >= 8  # the tools' and the router's, found
     assert [client for client in clients if "limits=" not in client[1]] == []
+
+
+def test_the_speculative_table_compares_each_server_with_itself_without_drafts_and_with_vanilla_drafting():
+    from kvserve.tools.bench.speculative import label, report
+
+    def row(kind: str, ngram: bool, speed: float, texts: list[str], drafted: int = 0, accepted: int = 0) -> dict:
+        speculation = {"num_drafts": drafted // 4, "num_draft_tokens": drafted, "num_accepted_tokens": accepted}
+        return {"server": label(kind, ngram), "kind": kind, "ngram": ngram, "setting": "s", "texts": texts,
+                "output_tokens_per_s": speed, "peak_running": 2, "speculation": speculation}  # fmt: skip
+
+    rows = [
+        row("vanilla", False, 10.0, ["a", "b"]),
+        row("vanilla", True, 15.0, ["a", "b"], 40, 30),
+        row("kvserve", False, 20.0, ["a", "c"]),
+        row("kvserve", True, 26.0, ["a", "d"], 80, 20),
+    ]
+    lines = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in report(rows).splitlines()[2:]}
+    assert lines["kvserve + n-gram"][3] == f"{26.0 / 20.0:.2f}"  # against kvserve without drafts
+    assert lines["kvserve + n-gram"][4] == f"{26.0 / 15.0:.2f}"  # against vanilla + n-gram
+    assert lines["kvserve + n-gram"][5] == f"{20 / 80:.0%} of 80"
+    assert lines["kvserve + n-gram"][7].strip(" |") == "1 of 2"  # one answer differs from kvserve's without
+    assert lines["vanilla + n-gram"][7].strip(" |") == "2 of 2"

@@ -22,7 +22,7 @@ from kvserve.core.checkpoints import (
     position_key,
     publish_key,
 )
-from kvserve.core.compaction import StepEnd, compaction_after, entries_to_keep, is_decode, step_end
+from kvserve.core.compaction import StepEnd, compaction_after, drafts_allowed, entries_to_keep, is_decode, step_end
 from kvserve.core.prefix import copyable_hit, hit_limit
 from kvserve.core.pressure import short_of_blocks
 from kvserve.core.record import CoreRequest, Progress
@@ -95,6 +95,52 @@ def test_when_and_to_how_many_a_request_compacts(config, step, compacted, longes
 )
 def test_a_decode_step_is_one_generated_token(logical, num_new, prompt, decode):
     assert is_decode(logical, num_new, prompt) is decode
+
+
+def test_a_decode_step_may_verify_drafts_after_its_token():
+    assert is_decode(104, 4, 100, drafts=3)  # the first sampled token, then 3 drafts
+    assert not is_decode(104, 4, 100, drafts=2)  # two tokens of its own: a chunk
+    assert not is_decode(103, 4, 100, drafts=3)  # starts inside the prompt
+
+
+def decode_compactions(config, prompt: int, steps: int, wanted: int, seed: int | None) -> list[int]:
+    """Decodes `steps` tokens after a `prompt`-token prompt. Each step asks for `wanted` drafts (None: no
+    speculation) and takes what `drafts_allowed` gives; a random number of them is accepted. A step with drafts must
+    not compact; the others compact where `compaction_after` says. The positions compacted at."""
+    rng = random.Random(seed)
+    tokens = sequence(prompt + steps + wanted + 1, [])
+    record, computed, compacted_at = record_for(config, tokens), prompt, []
+    _, keep = compaction_after(record, Progress(tokens, prompt, 0), prompt, prompt, BS, under_pressure=False)
+    if keep is not None:
+        record.report = report(prompt, keep)
+    while computed < prompt + steps:
+        progress = Progress(tokens[: computed + 1], prompt, computed)
+        drafts = 0 if seed is None else drafts_allowed(record, progress, computed, wanted, BS, under_pressure=False)
+        logical = computed + 1 + drafts
+        _, keep = compaction_after(record, progress, logical, 1 + drafts, BS, under_pressure=False, drafts=drafts)
+        if drafts:
+            assert keep is None  # a step that verifies drafts never compacts
+            computed += 1 + rng.randrange(drafts + 1)  # its own token and the accepted drafts
+            continue
+        if keep is not None:
+            record.report = report(logical, keep)
+            compacted_at.append(logical)
+        computed = logical
+    return compacted_at
+
+
+@pytest.mark.parametrize("config", [SNAPKV, HEADS, C128, TURNS, DUO], ids=["eager", "heads", "c128", "turns", "duo"])
+@pytest.mark.parametrize("seed", range(3))
+def test_drafts_stop_where_a_one_token_step_would_compact(config, seed):
+    plain = decode_compactions(config, 300, 400, 4, seed=None)
+    assert len(plain) >= 3
+    assert decode_compactions(config, 300, 400, 4, seed) == plain
+
+
+def test_a_gated_request_gets_no_drafts():
+    tokens = sequence(400, [])
+    record = record_for(GATE, tokens)
+    assert drafts_allowed(record, Progress(tokens, 300, 350), 350, 4, BS, under_pressure=False) == 0
 
 
 def report(logical: int, kept: int, heads: int = 3) -> PageReport:

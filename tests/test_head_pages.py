@@ -334,6 +334,32 @@ def test_lists_that_keep_the_same_count_use_vllms_own_slots_and_free_tail_blocks
 
 
 @pytest.mark.parametrize("seed", range(4))
+def test_rejected_drafts_leave_and_their_slots_are_the_next_steps(seed):
+    """Speculative decoding: a step appends its token and drafts; the rejected drafts are truncated; the next step
+    appends into the slots a step without those drafts would have used, and pages emptied by the truncation are
+    free again."""
+    rng = random.Random(seed)
+    layout = FUZZ_LAYOUT
+    drafted, plain = HeadPages(layout), HeadPages(layout)
+    for lists in (drafted, plain):
+        lists.add_blocks(list(range(20, 50)))
+        lists.append(13)
+    for layer in range(layout.num_layers):  # compacted: the heads hold different counts
+        counts = np.array([rng.randint(1, 13) for _ in range(layout.num_heads)])
+        drafted.shrink(layer, counts)
+        plain.shrink(layer, counts)
+    for _ in range(12):
+        drafts = rng.randint(1, 9)
+        accepted = rng.randint(0, drafts)
+        drafted.append(1 + drafts)
+        drafted.truncate(drafts - accepted)
+        plain.append(1 + accepted)
+        assert (drafted.lens == plain.lens).all() and drafted.pages_in_use == plain.pages_in_use
+        assert (drafted.used == plain.used).all()
+        assert (drafted.append(1) == plain.append(1)).all()  # the same slots from here on
+
+
+@pytest.mark.parametrize("seed", range(4))
 def test_pipeline_stages_give_back_the_same_blocks_and_keep_their_entries(seed):
     """Two pipeline stages hold different layers' pages in the same blocks: the blocks chosen from both stages'
     counts are empty on both after each moves its pages, each keeps what its lists held, and every stage fits."""

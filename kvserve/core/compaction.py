@@ -94,9 +94,10 @@ def entries_to_keep(
     return budget if step.cached > budget else None
 
 
-def is_decode(logical: int, num_new: int, prompt_tokens: int) -> bool:
-    """Whether a step of `num_new` tokens that ends at `logical` tokens is a decode step (one generated token)."""
-    return num_new == 1 and logical - 1 >= prompt_tokens
+def is_decode(logical: int, num_new: int, prompt_tokens: int, drafts: int = 0) -> bool:
+    """Whether a step of `num_new` tokens that ends at `logical` tokens is a decode step: one generated token, and
+    with speculative decoding `drafts` draft tokens after it that the step verifies."""
+    return num_new - drafts == 1 and logical - num_new >= prompt_tokens
 
 
 def step_end(record: CoreRequest, progress: Progress, logical: int, num_new: int) -> StepEnd:
@@ -117,11 +118,20 @@ def step_end(record: CoreRequest, progress: Progress, logical: int, num_new: int
 
 
 def compaction_after(
-    record: CoreRequest, progress: Progress, logical: int, num_new: int, block_size: int, under_pressure: bool
+    record: CoreRequest,
+    progress: Progress,
+    logical: int,
+    num_new: int,
+    block_size: int,
+    under_pressure: bool,
+    drafts: int = 0,
 ) -> tuple[int, int | None]:
     """For a step of `num_new` tokens ending at `logical` tokens: (entries in the longest list then, entries it
     compacts to or None). One rule for the step's plan and for the allocation that must hold the plan's spare
-    blocks."""
+    blocks. A step that verifies `drafts` draft tokens never compacts (`drafts_allowed` gave it only drafts that
+    end before the next compaction)."""
+    if drafts:
+        return record.longest_list(logical), None
     step = step_end(record, progress, logical, num_new)
     report = record.report
     keep = entries_to_keep(
@@ -133,3 +143,20 @@ def compaction_after(
         under_pressure=under_pressure,
     )
     return step.cached, keep
+
+
+def drafts_allowed(
+    record: CoreRequest, progress: Progress, computed: int, wanted: int, block_size: int, under_pressure: bool
+) -> int:
+    """Speculative decoding: how many of `wanted` draft tokens a decoding request that has computed `computed`
+    tokens may verify in its next step. A step with drafts never compacts, so the drafts stop before the first
+    token whose one-token step would compact by the rules above (0 when the next token's does: that step runs
+    plain and compacts). However many drafts are accepted, every compaction then falls on the same one-token step,
+    with the same cache, as without speculation. A gated policy decides per token in its attention pass: no drafts."""
+    if record.settings.ragged:
+        return 0
+    for draft in range(wanted + 1):
+        end = computed + 1 + draft  # the step that ends with this draft's token, were it taken alone
+        if compaction_after(record, progress, end, 1, block_size, under_pressure)[1] is not None:
+            return max(draft - 1, 0)
+    return wanted

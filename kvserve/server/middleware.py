@@ -31,7 +31,7 @@ from kvserve.server.evicted import EvictedTally, open_tally
 from kvserve.server.lookahead import Lookahead, plan_lookahead
 from kvserve.server.paths import COMPLETION_PATHS, COMPRESS_PATH
 from kvserve.server.request_keys import HEADER_PREFIX, headers_to_xargs, merge_into_body, pop_session
-from kvserve.server.vllm_gaps import reject_what_vllm_cannot_serve
+from kvserve.server.vllm_gaps import refuse_settings_beam_search_drops, reject_what_vllm_cannot_serve
 
 HANDLED = "kvserve.headers_handled"  # scope key: a second copy of this middleware (given by --middleware too) passes
 
@@ -73,6 +73,7 @@ class KVHeadersMiddleware:
             if isinstance(body, dict):
                 reject_what_vllm_cannot_serve(body, scope["path"])
                 body = merge_into_body(body, header_xargs)
+                refuse_settings_beam_search_drops(body)
                 session = pop_session(body)
                 for key in INTERNAL_KEYS:
                     if key in (body.get("vllm_xargs") or {}):

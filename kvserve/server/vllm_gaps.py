@@ -41,3 +41,17 @@ def reject_what_vllm_cannot_serve(body: dict[str, Any], path: str) -> None:
             "prompt's tokens and log-probabilities fall out of step: an error mid-stream); drop one "
             "of stream, echo and logprobs, or ask for n=1",
         )
+
+
+def refuse_settings_beam_search_drops(body: dict[str, Any]) -> None:
+    """vLLM 0.32's beam search runs each step as a new one-token request of its own sampling parameters, built without
+    the request's `vllm_xargs`: a request's own `kv_*` settings would silently not reach the engine (each step gets
+    the server's defaults). A 400 saying so instead."""
+    asked = [key for key in body.get("vllm_xargs") or {} if key.startswith("kv_")]
+    if body.get("use_beam_search") and asked:
+        raise InvalidSetting(
+            "use_beam_search",
+            f"vLLM's beam search runs every step as a new one-token request without the request's settings, so "
+            f"{', '.join(sorted(asked))} would not reach the engine (each step's prompt is the whole sequence so far, "
+            "served with the server's defaults); send the beam search without kv_* settings or x-kv-* headers",
+        )

@@ -46,9 +46,12 @@ def progress_of(request: Request, computed: int | None = None) -> Progress:
 
 def keep_after(core: CoreRequests, record: CoreRequest, request: Request, num_tokens: int) -> int | None:
     """The entries the request compacts to after a step that ends at `num_tokens` logical tokens, asked while the
-    step is allocated or its hit sized (before the scheduler advances the request), or None."""
+    step is allocated or its hit sized (before the scheduler advances the request), or None. Tokens past the
+    request's sequence are draft tokens (speculative decoding): such a step never compacts."""
     num_new = num_tokens - request.num_computed_tokens
-    return compaction_after(record, progress_of(request), num_tokens, num_new, core.block_size, core.under_pressure)[1]
+    drafts = max(num_tokens - request.num_tokens, 0)
+    progress = progress_of(request)
+    return compaction_after(record, progress, num_tokens, num_new, core.block_size, core.under_pressure, drafts)[1]
 
 
 class EvictingFullAttentionManager(FullAttentionManager):

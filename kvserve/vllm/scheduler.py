@@ -29,7 +29,7 @@ from kvserve import phases
 from kvserve.config import KVConfig, settings_from
 from kvserve.core.admission import resumable_first
 from kvserve.core.checkpoints import chunk_end, first_compaction, publish_key
-from kvserve.core.compaction import compaction_after, is_decode
+from kvserve.core.compaction import compaction_after, drafts_allowed, is_decode
 from kvserve.core.prefix import copyable_hit, hit_limit
 from kvserve.core.pressure import short_of_blocks
 from kvserve.core.record import CoreRequest
@@ -38,7 +38,7 @@ from kvserve.errors import InvalidSetting
 from kvserve.messages import Compaction, PageReport, StepPlan, cdiv, with_evicted_count
 from kvserve.metrics import metrics, set_engine
 from kvserve.model_support import eviction_support, generation_marker
-from kvserve.parallelism import parallelism_refusal
+from kvserve.parallelism import parallelism_refusal, speculation_refusal
 from kvserve.vllm.carriers import attach_plan, plan_of, report_of
 from kvserve.vllm.kv_cache_manager import EvictingFullAttentionManager, keep_after, progress_of
 from kvserve.vllm.model import paged_group
@@ -58,8 +58,9 @@ class EvictingScheduler(Scheduler):
         )
         if refusal is not None:
             raise RuntimeError(refusal)
-        if self.vllm_config.speculative_config is not None:
-            raise RuntimeError("kvserve eviction does not support speculative decoding (drafts would be compacted)")
+        refusal = speculation_refusal(self.vllm_config.speculative_config, parallel.pipeline_parallel_size)
+        if refusal is not None:
+            raise RuntimeError(refusal)
         self.paged_group = paged_group(self.kv_cache_config, self.support)
         self.pipeline_stages = parallel.pipeline_parallel_size
         self.evicting_manager: EvictingFullAttentionManager | None = None
@@ -146,14 +147,17 @@ class EvictingScheduler(Scheduler):
         for req_id, num_new in output.num_scheduled_tokens.items():
             request = self.requests[req_id]
             logical = request.num_computed_tokens  # already advanced past this step by the base scheduler
-            decode = is_decode(logical, num_new, request.num_prompt_tokens)
+            drafts = len(output.scheduled_spec_decode_tokens.get(req_id, ()))
+            decode = is_decode(logical, num_new, request.num_prompt_tokens, drafts)
             decoding += decode
             record = core.evicting_record(req_id)
             if record is None:
                 continue
             record.in_flight = True
             progress = progress_of(request)
-            cached, keep = compaction_after(record, progress, logical, num_new, self.block_size, core.under_pressure)
+            cached, keep = compaction_after(
+                record, progress, logical, num_new, self.block_size, core.under_pressure, drafts=drafts
+            )
             if keep is None:
                 continue
             if record.settings.defers and not record.compacted:
@@ -245,9 +249,15 @@ class EvictingScheduler(Scheduler):
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
         """vLLM's chunk rule, and a `kv_checkpoint` request's chunks end at its checkpoints (a prompt's, or a preempted
-        request's recompute of prompt and output)."""
+        request's recompute of prompt and output). Speculative decoding: an evicting request's drafts stop before
+        its next compaction (`drafts_allowed`); vLLM schedules the drafts that fit in the step."""
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         record = self.core.evicting_record(request.request_id)
+        if record is not None and request.spec_token_ids and num_computed_tokens + 1 >= request.num_tokens:
+            progress = progress_of(request, computed=num_computed_tokens)
+            wanted, pressure = num_new_tokens - 1, self.core.under_pressure
+            allowed = drafts_allowed(record, progress, num_computed_tokens, wanted, self.block_size, pressure)
+            return min(num_new_tokens, 1 + allowed)
         # a one-token step (decoding) ends wherever it must anyway: no scan of the sequence on the decode path
         if num_new_tokens <= 1 or record is None or not record.settings.checkpoints:
             return num_new_tokens

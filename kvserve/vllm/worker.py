@@ -121,6 +121,7 @@ def after_prepare_inputs(runner, scheduler_output, num_scheduled_tokens: np.ndar
     book.admit(plan, lambda req_id: _gate_runtime(runner, req_id))
     num_reqs = runner.input_batch.num_reqs
     query_starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens[:num_reqs])])
+    drafts = scheduler_output.scheduled_spec_decode_tokens  # speculative decoding: each row's draft tokens
     batch = [
         BatchRow(
             req_id=req_id,
@@ -129,6 +130,7 @@ def after_prepare_inputs(runner, scheduler_output, num_scheduled_tokens: np.ndar
             computed=int(runner.input_batch.num_computed_tokens_cpu[row]),
             num_new=int(num_scheduled_tokens[row]),
             query_start=int(query_starts[row]),
+            drafts=len(drafts.get(req_id, ())),
         )
         for row, req_id in enumerate(runner.input_batch.req_ids[:num_reqs])
         if req_id in book.requests

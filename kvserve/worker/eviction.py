@@ -25,6 +25,7 @@ from kvserve.policies import LayerObservation, Policy, Selection
 from kvserve.policies.base import PassStatistics
 from kvserve.worker import allocated
 from kvserve.worker.decoding import measure_decode_rows, pseudo_queries, record_decode_windows
+from kvserve.worker.drafts import settle_drafts
 from kvserve.worker.gated import gated_layer_step
 from kvserve.worker.layouts import CachePages
 from kvserve.worker.pages import cdiv
@@ -43,12 +44,19 @@ def after_attention(
     cache: CachePages,
     tables: Mapping[str, torch.Tensor],
     scale: float,
-    output: torch.Tensor,
+    output: torch.Tensor | None,
     measured: dict[str, PassStatistics] | None = None,
 ) -> None:
     """For each evicting request of the step: its eviction work on layer `layer_idx` (this step's entries are
     written). `tables[req_id]` ([H, W]) addresses its lists in `cache`; `measured[req_id]` holds what the backend's
-    own pass measured. Gated requests get their output rows [q, Hq, D] recomputed with the per-head keep mask."""
+    own pass measured. Gated requests get their output rows [q, Hq, D] recomputed with the per-head keep mask.
+    Speculative decoding: the accepted queries of each request's last step go first (`settle_drafts`); a step's
+    queries that verify drafts are held back until the next step."""
+
+    def replay(rows: StepContext, queries: torch.Tensor) -> None:  # (its one-token rows have nothing to settle)
+        after_attention(rows, layer_idx, queries, cache, rows.tables(layer_idx), scale, output=None)
+
+    settle_drafts(step, layer_idx, replay)
     layer_start, compaction_before = time.perf_counter(), phases.seconds("compaction")
     if cache is not None and measured is None:  # every decoding request's statistics in one product
         start = time.perf_counter()
@@ -65,6 +73,9 @@ def after_attention(
     recorded = record_decode_windows(step, layer_idx, query)
     for plan in step.rows:
         if plan.failure is not None:
+            continue
+        if plan.drafts:  # until the next step knows which of its drafts were accepted
+            plan.state.layer(layer_idx).pending = query[plan.query_start : plan.query_end].clone()
             continue
         if plan.req_id in recorded and not plan.state.policy.stat_names and plan.compaction is None:
             continue  # a decode step of a window policy (SnapKV): its query is recorded, nothing else to do
@@ -146,7 +157,7 @@ def _evict(
     if not policy.stat_names and plan.compaction is None:
         return
     if plan.compaction is None and given is not None:  # a decode step of H2O, EMS or MAT: one operation
-        folded = fold_pass_statistics(policy, layer.stats, given, int(plan.state.pages.lens[layer_idx].max()))
+        folded = fold_pass_statistics(policy, layer.stats, given, int(plan.lengths(layer_idx).max()))
         if folded is not None:
             layer.stats = folded
             return

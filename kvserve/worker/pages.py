@@ -248,6 +248,13 @@ class HeadPages:
                 self.table[layer, head, index] = 0
         self.lens[layer] = counts
 
+    def truncate(self, tokens: int) -> None:
+        """Drop the last `tokens` entries of every list (a step's rejected draft tokens); the next append reuses
+        their slots."""
+        if tokens:
+            for layer in range(self.layout.num_layers):
+                self.shrink(layer, self.lens[layer] - tokens)
+
     def live_pages(self) -> np.ndarray:
         """Pages in use per block (in `blocks` order)."""
         return self.used.sum(axis=(1, 2))

@@ -95,6 +95,9 @@ class LayerState:
     # Attention-Gate: validity of each head's first entries within the prompt (later ones valid), the gate's past
     valid: torch.Tensor | None = None  # [H, v] bool
     gate_past: GatePast | None = None
+    # speculative decoding: the queries [1 + drafts, Hq, D] of a step that verified drafts, until the next step
+    # knows which were accepted
+    pending: torch.Tensor | None = None
     # positions() for entries past the lists' current lengths too, valid until the next compaction
     _positions: torch.Tensor | None = field(default=None, repr=False)
     _positions_key: tuple = field(default=(None, None, None), repr=False)
@@ -176,6 +179,7 @@ class WorkerRequest:
     question: dict[int, torch.Tensor] | None = None
     # a document reconstructed piece by piece (`kvserve/worker/pieces.py`): the pieces' document scores per layer
     pieces: dict[int, torch.Tensor] | None = None
+    drafted: tuple[int, int] | None = None  # its last step verified drafts: (first position, tokens appended)
 
     def layer(self, idx: int) -> LayerState:
         state = self.layers.get(idx)
@@ -186,5 +190,6 @@ class WorkerRequest:
     def reset(self) -> None:
         """After preemption the request recomputes from scratch into fresh blocks."""
         self.since = 0
+        self.drafted = None
         self.layers.clear()
         self.pages = HeadPages(self.pages.layout)

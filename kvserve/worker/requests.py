@@ -40,6 +40,7 @@ class BatchRow:
     computed: int  # tokens computed before this step
     num_new: int  # tokens this step computes
     query_start: int  # its first query among the step's tokens
+    drafts: int = 0  # speculative decoding: draft tokens among them, which the step verifies
 
 
 class WorkerRequests:
@@ -154,7 +155,9 @@ class WorkerRequests:
             elif item.computed and not request.pages.blocks:  # its first step starts from a prefix-cache hit
                 request.pages.adopt_prefix(item.block_ids, item.computed)
             _take_new_blocks(request.pages, item.block_ids, item.req_id)
+            settle = _verified(request, item)
             appended[item.row] = request.pages.append(item.num_new)
+            request.drafted = (item.computed, item.num_new) if item.drafts else None
             compaction = plan.compactions.get(item.req_id)
             if compaction is not None:  # the blocks the compaction must not write (none: it may write all it holds)
                 request.pages.protect(compaction.protected_blocks)
@@ -172,6 +175,8 @@ class WorkerRequests:
                     query_end=item.query_start + item.num_new,
                     logical_len=item.computed + item.num_new,
                     compaction=compaction,
+                    drafts=item.drafts,
+                    settle=settle,
                 )
             )
         return rows, appended
@@ -278,6 +283,24 @@ class WorkerRequests:
         report = StepReport(failures=self.failures, pages=self.reports)
         self.failures, self.reports = {}, {}
         return report
+
+
+def _verified(request: WorkerRequest, item: BatchRow) -> tuple[int, int] | None:
+    """The request's last step verified draft tokens: vLLM has since rolled its computed count back past the
+    rejected ones. Their entries leave the lists (the step's slots overwrite them), and the accepted tokens' queries,
+    held back by that step, are settled in this one (`settle_drafts`). Returns (first position, accepted queries),
+    or None when its last step had no drafts."""
+    if request.drafted is None:
+        return None
+    first, tokens = request.drafted
+    request.drafted = None
+    accepted = item.computed - first
+    if not 0 < accepted <= tokens:
+        raise RuntimeError(
+            f"kvserve: request {item.req_id} verified {tokens} tokens from {first} and is now at {item.computed}"
+        )
+    request.pages.truncate(tokens - accepted)
+    return first, accepted
 
 
 def _take_new_blocks(pages: HeadPages, block_ids: list[int], req_id: str) -> None:

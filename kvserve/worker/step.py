@@ -63,10 +63,15 @@ class RowPlan:
     deferred: list = field(default_factory=list)
     # attention_gate: layers whose prompt chunk the attention pass already gated and attended with the mask
     gated_layers: set[int] = field(default_factory=set)
+    drafts: int = 0  # speculative decoding: its last `drafts` queries verify draft tokens (their work is held back)
+    # the last step's drafts, verified: (first position, accepted queries) to settle before this step's own work
+    settle: tuple[int, int] | None = None
+    later: int = 0  # a settled query's row: entries written after its own (lengths() leaves them out)
 
     def lengths(self, layer_idx: int) -> torch.Tensor:
-        """[H] entries of each of the layer's lists after this step's writes."""
-        return torch.from_numpy(self.state.pages.lens[layer_idx])
+        """[H] entries of each of the layer's lists after this step's writes (before `later` of them)."""
+        lens = self.state.pages.lens[layer_idx]
+        return torch.from_numpy(lens - self.later if self.later else lens)
 
     def table(self, layer_idx: int) -> torch.Tensor:
         """[H, W] the layer's page lists (page ids into the page view)."""

@@ -293,6 +293,10 @@ def plot(results: list[dict], prompt_tokens: int, path: str) -> None:
 # runs (a vanilla server and a kvserve server on the same workload); `kvserve --help` lists both
 COMMANDS = {
     "documents": ("kvserve.tools.bench.documents", "one document, many questions: compressed once vs recomputed"),
+    "speculative": (
+        "kvserve.tools.bench.speculative",
+        "n-gram speculative decoding with eviction on answers that quote, vs vanilla with and without it",
+    ),
     "chat": ("kvserve.tools.bench.chat", "multi-turn chat over a shared document in a small pool, vs vanilla"),
     "sessions": (
         "kvserve.tools.bench.sessions",

@@ -20,6 +20,7 @@ class RequestTiming:
     ttft: float  # seconds from sending to the first streamed token
     tpot: float  # mean seconds per output token after the first
     output_tokens: int
+    text: str = ""  # the completion
 
 
 async def _one(
@@ -47,17 +48,23 @@ async def _one(
     start = time.perf_counter()
     first = None
     output_tokens = 0
+    text = []
     async for chunk in stream_chunks(client, url, "/v1/completions", body, setting):
-        if chunk.get("choices") and chunk["choices"][0].get("text") and first is None:
-            first = time.perf_counter()
-            if first_token is not None:
-                first_token.set()
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            text.append(chunk["choices"][0]["text"])
+            if first is None:
+                first = time.perf_counter()
+                if first_token is not None:
+                    first_token.set()
         if chunk.get("usage"):
             output_tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
     first = end if first is None else first
     return RequestTiming(
-        ttft=first - start, tpot=(end - first) / max(output_tokens - 1, 1), output_tokens=output_tokens
+        ttft=first - start,
+        tpot=(end - first) / max(output_tokens - 1, 1),
+        output_tokens=output_tokens,
+        text="".join(text),
     )
 
 
@@ -104,10 +111,19 @@ async def _run(
 
 
 def run_workload(
-    url: str, model: str, prompts: list[list[int]], max_tokens: int, setting: Setting, salt: str = ""
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    setting: Setting,
+    salt: str = "",
+    keep_texts: bool = False,
 ) -> dict:
-    """The prompts sent at once with `setting`; `salt` is added to the setting's prefix-cache salt."""
-    return asyncio.run(_run(url, model, prompts, max_tokens, setting, salt))
+    """The prompts sent at once with `setting`; `salt` is added to the setting's prefix-cache salt. `keep_texts`:
+    the summary also holds each completion (`texts`, in prompt order)."""
+    summary = asyncio.run(_run(url, model, prompts, max_tokens, setting, salt))
+    texts = summary.pop("texts")
+    return {**summary, "texts": texts} if keep_texts else summary
 
 
 def _percentile(values: list[float], q: int) -> float:
@@ -125,6 +141,7 @@ def summarize(
         return metric_sum(metrics_after, name) - metric_sum(metrics_before, name)
 
     return {
+        "texts": [t.text for t in timings],
         "requests": len(timings),
         "wall_s": wall,
         "peak_running": peak_running,

@@ -16,6 +16,7 @@ from kvserve.tools.report.sources import DataDir, Source, captions
 DECODE_HEAVY = ("suite/capacity-duo.json", "capacity-decode-heavy.json")
 PREFILL_HEAVY = "capacity/prefill-heavy.json"
 CHAT = "chat/chat.json"
+SPECULATIVE = "speculative.json"
 # models/capacity-gemma3-tiny-3000.json (2026-11-25, kvserve 0.1, a random-weight hybrid model) stays in docs/eval
 # the decode-heavy workload at equal KV bytes on a bf16 and an fp8 cache: two runs, each against its own vanilla
 FP8_CAPACITY = ("fp8/decode-heavy-bf16.json", "fp8/decode-heavy-fp8.json")
@@ -234,5 +235,27 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             "(`=128`: every 128 tokens) compacts where each turn's prompt ends and the next turn resumes there.",
             chat_table(chat),
             chat.caption(),
+            *speculative_part(data),
         ]
     )
+
+
+def speculative_part(data: DataDir) -> list[str]:
+    """`kvserve bench speculative`: n-gram speculative decoding with and without eviction at equal memory."""
+    from kvserve.tools.bench.speculative import report
+
+    if not (data.folder / SPECULATIVE).exists():
+        return []
+    source = data.load(SPECULATIVE)
+    args = source.data["args"]
+    return [
+        "### Speculative decoding (n-gram) with eviction",
+        f"{args['prompts']} requests at once, each a {args['doc_tokens']}-token document and the instruction to "
+        f"repeat it ({args['max_tokens']} output tokens, greedy), so prompt lookup drafts from the document; a pool "
+        f"of {args['num_blocks']} blocks of {args['block_size']} tokens for every server. A step that verifies "
+        "drafts never compacts, so in float32 kvserve's greedy answers with speculation are its answers without it "
+        "(tests/test_speculative.py); in bfloat16 a verify step rounds differently from one-token steps, which can "
+        "tip a compaction's choice (last column).",
+        report(source.data["results"]),
+        source.caption(),
+    ]
