@@ -20,9 +20,11 @@ def settle_drafts(step: StepContext, layer_idx: int, replay: Callable[[StepConte
     of its own would have done: recorded in the policy's window, its statistics measured over the lists as they were
     then (the entries up to its own) and folded. `replay(rows, queries)` runs the layer's eviction step on such
     one-token rows. The rejected drafts' queries are dropped, so statistics count accepted tokens only."""
-    plans = {plan.req_id: plan for plan in step.rows if plan.settle is not None and plan.failure is None}
+    # the same for every layer of the step: found once (most steps have none)
+    settling = step.memo("settling", lambda: [plan for plan in step.rows if plan.settle is not None])
+    plans = {plan.req_id: plan for plan in settling if plan.failure is None}
     for req_id, plan in list(plans.items()):
-        if not plan.state.policy.stat_names and plan.state.gate is None:  # a window alone: one ring write
+        if not plan.state.policy.stat_names:  # a window alone: one ring write (a gated request gets no drafts)
             _settle_window(plan, layer_idx)
             del plans[req_id]
     if not plans:

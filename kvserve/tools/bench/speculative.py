@@ -54,8 +54,8 @@ def run_server(url: str, prompts: list[list[int]], args: argparse.Namespace, evi
     import httpx
 
     setting = Setting(args.policy, args.budget) if evicting else Setting("full", None)
-    before = speculation_counters(httpx.get(url + "/metrics", timeout=60).text)
     run_workload(url, SERVED_NAME, prompts[:1], 4, setting, salt="warm-up")
+    before = speculation_counters(httpx.get(url + "/metrics", timeout=60).text)  # the warm-up's drafts left out
     summary = run_workload(url, SERVED_NAME, prompts, args.max_tokens, setting, keep_texts=True)
     after = speculation_counters(httpx.get(url + "/metrics", timeout=60).text)
     summary["speculation"] = {name: after[name] - before[name] for name in COUNTERS}
@@ -69,6 +69,7 @@ def label(kind: str, ngram: bool) -> str:
 
 def report(rows: list[dict]) -> str:
     by_label = {row["server"]: row for row in rows}
+    vanilla_ngram = by_label.get(label("vanilla", True))
     lines = [
         "| server | setting | output tokens/s | / same server without n-gram | / vanilla + n-gram | accepted drafts "
         "| peak running | answers as without n-gram |",
@@ -78,7 +79,6 @@ def report(rows: list[dict]) -> str:
         speed = row["output_tokens_per_s"]
         plain = by_label.get(label(row["kind"], False))
         against_plain = f"{speed / plain['output_tokens_per_s']:.2f}" if row["ngram"] and plain else "-"
-        vanilla_ngram = by_label.get(label("vanilla", True))
         against_vanilla = f"{speed / vanilla_ngram['output_tokens_per_s']:.2f}" if vanilla_ngram else "-"
         drafted = row["speculation"]["num_draft_tokens"]
         accepted = f"{row['speculation']['num_accepted_tokens'] / drafted:.0%} of {drafted:.0f}" if drafted else "-"

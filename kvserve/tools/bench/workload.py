@@ -122,8 +122,9 @@ def run_workload(
     """The prompts sent at once with `setting`; `salt` is added to the setting's prefix-cache salt. `keep_texts`:
     the summary also holds each completion (`texts`, in prompt order)."""
     summary = asyncio.run(_run(url, model, prompts, max_tokens, setting, salt))
-    texts = summary.pop("texts")
-    return {**summary, "texts": texts} if keep_texts else summary
+    if not keep_texts:
+        del summary["texts"]
+    return summary
 
 
 def _percentile(values: list[float], q: int) -> float:
