@@ -45,6 +45,8 @@ class Run:
     timeout_s: int = 900
     # filled in by Background
     hung: str | None = None  # the diagnosis of a first attempt that timed out, when the second one passed
+    seconds: float = 0.0  # how long its attempts ran
+    waited: float = 0.0  # how long the tests that read it waited for it
     out: Path | None = None
     log: Path | None = None
     error: str | None = None
@@ -78,6 +80,7 @@ class Background:
                 run.done.set()
 
     def _run(self, run: Run) -> None:
+        started = time.monotonic()
         if run.prepare is not None:
             run.prepare()
         error, timed_out = self._attempt(run)
@@ -89,6 +92,7 @@ class Background:
             else:
                 error = f"{error}\n\nfirst attempt:\n{first}"
         run.error = error
+        run.seconds = time.monotonic() - started
 
     def _attempt(self, run: Run) -> tuple[str | None, bool]:
         """Run the command once: (the failure with the log's end, or None; whether it outlived its timeout)."""
@@ -134,7 +138,9 @@ class Background:
         if not runs:
             raise RuntimeError(f"no background run for fixture {fixture!r} was started (see tests/background.py)")
         for run in runs:
+            waiting = time.monotonic()
             run.done.wait()
+            run.waited += time.monotonic() - waiting
             if run.error is not None:
                 raise RuntimeError(f"background run for {fixture} failed: {run.error}")
             if run.hung is not None:
@@ -146,6 +152,13 @@ class Background:
         """What the runs of `fixture` printed (stdout and stderr), once they finished."""
         self.results(fixture)
         return "".join(run.log.read_text() for run in self.runs[fixture])
+
+    def timings(self) -> list[str]:
+        """A line per run: how long it ran and how long its readers waited (the suite's length is the longer of
+        the in-process tests and this queue; what the readers waited is what the queue added)."""
+        runs = [run for group in self.runs.values() for run in group]
+        lines = [f"{run.fixture}: ran {run.seconds:.0f} s, waited for {run.waited:.0f} s" for run in runs]
+        return lines + [f"background runs in all: {sum(run.seconds for run in runs):.0f} s"] if runs else []
 
     def stop(self) -> None:
         """The session ends (a run may still be going when it ends early, as under `pytest -x`): the run is

@@ -155,6 +155,16 @@ def pytest_sessionfinish(session) -> None:
     _background.stop()
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How long each background run took and how long its tests waited for it: the place to look when the suite
+    grows."""
+    lines = _background.timings()
+    if lines:
+        terminalreporter.section("background runs")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session")
 def background() -> Background:
     return _background
@@ -195,28 +205,16 @@ def hf_model():
     return load_hf_model(ensure_default_model())
 
 
-SERVER_CHUNK = 128  # prefill chunk of the HTTP server: perplexity tests need eviction between chunks
-
-
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """ONE real `kvserve serve` for the HTTP tests (started the way the benchmark starts its servers)."""
+    from engine_settings import SERVER_ARGS
+
     from kvserve.tools.bench.servers import running_server
 
-    args = [
-        "--max-model-len",
-        "2048",
-        "--block-size",
-        "32",
-        "--enforce-eager",
-        "--dtype",
-        "float32",  # vLLM on CPU would serve this fp32 checkpoint in bf16; references are fp32
-        "--max-num-batched-tokens",
-        str(SERVER_CHUNK),
-    ]
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     # no MODEL: the default model, served under its own name (what `make serve` does)
-    with running_server("kvserve", None, args, log_path, env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
+    with running_server("kvserve", None, SERVER_ARGS, log_path, env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
         yield base
 
 

@@ -136,3 +136,11 @@ def kept_lists(state) -> dict:
         for index, layer in sorted(state.layers.items())
     }
     return {"compactions": state.compactions, "positions": layers}
+
+
+# The session's HTTP server (tests/conftest.py) and the servers that must match it (vanilla's side of the
+# compatibility matrix, the data-parallel pair): float32, since vLLM on CPU would serve this fp32 checkpoint in bf16
+# and the references are fp32; a prefill chunk of 128 tokens, since perplexity tests need eviction between chunks.
+SERVER_CHUNK = 128
+SERVER_ARGS = ["--max-model-len", "2048", "--block-size", "32", "--enforce-eager", "--dtype", "float32"]
+SERVER_ARGS += ["--max-num-batched-tokens", str(SERVER_CHUNK)]

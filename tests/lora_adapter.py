@@ -3,6 +3,8 @@ answers differ from the base model's), saved in the form vLLM's `--lora-modules`
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 ADAPTER_RANK = 8
@@ -30,3 +32,19 @@ def train_adapter(model_dir: Path, out_dir: Path, steps: int = 6) -> Path:
         optimizer.zero_grad()
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def session_adapter() -> Path:
+    """The session's adapter (trained on first use, in a folder named by the pytest process, so that every module's
+    background runs share one): call it from a run's `prepare`, in the background thread."""
+    from kvserve.model import ensure_default_model
+
+    folder = session_adapter_path()
+    if not (folder / "adapter_config.json").exists():
+        train_adapter(ensure_default_model(), folder)
+    return folder
+
+
+def session_adapter_path() -> Path:
+    """Where `session_adapter()` puts it, without training it (for a run's argv, built before it runs)."""
+    return Path(tempfile.gettempdir()) / f"kvserve-tests-lora-{os.getpid()}" / "adapter"

@@ -11,6 +11,7 @@ from cache_writers import write
 from kvserve_kernels import cpu as cpu_kernel
 from kvserve_kernels.reference import decode_attention_reference, prefill_attention_reference
 
+from kvserve.provenance import present_flags
 from kvserve.tools.bench.kernel import vllm_attention
 from kvserve.worker.gated import masked_attention
 from kvserve.worker.layouts import AmxPages, VecPages
@@ -86,14 +87,15 @@ def test_output_sums_and_first_logits_match_dense_attention(layout, dtype, group
 @pytest.mark.parametrize("num_queries", [1, 7])
 def test_output_matches_vllms_attention_op(dtype, num_queries):
     """The kernel replaces vLLM's op for some rows: on the same pages, pseudo rows and lengths it gives vLLM's output
-    (bit for bit in a bf16 decode; within bf16 rounding of a differently ordered sum otherwise)."""
+    (bit for bit in a bf16 decode where both sum in AVX-512's order; within bf16 rounding of a differently ordered
+    sum otherwise: on an AVX2-only CPU vLLM's bf16 decode rounds some outputs one bf16 step apart from the kernel)."""
     block, group = 32, 3
     lengths = LENGTHS.clamp(min=num_queries)
     pages, tables, _ = pool("vec", dtype, block, lengths, seed=4)
     queries = torch.randn(len(lengths), num_queries, group, DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
     out, _, _ = cpu_kernel.paged_attention(queries, pages, "vec", tables, lengths, SCALE, sums=False)
     want = vllm_attention(queries, pages, tables, lengths)()  # vLLM's op as kvserve's backend calls it
-    if dtype == torch.bfloat16 and num_queries == 1:
+    if dtype == torch.bfloat16 and num_queries == 1 and "avx512f" in present_flags():
         assert torch.equal(out.reshape_as(want), want)
     torch.testing.assert_close(out.reshape_as(want).float(), want.float(), **OUT_TOL[dtype])
 

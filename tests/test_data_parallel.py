@@ -15,15 +15,13 @@ import uuid
 
 import httpx
 import pytest
-from engine_settings import SERVED_MODEL
+from engine_settings import SERVED_MODEL, SERVER_ARGS
 from waiting import wait_until
 
 from kvserve.server.affinity import engine_for
 from kvserve.tools.bench.sessions import grew, per_engine
 
 ENGINES = 2
-SERVER_ARGS = ["--max-model-len", "2048", "--block-size", "32", "--enforce-eager", "--dtype", "float32"]
-SERVER_ARGS += ["--max-num-batched-tokens", "128"]  # as the `server` fixture (tests/conftest.py)
 RANK = "X-data-parallel-rank"  # vLLM's header: which engine serves the request
 
 

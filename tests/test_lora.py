@@ -19,17 +19,10 @@ VANILLA_SETTINGS = [{}]
 
 
 def background_runs() -> list[Run]:
+    from lora_adapter import session_adapter, session_adapter_path
+
     folder = Path(tempfile.mkdtemp(prefix="kvserve-lora-"))
-    adapter = folder / "adapter"
-
-    def prepare() -> None:
-        from lora_adapter import train_adapter
-
-        from kvserve.model import ensure_default_model
-
-        if not (adapter / "adapter_config.json").exists():
-            train_adapter(ensure_default_model(), adapter)
-
+    adapter = session_adapter_path()
     runs = []
     for fixture, settings, plugins in (
         ("lora_vanilla", VANILLA_SETTINGS, "none"),
@@ -38,7 +31,7 @@ def background_runs() -> list[Run]:
         path = folder / f"{fixture}.json"
         path.write_text(json.dumps(settings))
         argv = [sys.executable, str(TESTS / "lora_run.py"), str(adapter), str(path), "{out}"]
-        runs.append(Run(fixture, argv, {"VLLM_PLUGINS": plugins}, prepare=prepare))
+        runs.append(Run(fixture, argv, {"VLLM_PLUGINS": plugins}, prepare=session_adapter))
     return runs
 
 

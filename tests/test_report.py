@@ -222,6 +222,27 @@ def test_a_changed_number_in_the_data_changes_the_readme(tmp_path):
         readme.with_results("# a README without markers\n", after)
 
 
+def test_the_guides_compatibility_matrix_is_what_its_file_gives(tmp_path):
+    """The guide's matrix is the block `kvserve report` builds from docs/eval/compatibility.json (which
+    tests/test_compatibility.py holds to what the probes observe), a row per feature in the file's order."""
+    from kvserve.tools.report import compatibility
+    from kvserve.tools.report.sources import DataDir
+
+    guide = REPO / compatibility.GUIDE
+    assert compatibility.update(guide, DataDir(DATA, REPO)) == guide.read_text(), (
+        f"{compatibility.GUIDE}'s matrix is stale: run `kvserve report docs/eval -o docs/benchmarks.md`"
+    )
+    data = tmp_path / "docs" / "eval"
+    shutil.copytree(DATA, data)
+    matrix = json.loads((data / compatibility.MATRIX).read_text())
+    matrix["rows"][0]["kvserve"] = "refused (n): a changed outcome"
+    (data / compatibility.MATRIX).write_text(json.dumps(matrix))
+    block = compatibility.block(DataDir(data, tmp_path))
+    assert f"| {matrix['rows'][0]['feature']} | {matrix['rows'][0]['request']} |" in block
+    assert "refused (n): a changed outcome |" in block
+    assert block.count("\n| ") == len(matrix["rows"]) + 2  # the header, its rule and a row per feature
+
+
 def test_the_summary_agrees_with_the_sections_it_summarises():
     """The summary's share of full and its interval for each policy and budget are the quality table's, and its
     throughput cell for the default is the decode-heavy table's ratio."""

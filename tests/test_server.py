@@ -175,19 +175,6 @@ def test_n_choices_each_evict_and_usage_sums_them(server, long_prompt):
     assert body["usage"]["kv_tokens_evicted"] == 3 * (body["usage"]["prompt_tokens"] - 64)
 
 
-def test_beam_search_with_its_own_settings_is_refused_naming_the_field(server, long_prompt):
-    """vLLM's beam search builds each step's request without the request's `vllm_xargs`: its settings would be
-    silently dropped, so it gets a 400 naming `use_beam_search`; without settings of its own it is served (each
-    step under the server's defaults), one choice per beam."""
-    refused = complete(server, long_prompt, {"x-kv-policy": "snapkv"}, n=2, use_beam_search=True, max_tokens=4)
-    assert refused.status_code == 400, refused.text
-    assert refused.json()["error"]["param"] == "use_beam_search"
-    assert "kv_policy" in refused.json()["error"]["message"]
-    served = complete(server, long_prompt, n=2, use_beam_search=True, max_tokens=4)
-    assert served.status_code == 200, served.text
-    assert len(served.json()["choices"]) == 2
-
-
 def test_pool_is_full_again_after_all_requests(server):
     assert httpx.get(server + "/health", timeout=120).status_code == 200
     assert metric(server, "vllm:kv_cache_usage_perc", f'{{engine="0",model_name="{SERVED_MODEL}"}}') == 0.0
