@@ -60,10 +60,13 @@ def outcome(response: httpx.Response, holds: Callable[[dict], str | None]) -> di
     return {"outcome": "serves" if why is None else f"fails: {why}", "evicted": evicted}
 
 
-def complete(base: str, model: str, headers: dict, **body) -> httpx.Response:
+def completion(model: str, **body) -> dict:
     # ignore_eos: every answer is as long on both sides, whatever either model's first choice of an end is
-    body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **body}
-    return post(base, "/v1/completions", body, headers)
+    return {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **body}
+
+
+def complete(base: str, model: str, headers: dict, **body) -> httpx.Response:
+    return post(base, "/v1/completions", completion(model, **body), headers)
 
 
 def chat(base: str, model: str, headers: dict, **body) -> httpx.Response:
@@ -78,7 +81,7 @@ def n_choices(base: str, model: str, headers: dict) -> dict:
         return None if len(texts) == 2 and all(texts) else f"{len(texts)} choices"
 
     # no seed: vanilla vLLM 0.32 on CPU crashes its engine on a seeded prompt prefilled in chunks
-    return outcome(complete(base, model, headers, n=2, temperature=0.8, ignore_eos=True), holds)
+    return outcome(complete(base, model, headers, n=2, temperature=0.8), holds)
 
 
 def logprobs(base: str, model: str, headers: dict) -> dict:
@@ -153,9 +156,7 @@ def beam_search(base: str, model: str, headers: dict) -> dict:
 
 
 def streaming(base: str, model: str, headers: dict) -> dict:
-    body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
-    body["ignore_eos"] = True
-    body["stream_options"] = {"include_usage": True}
+    body = completion(model, stream=True, stream_options={"include_usage": True})
     with httpx.stream("POST", base + "/v1/completions", json=body, headers=headers, timeout=600) as response:
         if response.status_code != 200:
             response.read()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvserve.provenance import describe_machine
-from kvserve.tools.markdown import table
+from kvserve.tools.markdown import table, with_block
 from kvserve.tools.report.sources import DataDir
 
 MATRIX = "compatibility.json"
@@ -42,13 +42,6 @@ def block(data: DataDir) -> str:
     )
 
 
-def with_matrix(page: str, text: str) -> str:
-    start, end = page.find(START), page.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"{GUIDE} has no compatibility block (a line {START!r}, then {END!r})")
-    return page[:start] + text + page[end + len(END) :]
-
-
 def update(page: Path, data: DataDir) -> str:
     """The guide page's text with the matrix rebuilt from `data` (not written)."""
-    return with_matrix(page.read_text(), block(data))
+    return with_block(page.read_text(), START, END, block(data), f"{page} has no compatibility block")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvserve.config import BUILTIN_DEFAULTS, CHECKPOINT_POLICY_KEY
 from kvserve.tools.eval.suite import Cell, Suite
-from kvserve.tools.markdown import ratio, table
+from kvserve.tools.markdown import ratio, table, with_block
 from kvserve.tools.report import models, parity, scoreboard
 from kvserve.tools.report.headline import THROUGHPUT_PNG
 from kvserve.tools.report.quality import FLOOR, base_policy, best_labels, load_suite, single_needle_cells
@@ -125,10 +125,7 @@ def notes(data: DataDir, cells: list[Cell], qwen_cells: list[Cell]) -> str:
 
 def with_results(readme: str, block: str) -> str:
     """The README with its results block replaced by `block`; ValueError if it has no markers."""
-    start, end = readme.find(START), readme.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"the README has no results block (a line {START!r}, then {END!r})")
-    return readme[:start] + block + readme[end + len(END) :]
+    return with_block(readme, START, END, block, "the README has no results block")
 
 
 def update(readme: Path, data: DataDir) -> str:
