@@ -30,7 +30,12 @@ SCHEMA = {
     "required": ["room", "floor"],
     "additionalProperties": False,
 }
-TOOL = {"type": "function", "function": {"name": "find_room", "description": "Where it is", "parameters": SCHEMA}}
+# strict: vLLM pins the arguments to the schema (without it, this model's forced call came back with the arguments
+# '"find_room"' from vanilla vLLM too)
+TOOL = {
+    "type": "function",
+    "function": {"name": "find_room", "description": "Where it is", "parameters": SCHEMA, "strict": True},
+}
 NAMED = {"type": "function", "function": {"name": "find_room"}}
 MAX_TOKENS = 24
 
@@ -142,7 +147,8 @@ def tool_call(choice: dict | str) -> Callable[[str, str, dict], dict]:
                 return f"tool calls {calls!r}"
             return matches_schema(json.loads(calls[0]["function"]["arguments"]))
 
-        return outcome(chat(base, model, headers, tools=[TOOL], tool_choice=choice), holds)
+        # this tokenizer spells hermes's <tool_call> tags in many tokens: a whole call takes more than 64
+        return outcome(chat(base, model, headers, tools=[TOOL], tool_choice=choice, max_tokens=128), holds)
 
     return ask
 

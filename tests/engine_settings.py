@@ -140,7 +140,15 @@ def kept_lists(state) -> dict:
 
 # The session's HTTP server (tests/conftest.py) and the servers that must match it (vanilla's side of the
 # compatibility matrix, the data-parallel pair): float32, since vLLM on CPU would serve this fp32 checkpoint in bf16
-# and the references are fp32; a prefill chunk of 128 tokens, since perplexity tests need eviction between chunks.
+# and the references are fp32; a prefill chunk of 128 tokens, since perplexity tests need eviction between chunks;
+# a tool-call parser, without which vLLM refuses every `tool_choice` but "none" (SmolLM2's template knows no tools,
+# so hermes's `<tool_call>` tags are what a free answer would need; named and required choices are forced by a schema).
 SERVER_CHUNK = 128
 SERVER_ARGS = ["--max-model-len", "2048", "--block-size", "32", "--enforce-eager", "--dtype", "float32"]
-SERVER_ARGS += ["--max-num-batched-tokens", str(SERVER_CHUNK)]
+SERVER_ARGS += [
+    "--max-num-batched-tokens",
+    str(SERVER_CHUNK),
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+]

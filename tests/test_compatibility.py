@@ -1,6 +1,6 @@
 """The compatibility matrix: each vLLM feature asked of vanilla `vllm serve` and of `kvserve serve` with eviction on
 (tests/compatibility.py's probes; the start-up features in tests/compatibility_run.py), and the outcomes against the
-matrix the guide shows (docs/eval/compatibility.json, rendered into docs/guide/serving.md by `kvserve report`).
+matrix the guide shows (docs/eval/compatibility.json, rendered into docs/guide/compatibility.md by `kvserve report`).
 
 The matrix file is what this test observes: `KVSERVE_WRITE_COMPATIBILITY=1 pytest tests/test_compatibility.py`
 rewrites it, and without that the test fails where an outcome differs from it."""

@@ -362,6 +362,9 @@ def train_gates(model_dir: Path, out: Path, work: Path, steps: int) -> dict:
                     str(model_dir),
                     "--steps",
                     str(steps),
+                    # a short run's evaluations (about seven of them) no longer than its training
+                    "--eval-windows",
+                    str(max(1, min(gates.EVAL_WINDOWS, steps // 10))),
                     "--out",
                     str(partial),
                     "--no-registry",

@@ -1,6 +1,6 @@
 """The guide's compatibility matrix: each vLLM feature, as vanilla `vllm serve` and `kvserve serve` with eviction on
 answered it, from docs/eval/compatibility.json (written by tests/test_compatibility.py, which fails where an outcome
-differs from the file). `kvserve report` writes it between its markers in docs/guide/serving.md."""
+differs from the file). `kvserve report` writes it between its markers in docs/guide/compatibility.md."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kvserve.tools.markdown import table, with_block
 from kvserve.tools.report.sources import DataDir
 
 MATRIX = "compatibility.json"
-GUIDE = Path("docs/guide/serving.md")
+GUIDE = Path("docs/guide/compatibility.md")
 START = "<!-- compatibility: written by `kvserve report` from docs/eval/compatibility.json; edit the test, not this -->"
 END = "<!-- /compatibility -->"
 TEST = "tests/test_compatibility.py"

@@ -17,6 +17,9 @@ DECODE_HEAVY = ("suite/capacity-duo.json", "capacity-decode-heavy.json")
 PREFILL_HEAVY = "capacity/prefill-heavy.json"
 CHAT = "chat/chat.json"
 SPECULATIVE = "speculative.json"
+# the same workload with every server held to as many running requests as vanilla fits (`--max-num-seqs`): what
+# speculation gives each step when the steps' batches are alike
+SPECULATIVE_FEW = "speculative-few-running.json"
 # models/capacity-gemma3-tiny-3000.json (2026-11-25, kvserve 0.1, a random-weight hybrid model) stays in docs/eval
 # the decode-heavy workload at equal KV bytes on a bf16 and an fp8 cache: two runs, each against its own vanilla
 FP8_CAPACITY = ("fp8/decode-heavy-bf16.json", "fp8/decode-heavy-fp8.json")
@@ -256,6 +259,21 @@ def speculative_part(data: DataDir) -> list[str]:
         "drafts never compacts, so in float32 kvserve's greedy answers with speculation are its answers without it "
         "(tests/test_speculative.py); in bfloat16 a verify step rounds differently from one-token steps, which can "
         "tip a compaction's choice (last column).",
+        report(source.data["results"]),
+        source.caption(),
+        *speculative_few_part(data),
+    ]
+
+
+def speculative_few_part(data: DataDir) -> list[str]:
+    from kvserve.tools.bench.speculative import report
+
+    if not (data.folder / SPECULATIVE_FEW).exists():
+        return []
+    source = data.load(SPECULATIVE_FEW)
+    return [
+        f"The same workload with every server started with `{source.data['args']['server_args']}`, so kvserve runs no "
+        "more requests at once than vanilla fits and each step's batch is alike on both:",
         report(source.data["results"]),
         source.caption(),
     ]

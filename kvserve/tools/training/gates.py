@@ -49,6 +49,7 @@ from kvserve.tools.training.retrieval import retrieval_sample, vocabulary
 STEPS = 100
 ANSWER_WEIGHT = 5.0
 SEQ_LEN = 1024
+EVAL_WINDOWS = 6
 WEIGHTS = Path(__file__).parent / "weights"
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = WEIGHTS / "smollm2-135m-instruct.safetensors"
@@ -315,7 +316,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-stdlib-docs", action="store_true", help="train on pydoc topics only (no standard-library docstrings)"
     )
     p.add_argument("--eval-every", type=int, default=25)
-    p.add_argument("--eval-windows", type=int, default=6)
+    p.add_argument("--eval-windows", type=int, default=EVAL_WINDOWS, help="held-out windows per evaluation")
     p.add_argument(
         "--dtype",
         choices=("bfloat16", "float32"),
