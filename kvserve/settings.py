@@ -160,7 +160,8 @@ SETTINGS: tuple[Setting, ...] = (
         "kv_session",
         "str",
         "routes the request: every request of a session goes to one data-parallel engine (or one replica behind "
-        "kvserve router), where its checkpoints and compressed documents are; the engine never reads it",
+        "kvserve router), where its checkpoints and compressed documents are; the engine never reads it; vLLM router's "
+        "X-Session-ID header names it too",
         maximum=MAX_SESSION,
         server=False,
         parsed=False,

@@ -113,8 +113,8 @@ def converse(base: str, opening: str, headers: dict) -> tuple[list[dict], float]
 def test_a_session_keeps_a_conversation_on_the_engine_with_its_checkpoints(dp_server, server, long_prompt):
     """Conversations of three turns with turn checkpoints, each naming a session (two per engine), resume from
     checkpoints as often as the same conversations on the single-engine server do (kvserve:checkpoint_hits_total),
-    each in the engine its session maps to. The last turn of one conversation sent to the other engine as well
-    recomputes there and answers the same."""
+    each in the engine its session maps to, whether named by x-kv-session or by vLLM router's X-Session-ID. The last
+    turn of one conversation sent to the other engine as well recomputes there and answers the same."""
     sessions = _sessions_on_each_engine(2)
     before = scrape(dp_server)
     expected = {str(rank): 0.0 for rank in range(ENGINES)}
@@ -122,7 +122,8 @@ def test_a_session_keeps_a_conversation_on_the_engine_with_its_checkpoints(dp_se
     for number, session in enumerate(sessions):
         opening = long_prompt[: 900 + 40 * number]
         _, single_hits = converse(server, opening, {})
-        histories[session], _ = converse(dp_server, opening, {"x-kv-session": session})
+        header = ("x-kv-session", "X-Session-ID")[number % 2]
+        histories[session], _ = converse(dp_server, opening, {header: session})
         assert single_hits >= 1, "a later turn resumes on one engine"
         expected[str(engine_for(session, ENGINES))] += single_hits
     assert grew(before, scrape(dp_server), "kvserve:checkpoint_hits_total") == expected
@@ -227,6 +228,11 @@ def test_a_session_is_a_routing_key_not_a_setting(dp_server):
         timeout=60,
     )
     assert conflict.status_code == 400 and conflict.json()["error"]["param"] == "kv_session"
+    both = {"x-kv-session": "b", "X-Session-ID": "c"}
+    body = {"model": SERVED_MODEL, "prompt": "Hello", "max_tokens": 2}
+    conflict = httpx.post(dp_server + "/v1/completions", json=body, headers=both, timeout=60)
+    assert conflict.status_code == 400 and "X-Session-ID".lower() in conflict.json()["error"]["message"], conflict.text
+    assert complete(dp_server, "Hello", {"x-kv-session": session, "X-Session-ID": session}).status_code == 200
 
 
 def test_both_pools_are_whole_after_the_requests(dp_server):

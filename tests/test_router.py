@@ -79,8 +79,8 @@ def test_a_session_keeps_to_the_replica_its_key_ranks_first(routed):
     for number in range(12):
         session = f"user-{number}"
         expected = urls[ranked(session, urls)[0]]
-        for turn in range(3):
-            headers = {"x-kv-session": session} if turn % 2 else {}
+        for turn in range(4):
+            headers = {1: {"x-kv-session": session}, 3: {"X-Session-ID": session}}.get(turn, {})
             body = {"prompt": f"turn {turn}", **({} if turn % 2 else {"kv_session": session})}
             response = post(router, "/v1/completions", body, headers)
             assert response.headers["x-kv-replica"] == expected, (session, turn)

@@ -9,6 +9,7 @@ import pytest
 from kvserve.cli import _serve_parser, defaults_from_args
 from kvserve.config import BUILTIN_DEFAULTS, parse_kv_config
 from kvserve.effective_defaults import builtin_values, shown
+from kvserve.errors import InvalidSetting
 from kvserve.policies import BASE_POLICIES, POLICIES
 from kvserve.server.affinity import MAX_SESSION
 from kvserve.server.profile import DEFAULT_TARGET
@@ -75,6 +76,11 @@ def test_the_declared_defaults_are_the_parsers(cls):
 def test_the_declared_headers_are_the_servers():
     headers = [(s.header.encode(), b"1") for s in SETTINGS if s.request]
     assert headers_to_xargs(headers) == {s.key: "1" for s in SETTINGS if s.request}
+    # vLLM router's session header names the same session, once or beside an x-kv-session that agrees
+    assert headers_to_xargs([(b"X-Session-ID", b"s1")]) == {"kv_session": "s1"}
+    assert headers_to_xargs([(b"x-kv-session", b"s1"), (b"x-session-id", b"s1")]) == {"kv_session": "s1"}
+    with pytest.raises(InvalidSetting, match="different sessions"):
+        headers_to_xargs([(b"x-session-id", b"s1"), (b"x-kv-session", b"s2")])
     assert BY_KEY["kv_session"].maximum == DECLARED_MAX_SESSION == MAX_SESSION
 
 
@@ -86,7 +92,6 @@ def test_the_declared_headers_are_the_servers():
 def test_the_declared_ranges_are_the_parsers(setting):
     """The reference prints each setting's range from its declaration while the parser checks its own bounds: a
     value just outside the declared range is refused naming the setting (SnapKV reads every ranged setting)."""
-    from kvserve.errors import InvalidSetting
 
     base = {"kv_policy": "snapkv", "kv_budget": 1024}
     outside = [bound - 1 for bound in [setting.minimum] if bound is not None]

@@ -5,12 +5,12 @@ in ONE engine's prefix cache or worker: a later request that reaches another eng
 correctly, at the cost of a prefill and of the compression it came for). vLLM's own balancer (`--data-parallel-size`)
 picks the least loaded engine per request, so a conversation's turns scatter.
 
-A request keeps to one engine by naming a session: the header `x-kv-session: S` or the body key `kv_session` (either
-way, as every kvserve setting). Requests of one session go to the engine `rendezvous(S, engines)` picks; that is
-highest-random-weight hashing, so the same session always picks the same engine, sessions spread evenly, and when a
-replica leaves a router's list only its own sessions move. The API server pins its engine with vLLM's
-`X-data-parallel-rank` header (`kvserve/server/middleware.py`); `kvserve router` picks a replica with the same function
-(`kvserve/server/router.py`).
+A request keeps to one engine by naming a session: the header `x-kv-session: S` (or `X-Session-ID: S`, the header
+vLLM's router hashes on) or the body key `kv_session` (either way, as every kvserve setting). Requests of one session
+go to the engine `rendezvous(S, engines)` picks; that is highest-random-weight hashing, so the same session always
+picks the same engine, sessions spread evenly, and when a replica leaves a router's list only its own sessions move.
+The API server pins its engine with vLLM's `X-data-parallel-rank` header (`kvserve/server/middleware.py`); `kvserve
+router` picks a replica with the same function (`kvserve/server/router.py`).
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ def engine_for(key: str, engines: int) -> int:
 
 
 def session_of(headers: list[tuple[bytes, bytes]], body: Any) -> str | None:
-    """The session a request names (header `x-kv-session`, body key `kv_session` or `vllm_xargs.kv_session`), as a
-    router reads it: without changing the request."""
+    """The session a request names (header `x-kv-session` or vLLM router's `X-Session-ID`, body key `kv_session` or
+    `vllm_xargs.kv_session`), as a router reads it: without changing the request."""
     for name, value in headers:
-        if name.lower() == b"x-kv-session":
+        if name.lower() in (b"x-kv-session", b"x-session-id"):
             return value.decode("latin-1").strip()
     if isinstance(body, dict):
         for source in (body, body.get("vllm_xargs")):

@@ -12,18 +12,27 @@ from kvserve.server.affinity import SESSION_KEY, check_session
 
 HEADER_PREFIX = b"x-kv-"
 MAX_HEADER_VALUE = 256
+# the session header of vLLM's router (`vllm-router --policy consistent_hash` keys on it): a client that sends it for
+# the router names the session kvserve routes by, as x-kv-session does
+SESSION_HEADER = "x-session-id"
 
 
 def headers_to_xargs(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    """The `kv_*` request keys given as `x-kv-*` headers."""
+    """The `kv_*` request keys given as `x-kv-*` headers, and `X-Session-ID` as `kv_session`."""
     xargs: dict[str, str] = {}
     for raw_name, raw_value in headers:
         name = raw_name.decode("latin-1").lower()
+        value = raw_value.decode("latin-1").strip()
+        if name == SESSION_HEADER:
+            if xargs.setdefault(SESSION_KEY, value) != value:
+                raise InvalidSetting(SESSION_KEY, f"x-kv-session and {SESSION_HEADER} name different sessions")
+            continue
         if not name.encode("latin-1").startswith(HEADER_PREFIX):
             continue
         key = KEY_PREFIX + name[len(HEADER_PREFIX) :].replace("-", "_")
-        value = raw_value.decode("latin-1").strip()
-        if key in xargs:
+        if key == SESSION_KEY and xargs.get(key, value) != value:
+            raise InvalidSetting(SESSION_KEY, f"x-kv-session and {SESSION_HEADER} name different sessions")
+        if key in xargs and key != SESSION_KEY:
             raise InvalidSetting(name, f"header {name} given more than once")
         if len(value) > MAX_HEADER_VALUE:
             raise InvalidSetting(name, f"header {name} is longer than {MAX_HEADER_VALUE} characters")
