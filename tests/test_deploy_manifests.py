@@ -69,15 +69,18 @@ def test_the_dashboards_configmap_is_a_fresh_generation():
     assert sorted(data) == sorted(path.name for path in (DEPLOY / "grafana" / "dashboards").glob("*.json"))
 
 
+def check_compose(path: Path) -> subprocess.CompletedProcess:
+    check = [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(path)]
+    return subprocess.run(check, capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.parametrize("path", COMPOSE, ids=lambda path: str(path.relative_to(DEPLOY)))
 def test_each_compose_file_validates_against_the_compose_specification(path):
-    check = [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(path)]
-    done = subprocess.run(check, capture_output=True, text=True, timeout=300)
+    done = check_compose(path)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_the_compose_check_fails_a_misspelt_key(tmp_path):
     bad = tmp_path / "compose.yaml"
     bad.write_text("services:\n  kvserve:\n    image: kvserve:cpu\n    portz: ['8000:8000']\n")
-    check = [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(bad)]
-    assert subprocess.run(check, capture_output=True, text=True, timeout=300).returncode != 0
+    assert check_compose(bad).returncode != 0

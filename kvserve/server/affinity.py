@@ -26,6 +26,8 @@ if TYPE_CHECKING:  # the router imports this module and needs none of the model 
     from kvserve.model_support import ServedEngine
 
 SESSION_KEY = "kv_session"
+# the headers that name it: kvserve's, and vLLM router's (`vllm-router --policy consistent_hash` keys on X-Session-ID)
+SESSION_HEADERS = ("x-kv-session", "x-session-id")
 RANK_HEADER = b"x-data-parallel-rank"  # vLLM's: the engine of the API server's balancer a request goes to
 MAX_SESSION = 256
 # a conversation's opening, for a router's requests without a session: every turn of a conversation begins with it
@@ -58,7 +60,7 @@ def session_of(headers: list[tuple[bytes, bytes]], body: Any) -> str | None:
     """The session a request names (header `x-kv-session` or vLLM router's `X-Session-ID`, body key `kv_session` or
     `vllm_xargs.kv_session`), as a router reads it: without changing the request."""
     for name, value in headers:
-        if name.lower() in (b"x-kv-session", b"x-session-id"):
+        if name.decode("latin-1").lower() in SESSION_HEADERS:
             return value.decode("latin-1").strip()
     if isinstance(body, dict):
         for source in (body, body.get("vllm_xargs")):

@@ -8,13 +8,10 @@ from typing import Any
 
 from kvserve.config import KEY_PREFIX
 from kvserve.errors import InvalidSetting
-from kvserve.server.affinity import SESSION_KEY, check_session
+from kvserve.server.affinity import SESSION_HEADERS, SESSION_KEY, check_session
 
 HEADER_PREFIX = b"x-kv-"
 MAX_HEADER_VALUE = 256
-# the session header of vLLM's router (`vllm-router --policy consistent_hash` keys on it): a client that sends it for
-# the router names the session kvserve routes by, as x-kv-session does
-SESSION_HEADER = "x-session-id"
 
 
 def headers_to_xargs(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
@@ -22,16 +19,15 @@ def headers_to_xargs(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
     xargs: dict[str, str] = {}
     for raw_name, raw_value in headers:
         name = raw_name.decode("latin-1").lower()
+        if name in SESSION_HEADERS:  # X-Session-ID (vLLM router's) names the session as x-kv-session does
+            key = SESSION_KEY
+        elif name.encode("latin-1").startswith(HEADER_PREFIX):
+            key = KEY_PREFIX + name[len(HEADER_PREFIX) :].replace("-", "_")
+        else:
+            continue
         value = raw_value.decode("latin-1").strip()
-        if name == SESSION_HEADER:
-            if xargs.setdefault(SESSION_KEY, value) != value:
-                raise InvalidSetting(SESSION_KEY, f"x-kv-session and {SESSION_HEADER} name different sessions")
-            continue
-        if not name.encode("latin-1").startswith(HEADER_PREFIX):
-            continue
-        key = KEY_PREFIX + name[len(HEADER_PREFIX) :].replace("-", "_")
         if key == SESSION_KEY and xargs.get(key, value) != value:
-            raise InvalidSetting(SESSION_KEY, f"x-kv-session and {SESSION_HEADER} name different sessions")
+            raise InvalidSetting(key, f"the headers {', '.join(SESSION_HEADERS)} name different sessions")
         if key in xargs and key != SESSION_KEY:
             raise InvalidSetting(name, f"header {name} given more than once")
         if len(value) > MAX_HEADER_VALUE:

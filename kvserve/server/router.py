@@ -5,7 +5,8 @@ balancer (it refuses `--data-parallel-rank` for non-MoE models). A generic balan
 turns, and each turn that lands elsewhere recomputes what its checkpoint held. This router forwards every request
 (streams included) to the replica `kvserve/server/affinity.py` ranks first for the request's key:
 
-- its session (`x-kv-session` header, `kv_session` body key), as the API server itself uses it between engines;
+- its session (`x-kv-session` or `X-Session-ID` header, `kv_session` body key), as the API server itself uses it
+  between engines;
 - else, for generation requests, the conversation's opening (its first messages, or its prompt's first characters),
   so a client that names no session still keeps a conversation together;
 - else (model lists, health, metrics, ...) the replicas in turn.
