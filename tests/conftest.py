@@ -206,15 +206,32 @@ def hf_model():
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    """ONE real `kvserve serve` for the HTTP tests (started the way the benchmark starts its servers)."""
+def server_kv_events() -> str:
+    """Where the session's server answers replay requests for its KV-cache events (tests/test_kv_events.py)."""
+    from kvserve.tools.bench.servers import free_port
+
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, server_kv_events):
+    """ONE real `kvserve serve` for the HTTP tests (started the way the benchmark starts its servers), publishing
+    vLLM's KV-cache events (ZMQ, with a replay socket)."""
     from engine_settings import SERVER_ARGS
 
-    from kvserve.tools.bench.servers import running_server
+    from kvserve.tools.bench.servers import free_port, running_server
 
+    replay_port = server_kv_events.rsplit(":", 1)[1]
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{free_port()}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
+    }
+    args = [*SERVER_ARGS, "--kv-events-config", json.dumps(events)]
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     # no MODEL: the default model, served under its own name (what `make serve` does)
-    with running_server("kvserve", None, SERVER_ARGS, log_path, env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
+    with running_server("kvserve", None, args, log_path, env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
         yield base
 
 

@@ -30,26 +30,32 @@ open(out, "w").write("{}")
 """
 
 
+@pytest.fixture(scope="module")
+def hanging() -> dict[str, tuple[Background, Run]]:
+    """Both probes started at once (each waits out its timeouts; side by side they take one's time, not two)."""
+    return {how: _run(how) for how in ("once", "always")}
+
+
 def _run(how: str) -> tuple[Background, Run]:
     """The probe under a timeout that each hanging attempt waits out in full, yet long enough for a busy machine to
     start Python and reach wait_forever (or, on the attempt that passes, write its result): at 3 s either could be
     late, and then the stack lacks wait_forever or the passing attempt times out too."""
     background = Background()
-    run = Run("probe", [sys.executable, "-c", HANGS, "{out}", how], timeout_s=20, bind_cpu=False)
+    run = Run("probe", [sys.executable, "-c", HANGS, "{out}", how], timeout_s=12, bind_cpu=False)
     background.start([run])
     return background, run
 
 
-def test_a_hang_that_does_not_return_passes_with_its_stack_as_a_warning():
-    background, _ = _run("once")
+def test_a_hang_that_does_not_return_passes_with_its_stack_as_a_warning(hanging):
+    background, _ = hanging["once"]
     with pytest.warns(UserWarning, match="second attempt") as record:
         assert background.results("probe") == [{}]
     message = str(record[0].message)
     assert "wait_forever" in message and "machine:" in message
 
 
-def test_a_hang_that_returns_fails_with_both_attempts_stacks_and_leaves_no_process():
-    background, run = _run("always")
+def test_a_hang_that_returns_fails_with_both_attempts_stacks_and_leaves_no_process(hanging):
+    background, run = hanging["always"]
     with pytest.raises(RuntimeError) as failure:
         background.results("probe")
     assert str(failure.value).count("wait_forever") >= 2 and "first attempt" in str(failure.value)

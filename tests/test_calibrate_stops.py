@@ -119,38 +119,45 @@ def test_an_interrupt_during_start_up_ends_the_servers_whole_process_group(tmp_p
     wait_until(lambda: not live_members({group}), 60, f"the fake server's group {group} ended")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_calibrate_interrupted_while_its_server_starts_leaves_nothing_running(tmp_path, signum):
-    """`kvserve calibrate` on the tiny Qwen2 model, interrupted once its server's engine core runs (mid start-up):
-    it exits with 128 + the signal, says what stopped, where the server's log is and the command that resumes, shows
-    no traceback, and no process it started (its own session, the server's) outlives it."""
+def test_calibrate_interrupted_while_its_server_starts_leaves_nothing_running(tmp_path):
+    """`kvserve calibrate` on the tiny Qwen2 model, interrupted once its server's engine core runs (mid start-up), by
+    Ctrl-C and by SIGTERM (two calibrations side by side, each with its own profiles folder): each exits with 128 +
+    the signal, says what stopped, where the server's log is and the command that resumes, shows no traceback, and
+    no process it started (its own session, the server's) outlives it."""
     model_dir = tiny_model("qwen2")
     argv = [str(model_dir), "--roles-samples", "2", "--tasks", "passkey", "--lengths", "400", "--samples", "2"]
     argv += ["--policies", "snapkv", "--budgets", "64", "--quiet"]
-    env = dict(os.environ, **{PROFILES_ENV: str(tmp_path)}, VLLM_CPU_KVCACHE_SPACE="1")
-    server_log = tmp_path / f"{model_dir.name}.work" / "server.log"
-    stderr_path = tmp_path / "stderr.txt"
-    with open(stderr_path, "w") as stderr:
-        calibrate = subprocess.Popen(
-            [sys.executable, "-m", "kvserve.cli", "calibrate", *argv],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            start_new_session=True,
-        )
-    groups = {calibrate.pid}
+    runs, groups = {}, set()
     try:
-        server = poll_for_server_with_engine(calibrate, server_log)
-        groups.add(os.getpgid(server.pid))
-        assert "Application startup complete" not in server_log.read_text()  # still starting
-        calibrate.send_signal(signum)
-        returncode = calibrate.wait(timeout=300)
-        said = stderr_path.read_text()
-        assert returncode == 128 + signum, said
-        assert "Traceback" not in said, said
-        assert f"Resume with: {PROFILES_ENV}={tmp_path} kvserve calibrate {shlex.join(argv)}" in said, said
-        assert "stopped during the check's server start-up: interrupted" in said and str(server_log) in said, said
-        wait_until(lambda: not live_members(groups), 60, f"no process of calibrate's or its server's group {groups}")
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            folder = tmp_path / signum.name
+            folder.mkdir()
+            env = dict(os.environ, **{PROFILES_ENV: str(folder)}, VLLM_CPU_KVCACHE_SPACE="1")
+            with open(folder / "stderr.txt", "w") as stderr:
+                calibrate = subprocess.Popen(
+                    [sys.executable, "-m", "kvserve.cli", "calibrate", *argv],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                    start_new_session=True,
+                )
+            groups.add(calibrate.pid)
+            runs[signum] = (calibrate, folder)
+        for signum, (calibrate, folder) in runs.items():
+            server_log = folder / f"{model_dir.name}.work" / "server.log"
+            server = poll_for_server_with_engine(calibrate, server_log)
+            groups.add(os.getpgid(server.pid))
+            assert "Application startup complete" not in server_log.read_text()  # still starting
+            calibrate.send_signal(signum)
+        for signum, (calibrate, folder) in runs.items():
+            returncode = calibrate.wait(timeout=300)
+            said = (folder / "stderr.txt").read_text()
+            server_log = folder / f"{model_dir.name}.work" / "server.log"
+            assert returncode == 128 + signum, said
+            assert "Traceback" not in said, said
+            assert f"Resume with: {PROFILES_ENV}={folder} kvserve calibrate {shlex.join(argv)}" in said, said
+            assert "stopped during the check's server start-up: interrupted" in said and str(server_log) in said, said
+        wait_until(lambda: not live_members(groups), 60, f"no process of calibrate's or its servers' groups {groups}")
     finally:  # a failing run leaves nothing behind either
         for group in groups:
             try:

@@ -175,34 +175,42 @@ def test_a_checkpoint_compression_and_its_question_meet_in_one_engine(dp_server,
         assert served.json()["usage"]["kv_tokens_evicted"] > 0
 
 
-def test_the_router_command_fronts_real_servers(dp_server, server, tmp_path):
-    """`kvserve router` as the guide starts it, in front of two real kvserve servers (the single-engine one and the
-    two-engine one): each session's requests reach the replica its key ranks first, with kvserve's settings applied
-    there and its usage block intact; the router's health names both replicas up."""
+def test_vllms_router_keeps_each_session_on_one_server_with_kvserves_settings(dp_server, server, tmp_path):
+    """`vllm-router --policy consistent_hash` (vLLM's router, the guide's scale-out) in front of two real kvserve
+    servers (the single-engine one and the two-engine one): both requests of each session (`X-Session-ID`) reach the
+    same server, which applies kvserve's settings and answers its usage block through the router."""
     import subprocess
-    import sys
 
-    from kvserve.server.affinity import ranked
+    from kvserve.tools.bench.replicas import Replica, router_binary, router_command
     from kvserve.tools.bench.servers import free_port
+    from kvserve.tools.eval.client import metric_sum
 
     port = free_port()
     replicas = [server, dp_server]
-    command = [sys.executable, "-m", "kvserve.cli", "router", "--port", str(port), "--host", "127.0.0.1"]
-    for replica in replicas:
-        command += ["--replica", replica]
+    command = router_command(router_binary(), "consistent_hash", port, [Replica(url, "") for url in replicas], 32)
     with open(tmp_path / "router.log", "w") as log:
         router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
+
+    def served() -> list[float]:
+        return [metric_sum(httpx.get(url + "/metrics").text, "vllm:request_success_total") for url in replicas]
+
     try:
-        wait_until(lambda: _answers(base + "/router/health"), 60, "the router answering")
-        assert httpx.get(base + "/router/health").json() == {"replicas": dict.fromkeys(replicas, True)}
-        for number in range(4):
-            session = f"routed-{number}"
+        wait_until(lambda: _answers(base + "/health"), 120, "vLLM's router answering")
+        landed = set()
+        for number in range(16):  # until sessions have landed on both servers (all 16 on one: p = 2^-15)
+            if landed == {0, 1}:
+                break
+            session = f"routed-{number}-{uuid.uuid4().hex[:6]}"
+            before = served()
             for _ in range(2):
-                served = complete(base, "Hello there", {"x-kv-session": session, "x-kv-policy": "streamingllm"})
-                assert served.headers["x-kv-replica"] == replicas[ranked(session, replicas)[0]]
-                assert served.headers["x-kv-policy-applied"] == "streamingllm"
-                assert "kv_tokens_evicted" in served.json()["usage"]
+                answer = complete(base, "Hello there", {"X-Session-ID": session, "x-kv-policy": "streamingllm"})
+                assert answer.headers["x-kv-policy-applied"] == "streamingllm"
+                assert "kv_tokens_evicted" in answer.json()["usage"]
+            grew = [after - then for after, then in zip(served(), before, strict=True)]
+            assert sorted(grew) == [0, 2], (session, grew)  # both on one server
+            landed.add(grew.index(2))
+        assert landed == {0, 1}  # sessions spread over both servers
     finally:
         router.terminate()
         router.wait(timeout=60)

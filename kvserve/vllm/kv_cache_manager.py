@@ -32,6 +32,7 @@ from kvserve.core.record import CoreRequest, Progress
 from kvserve.core.requests import CoreRequests
 from kvserve.messages import PageReport, cdiv
 from kvserve.metrics import metrics
+from kvserve.vllm.points import UNANNOUNCED
 
 
 def progress_of(request: Request, computed: int | None = None) -> Progress:
@@ -217,12 +218,15 @@ class EvictingFullAttentionManager(FullAttentionManager):
 
     def cache_checkpoint(self, request_id: str, key: bytes, block_ids: Sequence[int], group: int) -> tuple[bytes, ...]:
         """A checkpoint's blocks (the request's) enter vLLM's prefix cache under block hashes of their own, derived
-        from its key. Returns the hashes."""
+        from its key. Returns the hashes. KV-cache events announce neither their storing nor their removal: they hold
+        compacted lists, not the tokens a `BlockStored` would name (`patches._patch_removed_events`)."""
         by_id = {block.block_id: block for block in self.req_to_blocks.get(request_id, [])}
+        unannounced = self.block_pool.__dict__.setdefault(UNANNOUNCED, set())
         hashes = []
         for index, block_id in enumerate(block_ids):
             block_hash = make_block_hash_with_group_id(BlockHash(block_key(key, index)), group)
             self.block_pool._insert_block_hash(block_hash, by_id[block_id], self.block_size)
+            unannounced.add(block_hash)
             hashes.append(block_hash)
         return tuple(hashes)
 

@@ -16,6 +16,10 @@ In every vLLM process (the API server's patches are `kvserve/vllm/api_server.py`
   prompt and chunked prefill). kvserve saves those rows' CPU generator states before sampling and restores them
   afterwards, which is what the rewind means: the discarded draw leaves no trace, so a seed gives the same text
   however the prompt was chunked. Applies to every request, evicting or not.
+- `removed_events`: KV-cache events (`--kv-events-config`) stay a true account of vLLM's prefix cache by tokens. A
+  checkpoint's blocks (compacted lists, `EvictingFullAttentionManager.cache_checkpoint`) enter the cache under
+  kvserve's own hashes with no `BlockStored` (their tokens are not what they hold), so their eviction must not be
+  announced either: a subscriber would read a removal of a block it never saw stored.
 - `pipeline_buffers` (pipeline parallelism): a later pipeline stage copies the activations it receives into a buffer
   that only vLLM's warm-up run allocates, and on CPU with `--enforce-eager` (no compilation) there is no warm-up run,
   so upstream vLLM 0.32 fails the first request on stage 2 with a bare AssertionError. kvserve allocates the buffer
@@ -104,6 +108,7 @@ def apply() -> None:
     _patch_model_runner()
     _patch_seeded_sampling()
     _patch_pipeline_buffers()
+    _patch_removed_events()
     api_server.apply()
 
 
@@ -133,6 +138,25 @@ def _patch_scheduler_choice() -> None:
         return original(self)
 
     SchedulerConfig.get_scheduler_cls = get_scheduler_cls
+
+
+def _patch_removed_events() -> None:
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvserve.vllm.points import UNANNOUNCED
+
+    original = BlockPool._emit_block_removed_events
+
+    @functools.wraps(original)
+    def _emit_block_removed_events(self, block_hashes):
+        unannounced = getattr(self, UNANNOUNCED, None)
+        if unannounced:
+            announced = [block_hash for block_hash in block_hashes if block_hash not in unannounced]
+            unannounced.difference_update(block_hashes)  # they have left the cache
+            block_hashes = announced
+        return original(self, block_hashes)
+
+    BlockPool._emit_block_removed_events = _emit_block_removed_events
 
 
 def _patch_model_runner() -> None:

@@ -106,6 +106,8 @@ POINTS: tuple[Point, ...] = (
     _p("insert_hash", "vllm.v1.core.block_pool:BlockPool._insert_block_hash",
        "(self, block_hash_with_group_id, block, num_tokens)", "called",
        "EvictingFullAttentionManager.cache_checkpoint"),
+    _p("removed_events", "vllm.v1.core.block_pool:BlockPool._emit_block_removed_events", "(self, block_hashes)",
+       "wrapped", "patches._patch_removed_events"),
     _p("uncache_block", "vllm.v1.core.block_pool:BlockPool._maybe_evict_cached_block", "(self, block)", "called",
        "EvictingFullAttentionManager._stop_publishing"),
     _p("cached_block", "vllm.v1.core.block_pool:BlockHashToBlockMap.get_one_block", "(self, key)", "called",
@@ -172,6 +174,10 @@ POINTS: tuple[Point, ...] = (
 )  # fmt: skip
 
 # What kvserve reads or plants on vLLM's objects beyond their methods: (vLLM object, attribute, why).
+# the block pool's hashes that entered its cache without a BlockStored event (checkpoints'), planted by
+# EvictingFullAttentionManager.cache_checkpoint and read by patches._patch_removed_events
+UNANNOUNCED = "kvserve_unannounced_hashes"
+
 ATTRIBUTES: tuple[tuple[str, str, str], ...] = (
     ("Attention (a layer)", "_k_scale_float, _v_scale_float",
      "read: the cache scales vLLM's own CPU attention passes to its ops"),
@@ -183,6 +189,8 @@ ATTRIBUTES: tuple[tuple[str, str, str], ...] = (
     ("GPUModelRunner", "kvserve_generator_states", "planted: CPU generator states saved around sampling (patches.py)"),
     ("AsyncLLM", "kvserve_shutdown_requested", "planted: a shutdown someone asked for (api_server.py)"),
     ("Request", "skip_reading_prefix_cache", "set: an evicting request that reads no prefix-cache hit"),
+    ("BlockPool", "kvserve_unannounced_hashes",
+     "planted: checkpoint hashes cached without a BlockStored event, whose removal is not announced (patches.py)"),
     ("FullAttentionManager", "__class__", "swapped: the paged group's manager becomes EvictingFullAttentionManager"),
 )  # fmt: skip
 

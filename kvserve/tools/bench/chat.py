@@ -74,7 +74,15 @@ def small_pool_blocks(tokenizer, document: str, users: list[list[str]], args: ar
     return shared + 2 * (longest - shared), longest
 
 
-async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict], args, setting: Setting, salt: str) -> dict:
+async def _turn(
+    client: httpx.AsyncClient,
+    url: str,
+    messages: list[dict],
+    args,
+    setting: Setting,
+    salt: str,
+    headers: dict | None = None,
+) -> dict:
     body = {
         "model": SERVED_NAME,
         "messages": messages,
@@ -87,7 +95,7 @@ async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict], args,
     }
     start = time.perf_counter()
     first, text, usage = None, [], {}
-    async for chunk in stream_chunks(client, url, "/v1/chat/completions", body, setting):
+    async for chunk in stream_chunks(client, url, "/v1/chat/completions", body, setting, headers):
         for choice in chunk.get("choices") or []:
             content = (choice.get("delta") or {}).get("content")
             if content:
@@ -107,12 +115,14 @@ async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict], args,
     }
 
 
-async def _conversation(client, url: str, number: int, document: str, users: list[str], args, setting, salt) -> list:
+async def _conversation(
+    client, url: str, number: int, document: str, users: list[str], args, setting, salt, headers: dict | None = None
+) -> list:
     messages = [{"role": "system", "content": document}]
     records = []
     for turn, user in enumerate(users, start=1):
         messages.append({"role": "user", "content": user})
-        record = await _turn(client, url, messages, args, setting, salt)
+        record = await _turn(client, url, messages, args, setting, salt, headers)
         messages.append({"role": "assistant", "content": record.pop("reply")})
         records.append({"conversation": number, "turn": turn, **record})
     return records

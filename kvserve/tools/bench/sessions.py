@@ -1,22 +1,27 @@
-"""`kvserve bench sessions`: where a conversation's turns land with data parallelism, and whether they resume.
+"""`kvserve bench sessions`: where a conversation's turns land with several engines, and whether they resume.
 
-One `kvserve serve --data-parallel-size N` (vLLM's internal balancer, an engine per CPU group) serves C conversations
-at once, T turns each, with turn checkpoints (`kv_checkpoint=turns`: each turn compacts where its prompt ends and
-publishes the compacted lists; the next turn of the conversation can resume from them, in the engine that holds
-them). The same conversations run twice, each run with a `cache_salt` of its own: once as vLLM's balancer routes
-them (least loaded engine per request), once with a session per conversation (`x-kv-session`, which kvserve maps to
-one engine: `kvserve/server/affinity.py`). Per run it reports the share of later turns that resumed from a checkpoint
-(`kvserve:checkpoint_hits_total` over the C x (T-1) later turns), the engines' shares of the requests (vLLM's
-`vllm:request_success_total{engine}`), TTFT p50 of the later turns and output tokens/s.
+C conversations run at once, T turns each, with turn checkpoints (`kv_checkpoint=turns`: each turn compacts where
+its prompt ends and publishes the compacted lists; the next turn of the conversation can resume from them, on the
+engine that holds them). Each conversation sends a session (`X-Session-ID`, the ecosystem's key, which kvserve reads
+as `x-kv-session`), and each run has a `cache_salt` of its own. Two set-ups:
+
+- one `kvserve serve --data-parallel-size N` (an engine per CPU group): the same conversations as vLLM's balancer
+  routes them (least loaded engine per request) and by session (`kvserve/server/affinity.py` maps one to an engine);
+- `--replicas N`: N `kvserve serve` servers (one CPU each here) behind vLLM's router (`vllm-router`), once per
+  `--router-policies` entry: round_robin, consistent_hash (on X-Session-ID), cache_aware (prefix trees of the
+  prompts' text), kv_aware (from the servers' KV-cache events, `--kv-events-config`).
+
+Per run: the share of later turns that resumed from a checkpoint (`kvserve:checkpoint_hits_total` over the C x (T-1)
+later turns), each engine's requests (`vllm:request_success_total`), TTFT p50 of the later turns and output tokens/s.
 
     kvserve bench sessions --out docs/eval/scale/sessions.json
+    kvserve bench sessions --replicas 2 --out docs/eval/scale/router.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import re
 import statistics
@@ -31,6 +36,7 @@ from kvserve.cpu_dtype import with_default_dtype
 from kvserve.http_client import client_limits
 from kvserve.provenance import command_line, provenance
 from kvserve.tools.bench.chat import SERVED_NAME, _conversation, conversation_texts
+from kvserve.tools.bench.replicas import ROUTER_POLICIES, routed_runs
 from kvserve.tools.bench.servers import running_server
 from kvserve.tools.eval.client import Setting
 
@@ -52,11 +58,27 @@ def grew(before: str, after: str, name: str) -> dict[str, float]:
     return {engine: value - old.get(engine, 0.0) for engine, value in sorted(per_engine(after, name).items())}
 
 
-async def run_mode(url: str, mode: str, document: str, users: list[list[str]], args) -> dict:
+async def run_mode(
+    url: str, replicas: dict[str, str], mode: str, document: str, users: list[list[str]], args, session: bool
+) -> dict:
+    """The conversations sent to `url`; `replicas` (name -> URL) are the servers whose metrics count (their engines
+    labelled `name:engine` where there are several servers)."""
     setting = Setting(args.policy, args.budget, checkpoint="turns")
     salt = uuid.uuid4().hex  # this run's own prefix cache
+
+    async def scrape(client: httpx.AsyncClient) -> dict[str, str]:
+        return {name: (await client.get(base + "/metrics")).text for name, base in replicas.items()}
+
+    def grown(before: dict[str, str], after: dict[str, str], metric: str) -> dict[str, float]:
+        totals = {}
+        for name in replicas:
+            engines = grew(before[name], after[name], metric)
+            for engine, value in engines.items():  # a server of several engines: replica:engine
+                totals[engine if len(replicas) == 1 else name if len(engines) == 1 else f"{name}:{engine}"] = value
+        return totals
+
     async with httpx.AsyncClient(timeout=3600, limits=client_limits()) as client:
-        before = (await client.get(url + "/metrics")).text
+        before = await scrape(client)
         start = time.perf_counter()
         conversations = await asyncio.gather(
             *(
@@ -67,23 +89,24 @@ async def run_mode(url: str, mode: str, document: str, users: list[list[str]], a
                     document,
                     turns,
                     args,
-                    setting if mode == "balancer" else dataclasses.replace(setting, knobs=(("session", f"c{number}"),)),
+                    setting,
                     salt,
+                    {"X-Session-ID": f"c{number}-{salt[:8]}"} if session else None,
                 )
                 for number, turns in enumerate(users)
             )
         )
         wall = time.perf_counter() - start
-        after = (await client.get(url + "/metrics")).text
+        after = await scrape(client)
     records = [record for conversation in conversations for record in conversation]
     later = [record for record in records if record["turn"] > 1]
-    hits = grew(before, after, "kvserve:checkpoint_hits_total")
+    hits = grown(before, after, "kvserve:checkpoint_hits_total")
     return {
         "mode": mode,
         "later_turns": len(later),
         "checkpoint_hits": hits,
         "resumed_share": sum(hits.values()) / len(later),
-        "requests_per_engine": grew(before, after, "vllm:request_success_total"),
+        "requests_per_engine": grown(before, after, "vllm:request_success_total"),
         "later_ttft_p50": statistics.median(record["ttft"] for record in later),
         "output_tokens_per_s": sum(record["output_tokens"] for record in records) / wall,
         "wall_s": wall,
@@ -115,6 +138,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kvserve bench sessions", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(default_model_dir()))
     parser.add_argument("--data-parallel-size", type=int, default=2)
+    parser.add_argument(
+        "--replicas", type=int, default=0, help="N kvserve servers behind vllm-router instead of one data-parallel one"
+    )
+    parser.add_argument(
+        "--sessions",
+        choices=("header", "none"),
+        default="header",
+        help="with --replicas: each conversation sends X-Session-ID, or nothing that names it",
+    )
+    parser.add_argument(
+        "--router-policies",
+        default=",".join(ROUTER_POLICIES),
+        help=f"vllm-router's policies to run, in order (with --replicas; of {', '.join(ROUTER_POLICIES)})",
+    )
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--doc-tokens", type=int, default=600, help="the system document all conversations share")
@@ -135,17 +172,24 @@ def main(argv: list[str] | None = None) -> None:
         "8192",
         "--block-size",
         str(args.block_size),
-        "--data-parallel-size",
-        str(args.data_parallel_size),
         *args.server_args.split(),
     ]
     engine_args = with_default_dtype(engine_args, "bench")
     results = []
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as log_dir:
-        with running_server("kvserve", args.model, engine_args, Path(log_dir) / "server.log") as url:
-            for mode in MODES:
-                results.append(asyncio.run(run_mode(url, mode, document, users, args)))
-                print(f"{mode}: {results[-1]['resumed_share']:.0%} of later turns resumed", flush=True)
+        if args.replicas:
+            for policy, routed in routed_runs(args, engine_args, Path(log_dir)):
+                mode = f"vllm-router {policy}" + ", no session" * (args.sessions == "none")
+                run = run_mode(routed.url, routed.replicas, mode, document, users, args, args.sessions == "header")
+                results.append(asyncio.run(run))
+                print(f"{policy}: {results[-1]['resumed_share']:.0%} of later turns resumed", flush=True)
+        else:
+            dp = [*engine_args, "--data-parallel-size", str(args.data_parallel_size)]
+            with running_server("kvserve", args.model, dp, Path(log_dir) / "server.log") as url:
+                for mode in MODES:
+                    run = run_mode(url, {"": url}, mode, document, users, args, mode == "session")
+                    results.append(asyncio.run(run))
+                    print(f"{mode}: {results[-1]['resumed_share']:.0%} of later turns resumed", flush=True)
     print()
     print(report(results))
     if args.out:

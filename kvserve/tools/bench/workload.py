@@ -6,6 +6,7 @@ import asyncio
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -30,7 +31,7 @@ async def _one(
     prompt: list[int],
     max_tokens: int,
     setting: Setting,
-    first_token: asyncio.Event | None = None,
+    on_first_token: Callable[[], None] | None = None,
     salt: str = "",
 ) -> RequestTiming:
     body = {
@@ -54,8 +55,8 @@ async def _one(
             text.append(chunk["choices"][0]["text"])
             if first is None:
                 first = time.perf_counter()
-                if first_token is not None:
-                    first_token.set()
+                if on_first_token is not None:
+                    on_first_token()
         if chunk.get("usage"):
             output_tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
@@ -74,21 +75,38 @@ async def _one(
 SCRAPE_EVERY_S = 0.5
 
 
-async def _sample_running(
-    client: httpx.AsyncClient, url: str, stop: asyncio.Event, first_token: asyncio.Event, peak: list[float]
-) -> None:
-    """Scrape the running gauge every `SCRAPE_EVERY_S`, and at once whenever a request streams its first token:
-    vLLM sets the gauge from a step's scheduler stats before it yields the step's tokens, so a scrape right after a
-    first token reads a step with that request running. Periodic scrapes alone missed every running step of a
-    sub-second workload on a busy machine (peak 0)."""
-    while not stop.is_set():
-        first_token.clear()
-        text = (await client.get(url + "/metrics")).text
-        peak[0] = max(peak[0], metric_sum(text, "vllm:num_requests_running"))
-        try:
-            await asyncio.wait_for(first_token.wait(), timeout=SCRAPE_EVERY_S)
-        except TimeoutError:
-            pass
+class RunningPeak:
+    """The most requests vLLM's running gauge showed: scraped every `SCRAPE_EVERY_S`, and once more the moment any
+    request streams its first token. vLLM sets the gauge from a step's scheduler stats before it yields that step's
+    tokens, so a scrape sent right after a first token reads a step with that request running. Periodic scrapes alone
+    missed every running step of a sub-second workload on a busy machine (peak 0); a first-token scrape queued behind
+    a periodic one still in flight missed a 4-token request that had finished by then (CI), so each first token sends
+    its own scrape instead of waking the periodic one."""
+
+    def __init__(self, client: httpx.AsyncClient, url: str) -> None:
+        self.client, self.url, self.peak = client, url, 0.0
+        self._stop = asyncio.Event()
+        self._scrapes: list[asyncio.Task] = []
+
+    async def scrape(self) -> None:
+        text = (await self.client.get(self.url + "/metrics")).text
+        self.peak = max(self.peak, metric_sum(text, "vllm:num_requests_running"))
+
+    def on_first_token(self) -> None:
+        self._scrapes.append(asyncio.create_task(self.scrape()))
+
+    async def periodic(self) -> None:
+        while not self._stop.is_set():
+            await self.scrape()
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=SCRAPE_EVERY_S)
+            except TimeoutError:
+                pass
+
+    async def finish(self, periodic: asyncio.Task) -> float:
+        self._stop.set()
+        await asyncio.gather(periodic, *self._scrapes)
+        return self.peak
 
 
 async def _run(
@@ -96,18 +114,16 @@ async def _run(
 ) -> dict:
     async with httpx.AsyncClient(timeout=3600, limits=client_limits()) as client:
         before = (await client.get(url + "/metrics")).text
-        stop, first_token, peak = asyncio.Event(), asyncio.Event(), [0.0]
-        sampler = asyncio.create_task(_sample_running(client, url, stop, first_token, peak))
+        running = RunningPeak(client, url)
+        periodic = asyncio.create_task(running.periodic())
         start = time.perf_counter()
         timings = await asyncio.gather(
-            *(_one(client, url, model, p, max_tokens, setting, first_token, salt) for p in prompts)
+            *(_one(client, url, model, p, max_tokens, setting, running.on_first_token, salt) for p in prompts)
         )
         wall = time.perf_counter() - start
-        stop.set()
-        first_token.set()  # wakes the sampler to see the stop
-        await sampler
+        peak = await running.finish(periodic)
         after = (await client.get(url + "/metrics")).text
-    return summarize(timings, wall, peak[0], before, after)
+    return summarize(timings, wall, peak, before, after)
 
 
 def run_workload(

@@ -83,11 +83,12 @@ class Setting:
 
 
 async def stream_chunks(
-    client: httpx.AsyncClient, url: str, path: str, body: dict, setting: Setting
+    client: httpx.AsyncClient, url: str, path: str, body: dict, setting: Setting, headers: dict | None = None
 ) -> AsyncIterator[dict]:
-    """POST a streaming request with the setting's headers and yield each server-sent event's JSON chunk (the
-    benchmarks time the first text and read the usage of the last one)."""
-    async with client.stream("POST", url + path, json=body, headers=setting.headers()) as response:
+    """POST a streaming request with the setting's headers (and `headers`: a session's, say) and yield each
+    server-sent event's JSON chunk (the benchmarks time the first text and read the usage of the last one)."""
+    sent = {**setting.headers(), **(headers or {})}
+    async with client.stream("POST", url + path, json=body, headers=sent) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{url} answered {response.status_code}: {(await response.aread())[:300]!r}")
         async for line in response.aiter_lines():

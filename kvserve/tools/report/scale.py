@@ -10,6 +10,8 @@ from kvserve.tools.report.throughput import tensor_table, workload
 
 SESSIONS = "scale/sessions.json"
 DATA_PARALLEL = "scale/dp-decode-heavy.json"
+ROUTER = "scale/router.json"
+ROUTER_NO_SESSION = "scale/router-no-session.json"
 
 
 def data_parallel_gain(source: Source) -> str:
@@ -41,6 +43,7 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             "it.",
             sessions_table(sessions.data["results"]),
             sessions.caption(),
+            *router_section(data),
             "### Decode-heavy over data-parallel engines",
             "Vanilla vLLM and kvserve with one engine and with `--data-parallel-size 2` (an engine per core, "
             "`--api-server-count 1`), one after another, each engine with: "
@@ -53,3 +56,21 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             engines.caption(),
         ]
     )
+
+
+def router_section(data: DataDir) -> list[str]:
+    """The same conversations over separate servers behind vLLM's router, each policy in turn."""
+    routed, bare = data.load(ROUTER), data.load(ROUTER_NO_SESSION)
+    args = routed.data["args"]
+    return [
+        "### Conversations over servers behind vLLM's router",
+        f"{args['replicas']} `kvserve serve` servers (one core each) behind `vllm-router`, one policy at a time, the "
+        f"same {args['conversations']} conversations of {args['turns']} turns; each conversation sends "
+        "`X-Session-ID` (consistent_hash's key), and kv_aware follows the servers' KV-cache events "
+        "(`--kv-events-config`; a checkpoint is not among them, its conversation's published prompt blocks are).",
+        sessions_table(routed.data["results"]),
+        routed.caption(),
+        "Without any header naming the conversation:",
+        sessions_table(bare.data["results"]),
+        bare.caption(),
+    ]

@@ -1,0 +1,288 @@
+"""KVzap's surrogate ("KVzap: Fast, Adaptive, and Faithful KV Cache Pruning", NVIDIA 2026, arXiv:2601.07891),
+trained for one model: per layer, a small model that predicts each KV head's log KVzip+ score of a token from what
+the layer's attention sees of that token, so the score is known as the entry is written (prefill chunks and decode)
+instead of from a second pass over the document.
+
+Targets (KVzip+, the paper's refinement of "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction",
+arXiv:2505.23416): the context, then kvserve's KVzip instruction, then the context again; entry k of KV head h scores
+max over the reconstruction queries t and the query heads g of h's group of
+
+    attention_g(t -> k) / ||x_t|| * ||W_o,g v_k||
+
+(x_t the layer's normalised input at t, W_o,g query head g's slice of the output projection), and the target is its
+log. Inputs: the layer's queries before RoPE, flattened over heads ([Hq * D]), which kvserve's attention backend holds
+for every token it writes. They are x W_q (+ Qwen2's bias), a linear image of the hidden states the paper's
+surrogate reads; where W_q is square and invertible (the default model, Qwen2.5-Coder-0.5B) the two are the same
+model class, and `as_kvpress` composes a surrogate with W_q into kvpress's form (`KVzapPress`, hidden states in).
+
+Models: `linear` (ridge regression, closed form) and `mlp` (one hidden layer with GELU, Adam), fitted per layer on
+the tokens of a local prose corpus and scored on held-out texts (R^2 and Spearman's rank correlation per layer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from kvserve.policies.kvzip import REPEAT_INSTRUCTION
+from kvserve.tools.training.llama import PlainLlama
+
+KINDS = ("linear", "mlp")
+FILE_NAME = "kvzap.safetensors"
+LOG_FLOOR = 1e-9  # scores below it (an entry no reconstruction query reads) are clamped before the log
+
+
+@dataclass
+class LayerSamples:
+    """One layer's training pairs: inputs [N, Hq * D] (queries before RoPE), targets [N, H_kv] (log KVzip+)."""
+
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    targets: list[torch.Tensor] = field(default_factory=list)
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat(self.inputs), torch.cat(self.targets)
+
+
+@torch.no_grad()
+def kvzip_plus_targets(model: PlainLlama, context: list[int], instruction: list[int]) -> list[tuple]:
+    """Per layer, (inputs [n, Hq * D], log KVzip+ targets [n, H_kv]) for the n context tokens."""
+    shape = model.shape
+    n = len(context)
+    ids = torch.tensor([context + instruction + context])
+    group = shape.num_heads // shape.num_kv_heads
+    found: list[tuple] = []
+
+    def observe(layer: int, attention: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor) -> None:
+        x = model._rms(hidden[0], model.weights[f"layers.{layer}.input_layernorm.weight"])  # [T, hidden]
+        queries = model._project(x, layer, "self_attn.q_proj")[:n]  # [n, Hq * D], before RoPE
+        o_proj = model._w(layer, "self_attn.o_proj").view(-1, shape.num_heads, shape.head_dim)  # [hidden, Hq, D]
+        value_out = torch.einsum("jgd,kgd->gkj", o_proj, values[0, :n]).norm(dim=-1)  # [Hq, n]: ||W_o,g v_k||
+        reading = attention[0, :, n:, :n] / x[n:].norm(dim=-1)[None, :, None]  # [Hq, m, n]
+        scores = (reading * value_out[:, None, :]).amax(dim=1)  # [Hq, n]
+        per_head = scores.view(shape.num_kv_heads, group, n).amax(dim=1)  # [H_kv, n]
+        found.append((queries, per_head.clamp(min=LOG_FLOOR).log().T))
+
+    model.forward(ids, observe=observe)
+    return found
+
+
+def collect(model: PlainLlama, texts: list[list[int]], instruction: list[int]) -> list[LayerSamples]:
+    layers = [LayerSamples() for _ in range(model.shape.num_layers)]
+    for context in texts:
+        for layer, (inputs, targets) in zip(layers, kvzip_plus_targets(model, context, instruction), strict=True):
+            layer.inputs.append(inputs)
+            layer.targets.append(targets)
+    return layers
+
+
+class Surrogate(torch.nn.Module):
+    """One layer's predictor: [.., Hq * D] queries before RoPE -> [.., H_kv] log KVzip+ scores."""
+
+    def __init__(self, in_dim: int, out_dim: int, hidden: int | None) -> None:
+        super().__init__()
+        self.net = (
+            torch.nn.Linear(in_dim, out_dim)
+            if hidden is None
+            else torch.nn.Sequential(torch.nn.Linear(in_dim, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, out_dim))
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.float())
+
+
+def fit_linear(inputs: torch.Tensor, targets: torch.Tensor, ridge: float = 1e-3) -> Surrogate:
+    """Least squares with a small ridge (relative to the inputs' scale), closed form."""
+    mean_x, mean_y = inputs.mean(0), targets.mean(0)
+    x, y = (inputs - mean_x).double(), (targets - mean_y).double()
+    gram = x.T @ x
+    gram += torch.eye(gram.shape[0], dtype=gram.dtype) * ridge * gram.diagonal().mean()
+    weight = torch.linalg.solve(gram, x.T @ y).T.float()  # [H_kv, in]
+    surrogate = Surrogate(inputs.shape[1], targets.shape[1], None)
+    with torch.no_grad():
+        surrogate.net.weight.copy_(weight)
+        surrogate.net.bias.copy_(mean_y - weight @ mean_x)
+    return surrogate
+
+
+def fit_mlp(
+    inputs: torch.Tensor, targets: torch.Tensor, hidden: int, epochs: int, lr: float = 5e-3, batch: int = 512
+) -> Surrogate:
+    """Adam on the mean squared error; the first layer reads standardised inputs (folded into its weights after)."""
+    torch.manual_seed(0)
+    mean, std = inputs.mean(0), inputs.std(0).clamp(min=1e-6)
+    surrogate = Surrogate(inputs.shape[1], targets.shape[1], hidden)
+    optimizer = torch.optim.Adam(surrogate.parameters(), lr=lr)
+    scaled = (inputs - mean) / std
+    for _ in range(epochs):
+        for index in torch.randperm(len(scaled)).split(batch):
+            optimizer.zero_grad()
+            F.mse_loss(surrogate(scaled[index]), targets[index]).backward()
+            optimizer.step()
+    first = surrogate.net[0]
+    with torch.no_grad():  # W (x - m) / s + b = (W / s) x + (b - W m / s)
+        first.bias -= first.weight @ (mean / std)
+        first.weight /= std
+    return surrogate
+
+
+def ranks(values: torch.Tensor) -> torch.Tensor:
+    return values.argsort(0).argsort(0).float()
+
+
+def fit_report(surrogate: Surrogate, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """Held-out fit, averaged over KV heads: R^2 of the log scores and Spearman's rank correlation."""
+    with torch.no_grad():
+        predicted = surrogate(inputs)
+    residual = ((predicted - targets) ** 2).sum(0)
+    total = ((targets - targets.mean(0)) ** 2).sum(0).clamp(min=1e-12)
+    a, b = ranks(predicted), ranks(targets)
+    a, b = a - a.mean(0), b - b.mean(0)
+    spearman = (a * b).sum(0) / (a.norm(dim=0) * b.norm(dim=0)).clamp(min=1e-12)
+    return {"r2": float((1 - residual / total).mean()), "spearman": float(spearman.mean())}
+
+
+@dataclass(frozen=True)
+class SurrogateSet:
+    """Every layer's surrogate with what it was trained for: loading it for another model is refused."""
+
+    kind: str
+    model: dict  # `model_identity` of the model it was trained on
+    layers: list[Surrogate]
+    fit: list[dict] = field(default_factory=list)  # held-out fit per layer
+
+    def scores(self, layer: int, queries: torch.Tensor) -> torch.Tensor:
+        """[n, Hq * D] queries before RoPE -> [H_kv, n] predicted log KVzip+ scores."""
+        with torch.no_grad():
+            return self.layers[layer](queries.reshape(queries.shape[0], -1)).T
+
+    def save(self, path: Path) -> None:
+        tensors = {f"layers.{i}.{name}": t.contiguous() for i, s in enumerate(self.layers) for name, t in
+                   s.net.state_dict().items()}  # fmt: skip
+        meta = {"kind": self.kind, "model": json.dumps(self.model), "fit": json.dumps(self.fit)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata=meta)
+
+    @classmethod
+    def load(cls, path: Path, model_dir: Path) -> SurrogateSet:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+        trained_for, here = json.loads(meta["model"]), model_identity(model_dir)
+        if trained_for != here:
+            differ = sorted(key for key in here if trained_for.get(key) != here[key])
+            raise ValueError(
+                f"{path} is a KVzap surrogate for {trained_for.get('name')}, not for {here['name']} (they differ in "
+                f"{', '.join(differ)}): train one with `kvserve calibrate {model_dir} --kvzap`"
+            )
+        tensors = load_file(str(path))
+        layers, index = [], 0
+        while f"layers.{index}.0.weight" in tensors or f"layers.{index}.weight" in tensors:
+            state = {
+                k.removeprefix(f"layers.{index}."): v for k, v in tensors.items() if k.startswith(f"layers.{index}.")
+            }
+            hidden = state["0.weight"].shape[0] if "0.weight" in state else None
+            first = state["0.weight" if hidden else "weight"]
+            last = state["2.weight" if hidden else "weight"]
+            surrogate = Surrogate(first.shape[1], last.shape[0], hidden)
+            surrogate.net.load_state_dict(state)
+            layers.append(surrogate)
+            index += 1
+        return cls(meta["kind"], trained_for, layers, json.loads(meta["fit"]))
+
+
+def model_identity(model_dir: Path) -> dict:
+    """What a surrogate must match: the architecture's shape and a digest of layer 0's query projection (a
+    fine-tune of the same shape has other weights, and other scores)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    for shard in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            for key in f.keys():
+                if key.endswith("layers.0.self_attn.q_proj.weight"):
+                    digest.update(f.get_tensor(key).float().numpy().tobytes())
+    return {
+        "name": Path(model_dir).name,
+        "model_type": config.get("model_type"),
+        "layers": config["num_hidden_layers"],
+        "heads": config["num_attention_heads"],
+        "kv_heads": config.get("num_key_value_heads", config["num_attention_heads"]),
+        "hidden_size": config["hidden_size"],
+        "q_proj_digest": digest.hexdigest()[:16],
+    }
+
+
+@dataclass
+class TrainResult:
+    kind: str
+    texts: int
+    held_out: int
+    tokens: int
+    fit: list[dict]
+    seconds: float
+
+
+def train(
+    model_dir: Path, texts: list[list[int]], held_out: list[list[int]], kind: str, hidden: int = 256, epochs: int = 15
+) -> tuple[SurrogateSet, TrainResult]:
+    """Targets from `texts` (token ids of each context), one surrogate per layer, its fit on `held_out`."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
+    started = time.perf_counter()
+    model = PlainLlama(model_dir)
+    instruction = AutoTokenizer.from_pretrained(model_dir).encode(REPEAT_INSTRUCTION, add_special_tokens=False)
+    train_layers, test_layers = collect(model, texts, instruction), collect(model, held_out, instruction)
+    layers, fit = [], []
+    for train_samples, test_samples in zip(train_layers, test_layers, strict=True):
+        inputs, targets = train_samples.stacked()
+        surrogate = fit_linear(inputs, targets) if kind == "linear" else fit_mlp(inputs, targets, hidden, epochs)
+        layers.append(surrogate)
+        fit.append(fit_report(surrogate, *test_samples.stacked()))
+    result = TrainResult(kind, len(texts), len(held_out), sum(map(len, texts)), fit, time.perf_counter() - started)
+    return SurrogateSet(kind, model_identity(model_dir), layers, fit), result
+
+
+def as_kvpress(surrogates: SurrogateSet, model_dir: Path, out: Path) -> None:
+    """The surrogates in kvpress's form (`KVzapModel.from_pretrained(out)`: config.json + model.safetensors, one
+    module per layer reading the layer's normalised hidden states): each first linear map composed with the layer's
+    query projection, q = x W_q^T + b_q."""
+    model = PlainLlama(model_dir)
+    tensors = {}
+    hidden = None
+    for index, surrogate in enumerate(surrogates.layers):
+        first = surrogate.net if isinstance(surrogate.net, torch.nn.Linear) else surrogate.net[0]
+        w_q = model._w(index, "self_attn.q_proj")
+        b_q = model.weights.get(f"layers.{index}.self_attn.q_proj.bias", torch.zeros(w_q.shape[0]))
+        prefix = f"layers.{index}." if first is surrogate.net else f"layers.{index}.0."
+        tensors[prefix + "weight"] = (first.weight @ w_q).contiguous()
+        tensors[prefix + "bias"] = (first.bias + first.weight @ b_q).contiguous()
+        if first is not surrogate.net:
+            hidden = first.weight.shape[0]
+            tensors[f"layers.{index}.2.weight"] = surrogate.net[2].weight.contiguous()
+            tensors[f"layers.{index}.2.bias"] = surrogate.net[2].bias.contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "model_type": "kvzap",
+        "input_dim": model.shape.hidden,
+        "output_dim": model.shape.num_kv_heads,
+        "hidden_dim": hidden,
+        "n_modules": len(surrogates.layers),
+        "architectures": ["KVzapModel"],
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+
+
+__all__ = ["KINDS", "SurrogateSet", "TrainResult", "as_kvpress", "asdict", "kvzip_plus_targets", "train"]
