@@ -73,6 +73,8 @@ class Profile:
     roles_recipe: dict
     check: dict = field(default_factory=dict)  # the quality check's settings, results and recommendations
     gates: dict | None = None  # {"file": name beside the profile, "sha256": ...}
+    # KVzap's surrogate (`kvserve calibrate --kvzap`): {"file": name beside the profile, "sha256", "kind", "fit"}
+    kvzap: dict | None = None
     kvserve: str = __version__
 
     def recommended(self, target: float) -> dict | None:
@@ -92,6 +94,7 @@ class Profile:
                 "recipe": self.roles_recipe,
             },
             "gates": self.gates,
+            "kvzap": self.kvzap,
             "check": self.check,
         }
 
@@ -126,6 +129,7 @@ def read_profile(path: Path) -> Profile:
             roles_recipe=dict(roles.get("recipe") or {}),
             check=check,
             gates=record.get("gates"),
+            kvzap=record.get("kvzap"),
             kvserve=str(record["kvserve"]),
         )
     except (KeyError, TypeError, ValueError) as exc:

@@ -31,7 +31,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 30
 def calibrate(model_dir: Path, profiles: Path) -> dict:
     command = [sys.executable, "-m", "kvserve.cli", "calibrate", str(model_dir), "--roles-samples", "2"]
     command += ["--tasks", "passkey", "--lengths", "400", "--samples", "2", "--policies", "snapkv,duoattention"]
-    command += ["--gates", "--gate-steps", "2", "--budgets", "64", "--quiet"]
+    command += ["--gates", "--gate-steps", "2", "--kvzap", "--kvzap-texts", "4", "--budgets", "64", "--quiet"]
     env = dict(os.environ, **{PROFILES_ENV: str(profiles)})
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
     rows = profiles / f"{model_dir.name}.work" / "check.jsonl"
@@ -77,6 +77,8 @@ def main(out: str) -> None:
         result["profile_json"] = json.loads(profile.read_text())  # as calibrate wrote it, before the hand edit
         gates = result["profile_json"].get("gates") or {}
         result["gate_file"] = str(profiles / gates["file"]) if gates.get("file") else None
+        kvzap = result["profile_json"].get("kvzap") or {}
+        result["kvzap_file"] = str(profiles / kvzap["file"]) if kvzap.get("file") else None
         result["serve"] = serve(model_dir, profiles, profile)
     Path(out).write_text(json.dumps(result, indent=1))
 

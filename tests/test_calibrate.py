@@ -126,7 +126,7 @@ def test_the_estimate_of_the_recorded_qwen_calibration_is_within_2x_of_its_time(
     per_request = measured["seconds"] / sent  # roles and start-up included: an upper bound of a request's time
     # the probe's time per token that predicts that served request (the estimate's own relation, inverted)
     per_token = per_request / (sum(plan.lengths) / len(plan.lengths) * SERVED_PER_REFERENCE)
-    args = argparse.Namespace(roles_samples=measured["roles_samples"], gates=False, gate_steps=0)
+    args = argparse.Namespace(roles_samples=measured["roles_samples"], gates=False, gate_steps=0, kvzap=False)
     estimated = sum(estimate(args, plan, per_token).values())
     assert 0.5 <= estimated / measured["seconds"] <= 2, (estimated, measured["seconds"])
     assert 0.5 <= expected_requests(plan) / sent <= 2
@@ -258,8 +258,8 @@ def calibrated(background) -> dict:
 def test_calibrate_end_to_end_on_a_tiny_model(calibrated, tmp_path):
     """The command on the tiny Qwen2 model (query/key/value biases): the estimate before it starts and the revised
     one from the server's first answers, measured roles of the model's shape, the check's rows through its own
-    server, (two steps of) an Attention-Gate, the profile in the profiles folder. The tiny model's noise answers no
-    case, so the check recommends nothing and says why."""
+    server, (two steps of) an Attention-Gate, KVzap's surrogate, the profile in the profiles folder. The tiny model's
+    noise answers no case, so the check recommends nothing and says why."""
     run = calibrated["calibrate"]
     assert run["returncode"] == 0, run["stderr"]
     assert "about" in run["stderr"] and "min on this machine" in run["stderr"]  # the estimate, before it starts
@@ -279,6 +279,14 @@ def test_calibrate_end_to_end_on_a_tiny_model(calibrated, tmp_path):
     assert profile.check["recommended"] == {"0.9": None, "0.95": None} and "why_none" in profile.check
     gate_file = Path(calibrated["gate_file"])
     assert gate_file.exists() and profile.gates["sha256"] == hashlib.sha256(gate_file.read_bytes()).hexdigest()
+    # KVzap's surrogate beside it, loadable for this model, its held-out fit recorded
+    from kvserve.tools.training.kvzap import SurrogateSet
+
+    kvzap_file = Path(calibrated["kvzap_file"])
+    assert profile.kvzap["sha256"] == hashlib.sha256(kvzap_file.read_bytes()).hexdigest()
+    surrogates = SurrogateSet.load(kvzap_file, model_dir)
+    assert len(surrogates.layers) == config["num_hidden_layers"] and profile.kvzap["kind"] == surrogates.kind
+    assert set(profile.kvzap["fit"]) == {"r2", "spearman"} and len(surrogates.fit) == len(surrogates.layers)
 
 
 def test_serve_finds_the_calibrated_profile_and_serves_from_it(calibrated):

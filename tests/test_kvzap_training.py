@@ -121,3 +121,17 @@ def test_a_trained_set_round_trips_is_refused_for_another_model_and_composes_int
             via_kvpress = torch.nn.functional.gelu(first) @ second.T + tensors[f"layers.{layer}.2.bias"]
         via_queries = trained.scores(layer, model._project(hidden, layer, "self_attn.q_proj")).T
         torch.testing.assert_close(via_kvpress, via_queries, rtol=1e-4, atol=1e-4)
+
+
+def test_the_command_trains_on_the_prose_corpus_and_prints_each_layers_fit(tmp_path, capsys):
+    from kvserve.tools.training import kvzap
+
+    model_dir = tiny_model("qwen2")
+    out = tmp_path / "surrogate.safetensors"
+    argv = [str(model_dir), "--texts", "4", "--tokens", "64", "--out", str(out), "--kvpress", str(tmp_path / "kvpress")]
+    result = kvzap.run(kvzap.parse_args(argv))
+    printed = capsys.readouterr().out
+    assert result.texts == 4 and result.held_out == 1 and result.tokens == 4 * 64
+    assert printed.count("R^2") == len(result.fit) + 1 and str(out) in printed
+    assert SurrogateSet.load(out, model_dir).fit == result.fit
+    assert (tmp_path / "kvpress" / "config.json").exists()

@@ -4,7 +4,9 @@
    (`kvserve/tools/calibrate/heads.py`; minutes, where the paper's training takes hours on a CPU for a 0.5B model).
 2. With `--gates`, an Attention-Gate trained for the model (`kvserve/tools/training/gates.py`; slow: the estimate
    says how slow).
-3. A short quality check through the model's own `kvserve serve` (`kvserve/tools/calibrate/check.py`): per target
+3. With `--kvzap`, KVzap's surrogate trained for the model (`kvserve/tools/training/kvzap.py`: KVzip+ scores of the
+   prose corpus, a linear or one-hidden-layer model per layer, its held-out fit printed), beside the profile.
+4. A short quality check through the model's own `kvserve serve` (`kvserve/tools/calibrate/check.py`): per target
    share of the full cache's score, the setting that needs the least memory.
 
 Before it starts it prints an estimate of its time (at the requests the check is expected to send, not the most it
@@ -65,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--roles-samples", type=int, default=8, help="retrieval samples the head roles are measured on")
     p.add_argument("--gates", action="store_true", help="also train an Attention-Gate for the model (slow)")
     p.add_argument("--gate-steps", type=int, default=100, help="Attention-Gate training steps (with --gates)")
+    p.add_argument("--kvzap", action="store_true", help="also train KVzap's surrogate for the model")
+    p.add_argument("--kvzap-kind", choices=("linear", "mlp"), default="linear", help="the surrogate (with --kvzap)")
+    p.add_argument("--kvzap-texts", type=int, default=32, help="512-token corpus windows it trains on (--kvzap)")
     p.add_argument("--tasks", default=",".join(plan.tasks), help="judged tasks of the check")
     p.add_argument("--lengths", default=",".join(map(str, plan.lengths)), help="prompt lengths of the check")
     p.add_argument("--samples", type=int, default=plan.samples, help="cases per task and length")
@@ -118,6 +123,7 @@ def probe_seconds_per_token(model) -> float:
 # Served prefill time per token against the reference forward's (fp32, attention materialised): measured on
 # Qwen2.5-Coder-0.5B with 2k-token prompts (AMD EPYC, 2 cores, bf16), rounded up.
 SERVED_PER_REFERENCE = 0.35
+KVZAP_TOKENS = 512  # tokens per corpus window KVzap's surrogate trains on
 
 
 def estimate(args: argparse.Namespace, plan: CheckPlan, per_token: float) -> dict[str, float]:
@@ -128,6 +134,8 @@ def estimate(args: argparse.Namespace, plan: CheckPlan, per_token: float) -> dic
     if args.gates:  # forward and backward of the gated model and the teacher's forward, per 1,024-token step: the
         # default model's training measured this factor over its probe's time per token
         phases["gates"] = args.gate_steps * 1024 * per_token * 4
+    if args.kvzap:  # one reference forward over each window's context, instruction and copy (about 2 x 512 tokens)
+        phases["kvzap"] = args.kvzap_texts * 1.25 * 2 * KVZAP_TOKENS * per_token * 1.5
     return phases
 
 
@@ -311,6 +319,9 @@ def calibrate(args: argparse.Namespace, plan: CheckPlan, progress: Progress) -> 
         if args.gates:
             progress.phase = "while training the Attention-Gate"
             profile.gates = train_gates(model_dir, out, work, args.gate_steps)
+        if args.kvzap:
+            progress.phase = "while training KVzap's surrogate"
+            profile.kvzap = train_kvzap(model_dir, out, args.kvzap_kind, args.kvzap_texts)
         provisional = provisional_profile(profile, out, work)
         rows = check_rows(plan, work)
         probe = ServedProbe(plan, rows, started)
@@ -377,6 +388,29 @@ def train_gates(model_dir: Path, out: Path, work: Path, steps: int) -> dict:
         )
         partial.replace(gate_file)
     return {"file": gate_file.name, "sha256": file_sha256(gate_file)}
+
+
+def train_kvzap(model_dir: Path, out: Path, kind: str, texts: int) -> dict:
+    """KVzap's surrogate beside the profile (kept for a rerun: a resumed calibration does not train it again)."""
+    from kvserve.gates.gateset import file_sha256
+    from kvserve.tools.training import kvzap
+
+    surrogate_file = out.with_name(f"{out.stem}.kvzap-{kind}.safetensors")
+    fit = None
+    if not surrogate_file.exists():
+        partial = surrogate_file.with_name(surrogate_file.name + ".partial")
+        argv = [str(model_dir), "--kind", kind, "--texts", str(texts), "--tokens", str(KVZAP_TOKENS)]
+        result = kvzap.run(kvzap.parse_args([*argv, "--out", str(partial)]))
+        partial.replace(surrogate_file)
+        fit = result.fit
+    if fit is None:
+        fit = kvzap.SurrogateSet.load(surrogate_file, model_dir).fit
+    return {
+        "file": surrogate_file.name,
+        "sha256": file_sha256(surrogate_file),
+        "kind": kind,
+        "fit": {name: round(sum(f[name] for f in fit) / len(fit), 4) for name in ("r2", "spearman")},
+    }
 
 
 def check_through_server(

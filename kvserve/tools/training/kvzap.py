@@ -285,4 +285,71 @@ def as_kvpress(surrogates: SurrogateSet, model_dir: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=1))
 
 
-__all__ = ["KINDS", "SurrogateSet", "TrainResult", "as_kvpress", "asdict", "kvzip_plus_targets", "train"]
+def corpus_windows(model_dir: Path, texts: int, tokens: int) -> tuple[list[list[int]], list[list[int]]]:
+    """`texts` training windows of `tokens` tokens from the train split of kvserve's prose corpus (pydoc_data's
+    topics, as the Attention-Gates train on), and a quarter as many (at least one) from its held-out split."""
+    from kvserve.tools.training.corpus import load_corpus
+
+    corpus = load_corpus(model_dir)
+
+    def windows(stream: list[int], count: int) -> list[list[int]]:
+        if len(stream) < tokens * count:
+            raise ValueError(f"the corpus split holds {len(stream)} tokens, fewer than {count} x {tokens}")
+        step = len(stream) // count
+        return [stream[i * step : i * step + tokens] for i in range(count)]
+
+    return windows(corpus.train, texts), windows(corpus.held_out, max(1, texts // 4))
+
+
+def parse_args(argv: list[str] | None = None):
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m kvserve.tools.training.kvzap", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("model", type=Path, help="a Llama or Qwen2 model folder")
+    parser.add_argument("--kind", choices=KINDS, default="linear")
+    parser.add_argument("--texts", type=int, default=32, help="training windows of the corpus")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens per window (the reconstruction doubles it)")
+    parser.add_argument("--hidden", type=int, default=256, help="the MLP's hidden width")
+    parser.add_argument("--epochs", type=int, default=15, help="the MLP's epochs")
+    parser.add_argument("--out", type=Path, required=True, help="the surrogate file")
+    parser.add_argument("--kvpress", type=Path, default=None, help="also write kvpress's form to this folder")
+    parser.add_argument("--report", type=Path, default=None, help="also write the fit per layer to this JSON file")
+    return parser.parse_args(argv)
+
+
+def run(args) -> TrainResult:
+    """Train, save, print each layer's held-out fit; returns the result."""
+    texts, held_out = corpus_windows(args.model, args.texts, args.tokens)
+    surrogates, result = train(args.model, texts, held_out, args.kind, args.hidden, args.epochs)
+    surrogates.save(args.out)
+    if args.kvpress is not None:
+        as_kvpress(surrogates, args.model, args.kvpress)
+    if getattr(args, "report", None) is not None:
+        from kvserve.provenance import command_line, provenance
+
+        record = {"model": Path(args.model).name, **asdict(result), "out": Path(args.out).name}
+        record["provenance"] = provenance(command_line(None, "python -m kvserve.tools.training.kvzap"))
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(record, indent=1))
+    for layer, fit in enumerate(result.fit):
+        print(f"layer {layer}: R^2 {fit['r2']:.3f}, Spearman {fit['spearman']:.3f}")
+    r2 = sum(f["r2"] for f in result.fit) / len(result.fit)
+    rho = sum(f["spearman"] for f in result.fit) / len(result.fit)
+    print(
+        f"{args.kind} KVzap surrogate for {Path(args.model).name}: {result.texts} windows ({result.tokens} tokens), "
+        f"held-out mean R^2 {r2:.3f}, Spearman {rho:.3f}, in {result.seconds:.0f} s -> {args.out}"
+    )
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["KINDS", "SurrogateSet", "TrainResult", "as_kvpress", "kvzip_plus_targets", "train"]
