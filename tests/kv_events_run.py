@@ -25,12 +25,6 @@ BUDGET, CHECKPOINT = 64, 64
 TOPIC = "kvserve-test"
 
 
-def free_port() -> int:
-    from kvserve.tools.bench.servers import free_port as port
-
-    return port()
-
-
 class Subscriber(threading.Thread):
     """The live stream: (sequence number, payload) of every message the publisher sent after we subscribed."""
 
@@ -96,7 +90,7 @@ def cached_by_events(batches: list[tuple[int, bytes]]) -> tuple[Counter, dict]:
     return +cached, counts
 
 
-def stored_batches(batches: list[tuple[int, bytes]]) -> list:
+def stored_events(batches: list[tuple[int, bytes]]) -> list:
     import msgspec
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
@@ -105,14 +99,14 @@ def stored_batches(batches: list[tuple[int, bytes]]) -> list:
 
 
 def stored_hashes(batches: list[tuple[int, bytes]]) -> set:
-    return {block_hash for event in stored_batches(batches) for block_hash in event.block_hashes}
+    return {block_hash for event in stored_events(batches) for block_hash in event.block_hashes}
 
 
 def misnamed_blocks(batches: list[tuple[int, bytes]], sequences: list[list[int]]) -> list[list[int]]:
     """The blocks of BlockStored events whose tokens are not a whole block of any request's tokens."""
     blocks = {tuple(seq[i : i + BLOCK_SIZE]) for seq in sequences for i in range(0, len(seq), BLOCK_SIZE)}
     found = []
-    for event in stored_batches(batches):
+    for event in stored_events(batches):
         named = [event.token_ids[i : i + event.block_size] for i in range(0, len(event.token_ids), event.block_size)]
         if len(named) != len(event.block_hashes) or event.block_size != BLOCK_SIZE:
             found.append(event.token_ids)
@@ -146,6 +140,7 @@ def main(out: str) -> None:
     from vllm.inputs import TokensPrompt
 
     from kvserve.metrics import metrics
+    from kvserve.tools.bench.servers import free_port
     from kvserve.tools.eval.haystack import haystack
 
     port, replay_port = free_port(), free_port()

@@ -41,7 +41,7 @@ def _run(how: str) -> tuple[Background, Run]:
     start Python and reach wait_forever (or, on the attempt that passes, write its result): at 3 s either could be
     late, and then the stack lacks wait_forever or the passing attempt times out too."""
     background = Background()
-    run = Run("probe", [sys.executable, "-c", HANGS, "{out}", how], timeout_s=12, bind_cpu=False)
+    run = Run("probe", [sys.executable, "-c", HANGS, "{out}", how], timeout_s=20, bind_cpu=False)
     background.start([run])
     return background, run
 

@@ -62,17 +62,12 @@ def test_the_stream_is_whole_and_the_pool_full_again(kv_events):
 
 def stored_blocks(endpoint: str) -> list[list[int]]:
     """Every block the server's replay buffer holds a BlockStored for, as its token ids."""
-    import msgspec
-    from kv_events_run import replay
-    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+    from kv_events_run import replay, stored_events
 
-    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
     blocks = []
-    for _, payload in replay(endpoint):
-        for event in decoder.decode(payload).events:
-            if isinstance(event, BlockStored):
-                size = event.block_size
-                blocks += [event.token_ids[i : i + size] for i in range(0, len(event.token_ids), size)]
+    for event in stored_events(replay(endpoint)):
+        size = event.block_size
+        blocks += [event.token_ids[i : i + size] for i in range(0, len(event.token_ids), size)]
     return blocks
 
 

@@ -108,7 +108,7 @@ def test_a_trained_set_round_trips_is_refused_for_another_model_and_composes_int
     hidden = torch.randn(5, model.shape.hidden)
     for trained in (surrogates, mlp):
         out = tmp_path / trained.kind
-        as_kvpress(trained, llama, out)
+        as_kvpress(trained, model, out)
         from safetensors.torch import load_file
 
         tensors = load_file(str(out / "model.safetensors"))

@@ -221,13 +221,13 @@ class EvictingFullAttentionManager(FullAttentionManager):
         from its key. Returns the hashes. KV-cache events announce neither their storing nor their removal: they hold
         compacted lists, not the tokens a `BlockStored` would name (`patches._patch_removed_events`)."""
         by_id = {block.block_id: block for block in self.req_to_blocks.get(request_id, [])}
-        unannounced = self.block_pool.__dict__.setdefault(UNANNOUNCED, set())
         hashes = []
         for index, block_id in enumerate(block_ids):
             block_hash = make_block_hash_with_group_id(BlockHash(block_key(key, index)), group)
             self.block_pool._insert_block_hash(block_hash, by_id[block_id], self.block_size)
-            unannounced.add(block_hash)
             hashes.append(block_hash)
+        if self.block_pool.enable_kv_cache_events:  # without events there is nothing to keep quiet
+            self.block_pool.__dict__.setdefault(UNANNOUNCED, set()).update(hashes)
         return tuple(hashes)
 
     def cached_block_id(self, block_hash: bytes) -> int | None:

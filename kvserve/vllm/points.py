@@ -173,11 +173,11 @@ POINTS: tuple[Point, ...] = (
        "api_server._patch_exit_status", "api"),
 )  # fmt: skip
 
-# What kvserve reads or plants on vLLM's objects beyond their methods: (vLLM object, attribute, why).
 # the block pool's hashes that entered its cache without a BlockStored event (checkpoints'), planted by
 # EvictingFullAttentionManager.cache_checkpoint and read by patches._patch_removed_events
 UNANNOUNCED = "kvserve_unannounced_hashes"
 
+# What kvserve reads or plants on vLLM's objects beyond their methods: (vLLM object, attribute, why).
 ATTRIBUTES: tuple[tuple[str, str, str], ...] = (
     ("Attention (a layer)", "_k_scale_float, _v_scale_float",
      "read: the cache scales vLLM's own CPU attention passes to its ops"),
@@ -189,6 +189,7 @@ ATTRIBUTES: tuple[tuple[str, str, str], ...] = (
     ("GPUModelRunner", "kvserve_generator_states", "planted: CPU generator states saved around sampling (patches.py)"),
     ("AsyncLLM", "kvserve_shutdown_requested", "planted: a shutdown someone asked for (api_server.py)"),
     ("Request", "skip_reading_prefix_cache", "set: an evicting request that reads no prefix-cache hit"),
+    ("BlockPool", "enable_kv_cache_events", "read: whether events are published (kv_cache_manager.py)"),
     ("BlockPool", "kvserve_unannounced_hashes",
      "planted: checkpoint hashes cached without a BlockStored event, whose removal is not announced (patches.py)"),
     ("FullAttentionManager", "__class__", "swapped: the paged group's manager becomes EvictingFullAttentionManager"),

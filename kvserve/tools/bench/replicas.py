@@ -13,10 +13,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from kvserve.tools.bench.chat import SERVED_NAME
-from kvserve.tools.bench.servers import free_port, running_server, server_process, wait_until_serving
+from kvserve.tools.bench.servers import free_port, healthy, running_server, server_process, wait_until_serving
 
 ROUTER_POLICIES = ("round_robin", "consistent_hash", "cache_aware", "kv_aware")
 
@@ -52,13 +50,6 @@ def router_command(binary: str, policy: str, port: int, replicas: list[Replica],
     return command
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def routed_runs(args, engine_args: list[str], log_dir: Path) -> Iterator[tuple[str, Routed]]:
     """Starts `args.replicas` servers (one after another: start-ups side by side slow each other), then for each of
     `args.router_policies` a router over them; yields (policy, where to send and what to scrape) while it runs."""
@@ -85,5 +76,5 @@ def routed_runs(args, engine_args: list[str], log_dir: Path) -> Iterator[tuple[s
             log = log_dir / f"router-{policy}.log"
             with server_process(command, dict(os.environ), log) as proc:
                 url = f"http://127.0.0.1:{port}"
-                wait_until_serving(proc, log, lambda url=url: _healthy(url), 600, "vllm-router")
+                wait_until_serving(proc, log, lambda url=url: healthy(url), 600, "vllm-router")
                 yield policy, Routed(url, named)

@@ -67,7 +67,7 @@ def running_server_process(
         server_env.update(parallel_env(args, server_env))  # and the CPUs it would give each parallel worker
     base = f"http://127.0.0.1:{port}"
     with server_process(server_command(kind, model, port, args), server_env, log_path) as proc:
-        wait_until_serving(proc, log_path, lambda: _healthy(base), startup_timeout, kind)
+        wait_until_serving(proc, log_path, lambda: healthy(base), startup_timeout, kind)
         try:
             yield proc, base
         except httpx.TransportError as error:  # a request failed in transport: say why from its log (a temporary one)
@@ -155,7 +155,7 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
         pass
 
 
-def _healthy(base: str) -> bool:
+def healthy(base: str) -> bool:
     try:
         return httpx.get(base + "/health", timeout=2).status_code == 200
     except httpx.HTTPError:

@@ -2,8 +2,8 @@
 
 C conversations run at once, T turns each, with turn checkpoints (`kv_checkpoint=turns`: each turn compacts where
 its prompt ends and publishes the compacted lists; the next turn of the conversation can resume from them, on the
-engine that holds them). Each conversation sends a session (`X-Session-ID`, the ecosystem's key, which kvserve reads
-as `x-kv-session`), and each run has a `cache_salt` of its own. Two set-ups:
+engine that holds them). A run's conversations send a session each (`X-Session-ID`, the ecosystem's key, which
+kvserve reads as `x-kv-session`) or none, and each run has a `cache_salt` of its own. Two set-ups:
 
 - one `kvserve serve --data-parallel-size N` (an engine per CPU group): the same conversations as vLLM's balancer
   routes them (least loaded engine per request) and by session (`kvserve/server/affinity.py` maps one to an engine);
@@ -163,6 +163,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--server-args", default="", help="more engine flags, one string")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
+    if args.replicas < 0:
+        parser.error("--replicas must be 0 (one data-parallel server) or more")
+    if not args.replicas and (args.sessions != "header" or args.router_policies != ",".join(ROUTER_POLICIES)):
+        parser.error("--sessions and --router-policies apply to servers behind vllm-router: give --replicas N")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     document, users = conversation_texts(tokenizer, args)
     engine_args = [

@@ -231,9 +231,16 @@ class TrainResult:
 
 
 def train(
-    model_dir: Path, texts: list[list[int]], held_out: list[list[int]], kind: str, hidden: int = 256, epochs: int = 15
+    model_dir: Path,
+    texts: list[list[int]],
+    held_out: list[list[int]],
+    kind: str,
+    hidden: int = 256,
+    epochs: int = 15,
+    model: PlainLlama | None = None,
 ) -> tuple[SurrogateSet, TrainResult]:
-    """Targets from `texts` (token ids of each context), one surrogate per layer, its fit on `held_out`."""
+    """Targets from `texts` (token ids of each context), one surrogate per layer, its fit on `held_out`; `model`:
+    the folder's reference model where the caller has loaded it already."""
     import time
 
     from transformers import AutoTokenizer
@@ -241,7 +248,7 @@ def train(
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
     started = time.perf_counter()
-    model = PlainLlama(model_dir)
+    model = model or PlainLlama(model_dir)
     instruction = AutoTokenizer.from_pretrained(model_dir).encode(REPEAT_INSTRUCTION, add_special_tokens=False)
     train_layers, test_layers = collect(model, texts, instruction), collect(model, held_out, instruction)
     layers, fit = [], []
@@ -254,11 +261,10 @@ def train(
     return SurrogateSet(kind, model_identity(model_dir), layers, fit), result
 
 
-def as_kvpress(surrogates: SurrogateSet, model_dir: Path, out: Path) -> None:
+def as_kvpress(surrogates: SurrogateSet, model: PlainLlama, out: Path) -> None:
     """The surrogates in kvpress's form (`KVzapModel.from_pretrained(out)`: config.json + model.safetensors, one
     module per layer reading the layer's normalised hidden states): each first linear map composed with the layer's
-    query projection, q = x W_q^T + b_q."""
-    model = PlainLlama(model_dir)
+    query projection, q = x W_q^T + b_q (`model`: the reference model of the folder they were trained for)."""
     tensors = {}
     hidden = None
     for index, surrogate in enumerate(surrogates.layers):
@@ -322,10 +328,11 @@ def parse_args(argv: list[str] | None = None):
 def run(args) -> TrainResult:
     """Train, save, print each layer's held-out fit; returns the result."""
     texts, held_out = corpus_windows(args.model, args.texts, args.tokens)
-    surrogates, result = train(args.model, texts, held_out, args.kind, args.hidden, args.epochs)
+    model = PlainLlama(args.model)  # loaded once: the targets and kvpress's form read it
+    surrogates, result = train(args.model, texts, held_out, args.kind, args.hidden, args.epochs, model)
     surrogates.save(args.out)
     if args.kvpress is not None:
-        as_kvpress(surrogates, args.model, args.kvpress)
+        as_kvpress(surrogates, model, args.kvpress)
     if getattr(args, "report", None) is not None:
         from kvserve.provenance import command_line, provenance
 
