@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from kvserve.document_settings import plain_document, with_document
@@ -125,10 +126,11 @@ class KVConfig:
         """The policy decides per head how many entries to keep (Attention-Gate); the budget, if any, caps them."""
         return self.evicts and POLICIES[self.policy].ragged
 
-    @property
+    @cached_property
     def own_counts(self) -> bool:
-        """The policy gives each head its own count from the budget (DuoAttention's roles)."""
-        return self.evicts and POLICIES[self.policy].own_counts
+        """The policy gives each head its own count within the budget (DuoAttention's roles, KVzap's threshold).
+        (Computed once per settings object: the scheduler asks at every step.)"""
+        return self.evicts and self.make_policy().decides_counts()
 
     def make_policy(self) -> Policy:
         return POLICIES[self.policy](**dict(self.knobs))
@@ -266,7 +268,7 @@ def parse_kv_config(request_args: dict[str, Any] | None, defaults: dict[str, Any
     every_chunk = parse_bool(
         "kv_evict_every_chunk", request.get("kv_evict_every_chunk", defaults.get("kv_evict_every_chunk", False))
     )
-    allocation, span = allocation_and_span(request, defaults, own, cls, budget, protected)
+    allocation, span = allocation_and_span(request, defaults, own, policy_obj, budget, protected)
     evict_when = evict_when_of(request, defaults, cls, every_chunk)
     knobs = tuple((name, getattr(policy_obj, name)) for name in cls.knobs())
     config = KVConfig(

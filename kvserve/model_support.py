@@ -21,7 +21,7 @@ from typing import Any
 
 from kvserve.config import KVConfig, parse_kv_config
 from kvserve.errors import InvalidSetting
-from kvserve.policies import POLICIES
+from kvserve.policies import POLICIES, KVzap
 from kvserve.policies.knobs import KEY_PREFIX
 
 FULL_ATTENTION = "full_attention"
@@ -232,12 +232,19 @@ def check_against_model(
             gate_entry(model)
         except NoGateError as exc:
             raise InvalidSetting("kv_policy", str(exc)) from exc
-    if config.own_counts:  # DuoAttention: the model's trained head roles
+    if config.evicts and POLICIES[config.policy].own_counts:  # DuoAttention: the model's trained head roles
         from kvserve.duo.roles import roles_for
 
         try:
             roles_for(model, model_config.get_total_num_kv_heads())
         except ValueError as exc:
+            raise InvalidSetting("kv_policy", str(exc)) from exc
+    if config.evicts and issubclass(POLICIES[config.policy], KVzap):  # its surrogate, trained for this very model
+        from kvserve.kvzap.registry import NoSurrogateError, checked_surrogates
+
+        try:
+            checked_surrogates(str(model))
+        except NoSurrogateError as exc:
             raise InvalidSetting("kv_policy", str(exc)) from exc
     return config
 
@@ -260,6 +267,12 @@ def _check_tensor_parallel(config: KVConfig, tensor_ranks: int) -> None:
             "kv_policy",
             f"attention_gate's gates read every query head of a layer; under tensor parallelism ({tensor_ranks} "
             "ranks) each rank computes only its own",
+        )
+    if issubclass(POLICIES[config.policy], KVzap):
+        raise InvalidSetting(
+            "kv_policy",
+            f"kvzap's surrogate reads every query head of a token; under tensor parallelism ({tensor_ranks} ranks) "
+            "each rank computes only its own",
         )
     if dict(config.knobs).get("vote_scope") == "layer":
         raise InvalidSetting(

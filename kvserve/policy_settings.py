@@ -81,11 +81,12 @@ def allocation_and_span(
     request: dict[str, Any],
     defaults: dict[str, Any],
     own: dict[str, Any],
-    cls: type[Policy],
+    policy: Policy,
     budget: int | None,
     protected: int,
 ) -> tuple[str, int]:
-    """kv_allocation and kv_span, refused (with the reason) where the policy cannot use them."""
+    """kv_allocation and kv_span, refused (with the reason) where the policy, with its settings, cannot use them."""
+    cls = type(policy)
     allocation = request.get("kv_allocation", defaults.get("kv_allocation", cls.default_allocation))
     if allocation not in ALLOCATIONS:
         raise InvalidSetting("kv_allocation", f"must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
@@ -103,14 +104,19 @@ def allocation_and_span(
         if "kv_span" in requested and span != 1:
             raise InvalidSetting("kv_span", f"{cls.name} flags tokens with its gate, it has no scores to sum")
         return "uniform", 1
-    if cls.own_counts and allocation != "uniform":
+    counts_by = (
+        f"{cls.name} gives each head its count from its trained roles"
+        if cls.own_counts
+        else f"{cls.name} with kv_threshold keeps in each head what passes the threshold"
+    )
+    if policy.decides_counts() and allocation != "uniform":
         if "kv_allocation" in requested:
-            raise InvalidSetting(
-                "kv_allocation",
-                f"{cls.name} gives each head its count from its trained roles; an allocation of the budget does not "
-                "apply",
-            )
+            raise InvalidSetting("kv_allocation", f"{counts_by}; an allocation of the budget does not apply")
         allocation = "uniform"
+    if policy.decides_counts() and not cls.own_counts and span != 1:
+        if "kv_span" in requested:
+            raise InvalidSetting("kv_span", f"{counts_by}, entry by entry; spans do not apply")
+        span = 1
     scored = issubclass(cls, ScoredPolicy)
     if not scored and allocation in ("heads", "global"):
         if "kv_allocation" in requested:

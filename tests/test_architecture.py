@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "kvserve.provenance",
         "kvserve.model",
     ),
-    ("kvserve.policies", "kvserve.gates", "kvserve.duo", "kvserve.profile"),
+    ("kvserve.policies", "kvserve.gates", "kvserve.duo", "kvserve.kvzap", "kvserve.profile"),
     (
         "kvserve.config",
         "kvserve.policy_settings",

@@ -16,6 +16,7 @@ from kvserve.policies.expected_attention import ExpectedAttention
 from kvserve.policies.h2o import H2O
 from kvserve.policies.keydiff import KeyDiff
 from kvserve.policies.knobs import Knob, knob
+from kvserve.policies.kvzap import KVzap
 from kvserve.policies.kvzip import KVzip
 from kvserve.policies.mat import MAT
 from kvserve.policies.snapkv import SnapKV
@@ -38,6 +39,7 @@ BASE_POLICIES: tuple[type[Policy], ...] = (
     DuoAttention,
     KVzip,
     SnapKVKeyDiff,
+    KVzap,
 )
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in BASE_POLICIES}
@@ -58,6 +60,7 @@ __all__ = [
     "EMS",
     "ExpectedAttention",
     "H2O",
+    "KVzap",
     "KVzip",
     "KeyDiff",
     "Knob",
@@ -80,11 +83,13 @@ def representative_policies(ragged: bool = True) -> list[str]:
     """One registered name per way a policy runs: every base policy, then each meta-score over the first scored base.
 
     What engine-level tests and the load mix cycle through, so a newly registered policy is in them at once;
-    `ragged=False` leaves out the policies whose heads keep different counts (they need a gate or head roles trained
-    for the model to run). KVzip is left out: it serves only a compressed document's requests (`kv_document`),
-    which tests/test_documents.py covers."""
+    `ragged=False` leaves out the policies whose heads keep different counts and those that run something trained
+    for the served model (gates, head roles, a surrogate), which synthetic layers have none of. KVzip is left out: it
+    serves only a compressed document's requests (`kv_document`), which tests/test_documents.py covers."""
     names = [
-        cls.name for cls in BASE_POLICIES if (ragged or not (cls.ragged or cls.own_counts)) and not cls.reconstructs
+        cls.name
+        for cls in BASE_POLICIES
+        if (ragged or not (cls.ragged or cls.own_counts or cls.trained)) and not cls.reconstructs
     ]
     first_scored = next(cls.name for cls in BASE_POLICIES if issubclass(cls, ScoredPolicy))
     return names + [f"{first_scored}+{meta}" for meta in META_SCORES]

@@ -28,6 +28,7 @@ from kvserve.policies.rotary import Rotary
 class AttentionGate(Policy):
     name = "attention_gate"
     ragged = True  # without kv_budget the cache grows by one entry per generated token
+    trained = True
     tau: float = knob(
         0.5, "keep a prompt token where sigmoid(gate logit + gamma) > tau (gates trained at 0.5)", minimum=0, maximum=1
     )

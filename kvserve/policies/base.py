@@ -184,6 +184,12 @@ class Policy:
     ragged: ClassVar[bool] = False
     # True: the policy gives each head its own count from the budget (DuoAttention's roles), not an allocation's
     own_counts: ClassVar[bool] = False
+    # True: the policy runs something trained for the served model (gates, head roles, a surrogate), so it serves
+    # only models that have one
+    trained: ClassVar[bool] = False
+    # False: the running statistics come from the step's queries alone (KVzap's surrogate), so keeping them up to
+    # date reads no cached key or value outside a compaction
+    stats_read_entries: ClassVar[bool] = True
     # what the engine should measure in the attention pass (fields of PassStatistics); window_sums only at compactions
     pass_statistics: ClassVar[tuple[str, ...]] = ()
     # kv_span when neither the request nor the server's defaults for this policy give one (`ScoredPolicy`: 8)
@@ -206,6 +212,15 @@ class Policy:
     def knobs(cls) -> dict[str, Knob]:
         """The per-request settings this policy declares, by field name."""
         return knobs_of(cls)
+
+    def decides_counts(self) -> bool:
+        """This request's heads keep the counts `head_counts` gives (within the budget), not an allocation's: always
+        for a policy with `own_counts`, per request for one whose settings say so (KVzap's threshold)."""
+        return self.own_counts
+
+    def head_counts(self, obs: LayerObservation, budget: int) -> torch.Tensor:
+        """[H] entries each head keeps at a compaction to `budget`, where `decides_counts`."""
+        raise NotImplementedError
 
     def protected_tokens(self) -> int:
         """Entries the policy always keeps; a budget must exceed this."""

@@ -33,6 +33,7 @@ from kvserve.policies.snapkv import SnapKV
 class DuoAttention(SnapKV):
     name = "duoattention"
     own_counts: ClassVar[bool] = True
+    trained: ClassVar[bool] = True
     # the retrieval heads' pool as every DuoAttention result was measured (SnapKV's was 7 then; its 15 is untested here)
     kernel_size: int = knob(7, "pooling kernel over keys (odd)", minimum=1, odd=True)
     # 0.25 rather than 0.5 by the quality suite (measured: docs/benchmarks.md, section "How much quality do I keep at

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, get_type_hints
+from typing import Any, get_args, get_type_hints
 
 from kvserve.errors import InvalidSetting
 
@@ -32,6 +32,7 @@ class Knob:
     name: str = ""
     kind: type = int  # int, float or str: the field's annotation
     default: Any = None
+    optional: bool = False  # annotated `X | None`: None (no value, the default) turns the setting off
 
     @property
     def key(self) -> str:
@@ -43,6 +44,8 @@ class Knob:
 
     def parse(self, raw: Any) -> Any:
         """The value `raw` (a JSON value or a header's text) stands for, or InvalidSetting naming this knob's key."""
+        if raw is None and self.optional:
+            return None
         if self.kind is str:
             if not isinstance(raw, str) or (self.choices and raw not in self.choices):
                 raise InvalidSetting(self.key, f"must be one of {', '.join(self.choices or ())}, got {raw!r}")
@@ -81,9 +84,14 @@ def knobs_of(cls: type) -> dict[str, Knob]:
         if limits is None:
             raise TypeError(f"{cls.__name__}.{field.name}: a policy's fields are its settings; declare it with knob()")
         kind = hints[field.name]
+        optional = type(None) in get_args(kind)
+        if optional:  # `float | None`: its one other type
+            (kind,) = (arg for arg in get_args(kind) if arg is not type(None))
         if kind not in (int, float, str):
             raise TypeError(f"{cls.__name__}.{field.name}: a knob is an int, float or str, not {kind}")
-        declared[field.name] = dataclasses.replace(limits, name=field.name, kind=kind, default=field.default)
+        declared[field.name] = dataclasses.replace(
+            limits, name=field.name, kind=kind, default=field.default, optional=optional
+        )
     return declared
 
 

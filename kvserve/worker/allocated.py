@@ -57,7 +57,7 @@ def select(
         else torch.full((obs.num_heads,), obs.num_tokens, device=obs.positions.device)
     )
     counts = None
-    if policy.own_counts:  # fixed per head by the policy (DuoAttention's roles), at the prompt and in decode alike
+    if policy.decides_counts():  # per head by the policy (DuoAttention's roles, KVzap's threshold), prompt and decode
         counts = policy.head_counts(obs, budget)  # each already capped at what its head holds
     elif plan.compaction.decode and layer.share is not None:
         counts = torch.minimum(layer.share, limits)

@@ -28,11 +28,27 @@ from kvserve.policies import POLICIES, LayerObservation, Policy, ScoredPolicy
 from kvserve.policies.base import PassStatistics
 from kvserve.policies.rotary import Rotary
 
-HEADS, GROUP, DIM, LENGTH, LAYER = 3, 2, 16, 128, 3
+HEADS, GROUP, DIM, LENGTH, LAYER = 3, 2, 16, 192, 3
 PREFILL = LENGTH - 8  # a prompt chunk, then single-token decode steps, as the engine feeds statistics
 BUDGETED = sorted(name for name, cls in POLICIES.items() if not cls.ragged and not cls.own_counts)
 RAGGED = sorted(name for name, cls in POLICIES.items() if cls.ragged)
 OWN_COUNTS = sorted(name for name, cls in POLICIES.items() if cls.own_counts)  # counts per head from trained roles
+
+
+@pytest.fixture(autouse=True)
+def synthetic_surrogates(monkeypatch) -> None:
+    """KVzap's surrogates for these layers' shape (the shipped ones read the served model's query heads). Every KV
+    head's predictor is the same, so that identical heads (the ties test) are identical to KVzap too."""
+    from kvserve.kvzap import registry
+    from kvserve.kvzap.surrogate import Surrogate, SurrogateSet
+
+    torch.manual_seed(0)
+    layers = [Surrogate(HEADS * GROUP * DIM, HEADS, None) for _ in range(LAYER + 1)]
+    with torch.no_grad():
+        for layer in layers:
+            layer.net.weight.copy_(layer.net.weight[:1].expand_as(layer.net.weight))
+            layer.net.bias.fill_(0.0)
+    monkeypatch.setattr(registry, "surrogates_for", lambda model: SurrogateSet("linear", {}, layers))
 
 
 def budget_for(policy: Policy) -> int:
@@ -60,10 +76,13 @@ def observe(
     """The observation the engine builds at a compaction: statistics folded in step by step (a prefill chunk, then
     one query at a time), the policy's window of newest queries, and the budget."""
     positions = torch.arange(LENGTH).expand(HEADS, LENGTH)
+    rotary = Rotary.default(DIM, 10000.0, 2 * LENGTH)  # the engine gives every layer of a RoPE model its table
     stats = {name: torch.zeros(HEADS, 0) for name in policy.stat_names}
     for start, end in [(0, PREFILL)] + [(t, t + 1) for t in range(PREFILL, LENGTH)]:
         padded = {name: torch.nn.functional.pad(stat, (0, end - stat.shape[1])) for name, stat in stats.items()}
-        obs = LayerObservation(LAYER, keys[:, :end], values[:, :end], positions[:, :end], DIM**-0.5, stats=padded)
+        obs = LayerObservation(
+            LAYER, keys[:, :end], values[:, :end], positions[:, :end], DIM**-0.5, stats=padded, rotary=rotary
+        )
         stats = policy.update_stats(obs, queries[start:end], torch.arange(start, end))
         assert set(stats) == set(policy.stat_names)
         assert all(stat.shape == (HEADS, end) for stat in stats.values()), policy.name
@@ -78,7 +97,7 @@ def observe(
         window_positions=torch.arange(LENGTH - window, LENGTH),
         stats=stats,
         budget=budget,
-        rotary=Rotary.default(DIM, 10000.0, 2 * LENGTH),  # the engine gives every layer of a RoPE model its table
+        rotary=rotary,
         model=DEFAULT_MODEL_NAME,  # a model with shipped DuoAttention roles (3 KV heads, as here)
     )
 
@@ -94,6 +113,7 @@ def test_a_policy_declares_its_settings_as_fields(name):
     policy = cls()
     for field_name, setting in cls.knobs().items():
         assert setting.kind in (int, float, str) and setting.help, (name, field_name)
+        assert setting.default is not None or setting.optional, (name, field_name)
         assert getattr(policy, field_name) == setting.default
         assert setting.key == "kv_" + field_name
     with pytest.raises(dataclasses.FrozenInstanceError):  # a request's policy cannot change under it
@@ -165,8 +185,8 @@ def refused_values(setting) -> list:
     """Values the declaration rules out: the wrong type, out of range, even where odd, not among the choices."""
     if setting.kind is str:
         return [3, "not-" + "-".join(setting.choices or ("a-value",))] if setting.choices else [3]
-    refused: list = ["many", True, None]
-    if setting.kind is int:
+    refused: list = ["many", True] + ([] if setting.optional else [None])
+    if setting.kind is int and setting.default is not None:
         refused.append(setting.default + 0.5)
     else:
         refused += [math.nan, math.inf]
@@ -183,6 +203,8 @@ def allowed_values(setting) -> list:
     """Values the declaration allows: the default, the bounds, the choices, the default written as a header."""
     if setting.kind is str:
         return list(setting.choices or (setting.default,))
+    if setting.optional:  # off (None), or a value of its kind, given as a number or as a header's text
+        return [None, setting.kind(1), "-2"] if setting.minimum is None else [None, setting.kind(setting.minimum)]
     allowed = [setting.default, str(setting.default)]
     for bound in (setting.minimum, setting.maximum):
         if bound is not None and (not setting.odd or bound % 2 == 1):
@@ -205,7 +227,8 @@ def test_every_value_a_knob_refuses_is_a_400_naming_its_key(name, knob_name):
             POLICIES[name](**{knob_name: value})
     for value in allowed_values(setting):
         config = parse_kv_config({"kv_policy": name, **budget, setting.key: value}, defaults={})
-        assert dict(config.knobs)[knob_name] == setting.kind(value), (name, value)
+        expected = None if value is None else setting.kind(value)
+        assert dict(config.knobs)[knob_name] == expected, (name, value)
 
 
 @pytest.mark.parametrize("name", RAGGED)

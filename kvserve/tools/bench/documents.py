@@ -6,13 +6,16 @@ a one-token completion (the prompt's prefill plus one sampled token), taken Q ti
 - `recompute`: every question under a `cache_salt` of its own, so nothing is cached (vanilla, and kvserve `full`);
 - `prefix hit`: the document cached by a first request, every question reads it from vLLM's prefix cache in full
   (vanilla, and kvserve `full`);
-- `compressed`: the document compressed once (`POST /v1/kvserve/compress`, KVzip at --budget entries per layer and
-  KV head), every question resumes from the compressed lists (`kv_document`) and computes only its own tokens.
+- `compressed`: the document compressed once per policy of --policies, at --budget entries per layer and KV head
+  (KVzip by its reconstruction, `POST /v1/kvserve/compress`; any other policy, KVzap's among them, by its own scores
+  where the document ends: a one-token completion of the document with `kv_document`), every question resumes from
+  the compressed lists (`kv_document`) and computes only its own tokens.
 
 It prints each mode's TTFT p50 and its ratio to vanilla's recompute, the time the compression took (paid once per
 document), and how many questions pay it back against recomputing.
 
     kvserve bench documents --doc-tokens 3000 --questions 6 --out docs/eval/documents.json
+    kvserve bench documents --doc-tokens 4000 --policies kvzip,kvzap --out docs/eval/kvzap/documents.json
     kvserve bench documents --model "$(kvserve setup-model qwen2.5-coder-0.5b)" --doc-tokens 4000 \\
         --out docs/eval/qwen05/documents.json
 """
@@ -81,31 +84,47 @@ def run_server(kind: str, url: str, document: str, questions: list[str], args: a
         rows.append({"server": kind, "mode": "prefix hit", "ttft": [r["seconds"] for r in hits]})
         if kind == "vanilla":
             return rows
-        salt = uuid.uuid4().hex
-        headers = {"x-kv-policy": args.policy, "x-kv-budget": str(args.budget)}
-        started = time.perf_counter()
+        for policy in args.policies.split(","):
+            salt = uuid.uuid4().hex
+            started = time.perf_counter()
+            kv, tokens = compress(client, url, document, salt, policy, args.budget)
+            compress_seconds = time.perf_counter() - started
+            asked = [first_token_seconds(client, url, document + q, salt, kv) for q in questions]
+            resumed = sum(bool(r["usage"].get("kv_tokens_evicted")) for r in asked)
+            rows.append(
+                {
+                    "server": kind,
+                    "mode": f"compressed ({policy}, B={args.budget})",
+                    "ttft": [r["seconds"] for r in asked],
+                    "compress_seconds": compress_seconds,
+                    "document_tokens": tokens,
+                    "resumed": resumed,
+                }
+            )
+    return rows
+
+
+def compress(client: httpx.Client, url: str, document: str, salt: str, policy: str, budget: int) -> tuple[dict, int]:
+    """Compress the document once under `policy`: KVzip by its reconstruction (`POST /v1/kvserve/compress`), any
+    other policy by its own scores where the document ends (a one-token completion of the document alone with
+    `kv_document`, its token count). Returns the settings every question sends, and the document's tokens."""
+    from kvserve.policies import POLICIES
+
+    settings = {"kv_policy": policy, "kv_budget": budget}
+    if POLICIES[policy].reconstructs:
         made = client.post(
             url + "/v1/kvserve/compress",
-            json={"model": SERVED_NAME, "prompt": document, "cache_salt": salt},
-            headers=headers,
+            json={"model": SERVED_NAME, "prompt": document, "cache_salt": salt, **settings},
         )
-        compress_seconds = time.perf_counter() - started
         if made.status_code != 200:
             raise RuntimeError(f"compress answered {made.status_code}: {made.text[:500]}")
-        kv = made.json()["kv"]
-        asked = [first_token_seconds(client, url, document + q, salt, kv) for q in questions]
-        resumed = sum(bool(r["usage"].get("kv_tokens_evicted")) for r in asked)
-        rows.append(
-            {
-                "server": kind,
-                "mode": f"compressed ({args.policy}, B={args.budget})",
-                "ttft": [r["seconds"] for r in asked],
-                "compress_seconds": compress_seconds,
-                "document_tokens": made.json()["document_tokens"],
-                "resumed": resumed,
-            }
-        )
-    return rows
+        return made.json()["kv"], made.json()["document_tokens"]
+    counted = client.post(url + "/tokenize", json={"model": SERVED_NAME, "prompt": document})
+    if counted.status_code != 200:
+        raise RuntimeError(f"/tokenize answered {counted.status_code}: {counted.text[:500]}")
+    kv = {**settings, "kv_document": counted.json()["count"]}
+    first_token_seconds(client, url, document, salt, kv)  # compacts the document where it ends and publishes it
+    return kv, kv["kv_document"]
 
 
 def report(rows: list[dict]) -> str:
@@ -141,7 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=str(default_model_dir()), help="a model folder")
     parser.add_argument("--doc-tokens", type=int, default=3000)
     parser.add_argument("--questions", type=int, default=6, help="questions per mode")
-    parser.add_argument("--policy", default="kvzip", help="the compressing policy")
+    parser.add_argument(
+        "--policies", default="kvzip", help="the compressing policies, comma-separated (kvzip, or any by kv_document)"
+    )
     parser.add_argument("--budget", type=int, default=512, help="entries per layer and KV head of the document")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--kv-space-gib", default="4", help="VLLM_CPU_KVCACHE_SPACE for every server")

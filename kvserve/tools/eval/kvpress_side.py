@@ -47,6 +47,8 @@ def make_press(name: str, ratio: float, setting: dict, case_key: list):
         return duo_press(setting, case_key)
     if ratio <= 0:
         return None
+    if name == "kvzap":
+        return kvzap_press(setting, ratio)
     class_name, kwargs = PRESSES[name]
     return getattr(kvpress, class_name)(compression_ratio=ratio, **kwargs)
 
@@ -63,6 +65,20 @@ def duo_press(setting: dict, case_key: list):
     press = DuoAttentionPress(head_compression_ratio=(gates.size - retrieval) / gates.size)
     # an instance attribute shadows the static method that would download the authors' patterns
     press.load_attention_pattern = lambda model: (roles["sink_tokens"], roles["recent"], gates)
+    return press
+
+
+def kvzap_press(setting: dict, ratio: float):
+    """kvpress's KVzapPress with the surrogate kvserve serves, in kvpress's form (`kvzap_model`: a folder written by
+    kvserve.tools.training.kvzap.as_kvpress), instead of the authors' trained models, which exist for 8B-class models
+    only and would be downloaded."""
+    from kvpress import KVzapPress
+    from kvpress.presses.kvzap_press import KVzapModel
+
+    press = KVzapPress(model_type=setting["kvzap_kind"], compression_ratio=ratio)
+    press.kvzap_model = KVzapModel.from_pretrained(setting["kvzap_model"])
+    # the name its post_init_from_model compares with: set, it keeps the model given here
+    press.kvzap_model_name = f"nvidia/KVzap-{setting['kvzap_kind']}-{setting['model_name']}"
     return press
 
 

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -55,6 +56,7 @@ REFERENCE_KNOBS: dict[str, tuple[tuple[str, str], ...]] = {
     "expected_attention": (),
     "keydiff": (("window", "0"),),
     "duoattention": (),  # the retrieval fraction is the case's (`duo_retrieval_heads`)
+    "kvzap": (("window", "0"),),  # kvpress's KVzapPress ranks every entry by its prediction alone
 }
 REFERENCE_PRESS = tuple(REFERENCE_KNOBS)
 
@@ -161,6 +163,7 @@ def _reference_run(python: str, model_dir: str, cases: list[ParityCase], setting
             "press": policy,
             "budget": budget,
             **(duo_reference(roles_of(model_dir), budget, cases) if policy == "duoattention" else {}),
+            **(kvzap_reference(model_dir) if policy == "kvzap" else {}),
         }
         for policy, budget in settings
     ]
@@ -190,6 +193,21 @@ def run_kvpress_side(python: str, model_dir: str, cases: list[ParityCase], setti
         subprocess.run([python, str(KVPRESS_SIDE), f.name, out], check=True)
     finally:
         Path(f.name).unlink()
+
+
+@cache
+def kvzap_reference(model_dir: str) -> dict:
+    """What kvpress's KVzapPress needs to score as kvserve does: the surrogate kvserve serves the model with, written
+    in kvpress's form (once per run, into kvserve's cache folder)."""
+    from kvserve.kvzap.registry import checked_surrogates
+    from kvserve.model import cache_dir
+    from kvserve.tools.training.kvzap import as_kvpress
+    from kvserve.tools.training.llama import PlainLlama
+
+    surrogates = checked_surrogates(model_dir)
+    folder = cache_dir() / "kvzap-kvpress" / Path(model_dir).name
+    as_kvpress(surrogates, PlainLlama(Path(model_dir)), folder)
+    return {"kvzap_model": str(folder), "kvzap_kind": surrogates.kind, "model_name": Path(model_dir).name}
 
 
 def roles_of(model_dir: str) -> HeadRoles:

@@ -41,6 +41,7 @@ from kvserve.tools.eval.parity import (
     add_side_arguments,
     duo_reference,
     duo_retrieval_heads,
+    kvzap_reference,
     roles_of,
     run_kvpress_side,
 )
@@ -152,6 +153,8 @@ def run_kvpress(
                 entry["budgets"] = {json.dumps(list(c.key)): budget_of(setting, c, block_size) for c in cases}
             if setting.policy == "duoattention":
                 entry.update(duo_settings(model_dir, forms, entry["budgets"]))
+            if setting.policy == "kvzap":
+                entry.update(kvzap_reference(model_dir))
             entries.append(entry)
         run_kvpress_side(python, model_dir, forms, entries, out)
 

@@ -21,15 +21,15 @@ the tokens of a local prose corpus and scored on held-out texts (R^2 and Spearma
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from kvserve.kvzap.surrogate import Surrogate, SurrogateSet, model_identity
 from kvserve.policies.kvzip import REPEAT_INSTRUCTION
 from kvserve.tools.training.llama import PlainLlama
 
@@ -81,21 +81,6 @@ def collect(model: PlainLlama, texts: list[list[int]], instruction: list[int]) -
     return layers
 
 
-class Surrogate(torch.nn.Module):
-    """One layer's predictor: [.., Hq * D] queries before RoPE -> [.., H_kv] log KVzip+ scores."""
-
-    def __init__(self, in_dim: int, out_dim: int, hidden: int | None) -> None:
-        super().__init__()
-        self.net = (
-            torch.nn.Linear(in_dim, out_dim)
-            if hidden is None
-            else torch.nn.Sequential(torch.nn.Linear(in_dim, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, out_dim))
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x.float())
-
-
 def fit_linear(inputs: torch.Tensor, targets: torch.Tensor, ridge: float = 1e-3) -> Surrogate:
     """Least squares with a small ridge (relative to the inputs' scale), closed form."""
     mean_x, mean_y = inputs.mean(0), targets.mean(0)
@@ -145,79 +130,6 @@ def fit_report(surrogate: Surrogate, inputs: torch.Tensor, targets: torch.Tensor
     a, b = a - a.mean(0), b - b.mean(0)
     spearman = (a * b).sum(0) / (a.norm(dim=0) * b.norm(dim=0)).clamp(min=1e-12)
     return {"r2": float((1 - residual / total).mean()), "spearman": float(spearman.mean())}
-
-
-@dataclass(frozen=True)
-class SurrogateSet:
-    """Every layer's surrogate with what it was trained for: loading it for another model is refused."""
-
-    kind: str
-    model: dict  # `model_identity` of the model it was trained on
-    layers: list[Surrogate]
-    fit: list[dict] = field(default_factory=list)  # held-out fit per layer
-
-    def scores(self, layer: int, queries: torch.Tensor) -> torch.Tensor:
-        """[n, Hq * D] queries before RoPE -> [H_kv, n] predicted log KVzip+ scores."""
-        with torch.no_grad():
-            return self.layers[layer](queries.reshape(queries.shape[0], -1)).T
-
-    def save(self, path: Path) -> None:
-        tensors = {f"layers.{i}.{name}": t.contiguous() for i, s in enumerate(self.layers) for name, t in
-                   s.net.state_dict().items()}  # fmt: skip
-        meta = {"kind": self.kind, "model": json.dumps(self.model), "fit": json.dumps(self.fit)}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path), metadata=meta)
-
-    @classmethod
-    def load(cls, path: Path, model_dir: Path) -> SurrogateSet:
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata()
-        trained_for, here = json.loads(meta["model"]), model_identity(model_dir)
-        if trained_for != here:
-            differ = sorted(key for key in here if trained_for.get(key) != here[key])
-            raise ValueError(
-                f"{path} is a KVzap surrogate for {trained_for.get('name')}, not for {here['name']} (they differ in "
-                f"{', '.join(differ)}): train one with `kvserve calibrate {model_dir} --kvzap`"
-            )
-        tensors = load_file(str(path))
-        layers, index = [], 0
-        while f"layers.{index}.0.weight" in tensors or f"layers.{index}.weight" in tensors:
-            state = {
-                k.removeprefix(f"layers.{index}."): v for k, v in tensors.items() if k.startswith(f"layers.{index}.")
-            }
-            hidden = state["0.weight"].shape[0] if "0.weight" in state else None
-            first = state["0.weight" if hidden else "weight"]
-            last = state["2.weight" if hidden else "weight"]
-            surrogate = Surrogate(first.shape[1], last.shape[0], hidden)
-            surrogate.net.load_state_dict(state)
-            layers.append(surrogate)
-            index += 1
-        return cls(meta["kind"], trained_for, layers, json.loads(meta["fit"]))
-
-
-def model_identity(model_dir: Path) -> dict:
-    """What a surrogate must match: the architecture's shape and a digest of layer 0's query projection (a
-    fine-tune of the same shape has other weights, and other scores)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    from safetensors import safe_open
-
-    digest = hashlib.sha256()
-    for shard in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as f:
-            for key in f.keys():
-                if key.endswith("layers.0.self_attn.q_proj.weight"):
-                    digest.update(f.get_tensor(key).float().numpy().tobytes())
-    return {
-        "name": Path(model_dir).name,
-        "model_type": config.get("model_type"),
-        "layers": config["num_hidden_layers"],
-        "heads": config["num_attention_heads"],
-        "kv_heads": config.get("num_key_value_heads", config["num_attention_heads"]),
-        "hidden_size": config["hidden_size"],
-        "q_proj_digest": digest.hexdigest()[:16],
-    }
 
 
 @dataclass

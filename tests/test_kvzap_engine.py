@@ -1,0 +1,152 @@
+"""The served `kvzap` policy (arXiv:2601.07891) on the real engine against a PyTorch reference that shares no serving
+code: the default model in plain PyTorch (kvserve/tools/training/llama.py) gives each layer's queries before RoPE,
+the shipped surrogate scores them, and every (layer, KV head) list must keep what those scores choose, with those
+scores beside its entries: prompt chunks, decode steps, a fixed budget and a threshold. A surrogate trained for
+another model is refused naming kv_policy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from engine_settings import BLOCK_SIZE
+
+from kvserve.tools.eval.haystack import haystack
+
+NEAR = 2e-3  # predicted log scores this close to a cut-off may fall either side of it (float noise)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from kvserve.kvzap.registry import checked_surrogates
+    from kvserve.model import ensure_default_model
+    from kvserve.tools.training.llama import PlainLlama
+
+    model_dir = ensure_default_model()
+    return PlainLlama(model_dir), checked_surrogates(str(model_dir))
+
+
+def reference_scores(reference, ids: list[int]) -> list[torch.Tensor]:
+    """Per layer [H, n]: the surrogate over the plain model's queries before RoPE for `ids`, no eviction."""
+    model, surrogates = reference
+    scores = []
+
+    def observe(layer: int, attention, values, hidden) -> None:
+        x = model._rms(hidden[0], model.weights[f"layers.{layer}.input_layernorm.weight"])
+        scores.append(surrogates.scores(layer, model._project(x, layer, "self_attn.q_proj")))
+
+    with torch.no_grad():
+        model.forward(torch.tensor([ids]), observe=observe)
+    return scores
+
+
+def expected_keep(scores: torch.Tensor, end: int, budget: int, window: int, threshold: float | None) -> set[int]:
+    """One head's kept positions among 0..end-1: the window, then the best scores (with a threshold, only those at
+    or above it), up to the budget."""
+    recent = set(range(end - window, end))
+    order = [int(i) for i in torch.argsort(scores[:end], descending=True, stable=True) if int(i) not in recent]
+    if threshold is not None:
+        order = [i for i in order if float(scores[i]) >= threshold]
+    return recent | set(order[: budget - len(recent)])
+
+
+def assert_kept(state, scores: list[torch.Tensor], end: int, budget: int, window: int, threshold=None) -> None:
+    """Every list keeps what the reference chooses (but for entries within NEAR of its cut-off) and holds the
+    reference's scores beside what it kept."""
+    compared = 0
+    for layer_idx, layer in state.layers.items():
+        served = layer.stats["kvzap"]
+        for head in range(layer.kept_positions.shape[0]):
+            row = layer.kept_positions[head]
+            count = int((row >= 0).sum())
+            kept = row[:count].tolist()
+            reference_row = scores[layer_idx][head]
+            torch.testing.assert_close(served[head, :count], reference_row[kept], rtol=1e-3, atol=NEAR)
+            expected = expected_keep(reference_row, end, budget, window, threshold)
+            cut = min(float(reference_row[i]) for i in expected - set(range(end - window, end)) or kept)
+            if threshold is not None:
+                cut = threshold if len(expected) < budget else max(cut, threshold)
+            for position in set(kept) ^ expected:
+                assert abs(float(reference_row[position]) - cut) < NEAR, (layer_idx, head, position)
+            compared += 1
+    assert compared == 30 * 3
+
+
+def test_prompt_chunks_score_their_entries_and_keep_the_best(engine, reference):
+    """Two prompts side by side are prefilled in 128-token chunks: each chunk's entries are scored as written."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    budget, window = 128, 32
+    prompts = [haystack(engine.tokenizer, 300, seed=s) for s in (140, 141)]
+    free_before = engine.free_blocks()
+    kv = {"kv_policy": "kvzap", "kv_budget": budget, "kv_window": window}
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, extra_args=kv)
+    outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    for out, ids in zip(outs, prompts, strict=True):
+        state = engine.eviction_state(out.request_id)
+        assert_kept(state, reference_scores(reference, ids), len(ids), budget, window)
+        assert out.kv_transfer_params["kv_tokens_evicted"] == len(ids) - budget
+    engine.generate([[1, 2, 3]], 1)
+    assert engine.free_blocks() == free_before
+
+
+def test_decode_steps_score_their_entries_and_a_decode_compaction_keeps_the_best(engine, reference):
+    budget, window = 128, 32
+    ids = haystack(engine.tokenizer, 100, seed=142)
+    out = engine.generate([ids], 70, {"kv_policy": "kvzap", "kv_budget": budget, "kv_window": window})[0]
+    state = engine.eviction_state(out.request_id)
+    end = budget + BLOCK_SIZE  # the one compaction: once the lists reach B + one block, in decode
+    assert state.compactions == 1
+    written = ids + list(out.outputs[0].token_ids)  # no eviction before that compaction: the reference is exact
+    assert_kept(state, reference_scores(reference, written[:end]), end, budget, window)
+
+
+def test_a_threshold_keeps_what_passes_per_list_and_frees_the_rest(engine, reference):
+    budget, window = 256, 16
+    ids = haystack(engine.tokenizer, 400, seed=143)
+    scores = reference_scores(reference, ids)
+    threshold = float(torch.cat([s.flatten() for s in scores]).median())  # about half of the older entries leave
+    free_before = engine.free_blocks()
+    kv = {"kv_policy": "kvzap", "kv_budget": budget, "kv_window": window, "kv_threshold": threshold}
+    out = engine.generate([ids], 2, kv)[0]
+    state = engine.eviction_state(out.request_id)
+    assert_kept(state, scores, len(ids), budget, window, threshold)
+    counts = [int((layer.kept_positions[h] >= 0).sum()) for layer in state.layers.values() for h in range(3)]
+    assert len(set(counts)) > 1 and max(counts) <= budget  # each head keeps what its content needs
+    for layer_idx, layer in state.layers.items():  # each list holds its kept entries and the decoded one, no more
+        for head in range(3):
+            assert state.pages.lens[layer_idx, head] == int((layer.kept_positions[head] >= 0).sum()) + 1
+    mean_kept = sum(counts) / len(counts)
+    assert out.kv_transfer_params["kv_tokens_evicted"] == len(ids) - round(mean_kept)
+    engine.generate([[1, 2, 3]], 1)
+    assert engine.free_blocks() == free_before
+
+
+def test_a_surrogate_trained_for_another_model_is_refused_naming_the_policy(engine, monkeypatch, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from vllm.exceptions import VLLMValidationError
+
+    from kvserve.kvzap import registry
+    from kvserve.model import DEFAULT_MODEL_NAME
+
+    shipped = registry.SHIPPED_DIR / f"{DEFAULT_MODEL_NAME}.safetensors"
+    with safe_open(str(shipped), "pt") as f:
+        meta = f.metadata()
+    other = {**json.loads(meta["model"]), "name": "SomeFineTune", "q_proj_digest": "0" * 16}
+    save_file(load_file(str(shipped)), str(tmp_path / shipped.name), metadata={**meta, "model": json.dumps(other)})
+    monkeypatch.setattr(registry, "SHIPPED_DIR", tmp_path)
+    registry.checked_surrogates.cache_clear()
+    try:
+        with pytest.raises(VLLMValidationError) as error:
+            engine.generate([[1, 2, 3]], 1, {"kv_policy": "kvzap", "kv_budget": 160})
+        assert "kv_policy" in str(error.value) and "SomeFineTune" in str(error.value)
+        (tmp_path / shipped.name).unlink()
+        registry.checked_surrogates.cache_clear()
+        with pytest.raises(VLLMValidationError) as error:
+            engine.generate([[1, 2, 3]], 1, {"kv_policy": "kvzap", "kv_budget": 160})
+        assert "kv_policy" in str(error.value) and "no KVzap surrogate" in str(error.value)
+    finally:
+        registry.checked_surrogates.cache_clear()
