@@ -333,7 +333,10 @@ def _with_checkpoint(config: KVConfig, request: dict[str, Any], defaults: dict[s
         raise InvalidSetting("kv_checkpoint", f"must be turns or a token count >= 0 (0: none), got {checkpoint}")
     if checkpoint == 0 and not turns:
         return config
-    window = config.prefix_sharing().computed_tail if config.prefix_sharing().reads else None
+    sharing = config.prefix_sharing()
+    window = sharing.computed_tail if sharing.reads else None
+    if window is None and config.evicts and POLICIES[config.policy].token_statistics:
+        window = 1  # it reads no plain hit, and its checkpoints carry every kept entry's statistics
     why = None
     if config.document:
         why = "kv_document compresses its document once, where the document's reconstruction ends"
@@ -343,6 +346,8 @@ def _with_checkpoint(config: KVConfig, request: dict[str, Any], defaults: dict[s
         why = "kv_evict_every_chunk compacts where the scheduler's chunks end, not at fixed positions"
     elif config.allocation != "uniform":
         why = f"with kv_allocation={config.allocation} the lists keep uneven counts, which fill no whole blocks"
+    elif config.own_counts:
+        why = f"{config.policy} gives each head its own count (kv_threshold, or trained roles): no whole blocks"
     elif window is None:
         why = (
             f"{config.policy} reads every query of the prompt (or its allocation decides counts while compacting), "

@@ -56,6 +56,11 @@ def with_document(config: KVConfig, request: dict[str, Any]) -> KVConfig:
             f"no kv_evict_every_chunk, kv_allocation other than {' or '.join(DOCUMENT_ALLOCATIONS)}, "
             "kv_evict_when=pressure or kv_checkpoint"
         )
+    elif config.own_counts:
+        why = (
+            f"is published as whole blocks, which {config.policy} cannot fill: it gives each head its own count "
+            "(its trained roles, or kv_threshold)"
+        )
     if why is not None:
         raise InvalidSetting("kv_document", why)
     return _with_piece(replace(config, reconstruct=reconstruct), request)

@@ -152,3 +152,10 @@ SERVER_ARGS += [
     "--tool-call-parser",
     "hermes",
 ]
+
+
+def fitting_window(kv: dict) -> dict:
+    """`kv` with a 16-entry window where its policy's default one (KVzap's 128) would not fit its `kv_budget`."""
+    from kvserve.policies import POLICIES
+
+    return {**kv, "kv_window": 16} if POLICIES[kv["kv_policy"]]().protected_tokens() >= kv["kv_budget"] else kv

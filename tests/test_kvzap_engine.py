@@ -150,3 +150,86 @@ def test_a_surrogate_trained_for_another_model_is_refused_naming_the_policy(engi
         assert "kv_policy" in str(error.value) and "no KVzap surrogate" in str(error.value)
     finally:
         registry.checked_surrogates.cache_clear()
+
+
+def test_a_document_compressed_by_kvzap_is_resumed_by_its_next_question(engine):
+    """kv_document: the document compacts once where it ends, keeping what kvzap keeps of the document alone (its
+    scores are each token's own, so the question after it changes nothing); the next question resumes from it. With
+    a threshold the lists' counts fill no whole blocks, which a published document needs: refused, naming it."""
+    import uuid
+
+    from vllm.exceptions import VLLMValidationError
+
+    from kvserve.metrics import metrics
+
+    document = haystack(engine.tokenizer, 300, seed=144)
+    kv = {"kv_policy": "kvzap", "kv_budget": 128, "kv_window": 16}
+    with pytest.raises(VLLMValidationError) as refused:
+        engine.generate([document], 1, {**kv, "kv_threshold": -6.0, "kv_document": len(document)})
+    assert "kv_document" in str(refused.value) and "kv_threshold" in str(refused.value)
+    free = engine.free_blocks()
+    alone = engine.generate([document], 1, kv, cache_salt=uuid.uuid4().hex)[0]
+    wanted = {i: layer.kept_positions.clone() for i, layer in engine.eviction_state(alone.request_id).layers.items()}
+    salt = uuid.uuid4().hex
+    asked = engine.tokenizer.encode(" What is this text about? It is about", add_special_tokens=False)
+    with_document = {**kv, "kv_document": len(document)}
+    first = engine.generate([document + asked], 6, with_document, cache_salt=salt)[0]
+    kept = engine.eviction_state(first.request_id).layers
+    for layer_idx, positions in wanted.items():
+        assert torch.equal(kept[layer_idx].kept_positions, positions), layer_idx
+    hits = metrics().checkpoint_hits._value.get()
+    other = engine.tokenizer.encode(" Which words does it use most? It uses", add_special_tokens=False)
+    second = engine.generate([document + other], 6, with_document, cache_salt=salt)[0]
+    assert second.num_cached_tokens == len(document) and metrics().checkpoint_hits._value.get() == hits + 1
+    assert second.kv_transfer_params["kv_tokens_evicted"] == first.kv_transfer_params["kv_tokens_evicted"] > 0
+    engine.generate([[1, 2, 3]], 1)
+    assert engine.free_blocks() == free
+
+
+def test_kvzap_evicts_after_every_chunk_and_gives_every_block_back(engine):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    free = engine.free_blocks()
+    prompts = [haystack(engine.tokenizer, 600, seed=s) for s in (145, 146)]  # side by side: 128-token chunks
+    for extra in ({"kv_evict_every_chunk": True}, {"kv_threshold": -6.0, "kv_evict_every_chunk": True}):
+        kv = {"kv_policy": "kvzap", "kv_budget": 192, "kv_window": 32, **extra}
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, extra_args=kv)
+        outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        for out in outs:
+            state = engine.eviction_state(out.request_id)
+            assert state.compactions >= 3, extra  # the prompt's chunks, then decode
+            assert out.kv_transfer_params["kv_tokens_evicted"] > 0, extra
+            assert int(state.pages.lens.max()) <= 192 + 64, extra
+    engine.generate([[1, 2, 3]], 1)
+    assert engine.free_blocks() == free
+
+
+def test_kvzap_checkpoints_a_prompt_and_a_request_with_that_prefix_resumes_from_it(engine):
+    """kv_checkpoint=C: the prompt compacts at every multiple of C and publishes the lists with their scores; a
+    request with the same prefix and a new tail resumes from the last checkpoint, reads no plain block (its entries
+    would have no scores), and keeps what the same request keeps on a miss."""
+    import uuid
+
+    from kvserve.metrics import metrics
+
+    kv = {"kv_policy": "kvzap", "kv_budget": 128, "kv_window": 16, "kv_checkpoint": 64}
+    prefix = haystack(engine.tokenizer, 320, seed=147)
+    tails = [engine.tokenizer.encode(f" Question {i}: what is it about?", add_special_tokens=False) for i in (1, 2)]
+    free, salt = engine.free_blocks(), uuid.uuid4().hex
+    published = metrics().checkpoints_published._value.get()
+    first = engine.generate([prefix + tails[0]], 4, kv, cache_salt=salt)[0]
+    assert metrics().checkpoints_published._value.get() > published
+    hits = metrics().checkpoint_hits._value.get()
+    resumed = engine.generate([prefix + tails[1]], 4, kv, cache_salt=salt)[0]
+    assert metrics().checkpoint_hits._value.get() == hits + 1 and resumed.num_cached_tokens == 320
+    miss = engine.generate([prefix + tails[1]], 4, kv, cache_salt=uuid.uuid4().hex)[0]
+    assert miss.num_cached_tokens == 0
+    assert list(resumed.outputs[0].token_ids) == list(miss.outputs[0].token_ids)
+    ours, theirs = (engine.eviction_state(o.request_id).layers for o in (resumed, miss))
+    for layer_idx, layer in theirs.items():
+        assert torch.equal(ours[layer_idx].kept_positions, layer.kept_positions), layer_idx
+        torch.testing.assert_close(ours[layer_idx].stats["kvzap"], layer.stats["kvzap"])
+    assert first.kv_transfer_params["kv_tokens_evicted"] > 0
+    engine.generate([[1, 2, 3]], 1)
+    assert engine.free_blocks() == free

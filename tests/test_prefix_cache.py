@@ -12,7 +12,7 @@ import random
 import uuid
 
 import pytest
-from engine_settings import BLOCK_SIZE
+from engine_settings import BLOCK_SIZE, fitting_window
 
 from kvserve.config import KVConfig
 from kvserve.policies import representative_policies
@@ -92,7 +92,7 @@ def test_a_hit_keeps_what_a_miss_keeps(engine, kv):
     assert engine.free_blocks() == free  # nothing held once they finished (cached blocks count as free)
 
 
-SKIPPER_SETTINGS = [{"kv_policy": name} for name in SKIPPERS] + [
+SKIPPER_SETTINGS = [fitting_window({"kv_policy": name, "kv_budget": BUDGET}) for name in SKIPPERS] + [
     {"kv_policy": "streamingllm", "kv_evict_every_chunk": True}
 ]
 

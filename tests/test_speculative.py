@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 from background import Run
-from engine_settings import SPECULATIVE_MAX_TOKENS, kept_lists, quoting_prompts, speculation_salt
+from engine_settings import SPECULATIVE_MAX_TOKENS, fitting_window, kept_lists, quoting_prompts, speculation_salt
 
 from kvserve.parallelism import speculation_refusal
 from kvserve.policies import representative_policies
@@ -54,7 +54,7 @@ def draft_families() -> list[str]:
 # allocation, and checkpoints, whose compactions fall at fixed positions in decode too
 SETTINGS = [
     {},
-    *({"kv_policy": name, "kv_budget": BUDGET} for name in draft_families()),
+    *(fitting_window({"kv_policy": name, "kv_budget": BUDGET}) for name in draft_families()),
     {"kv_policy": "h2o", "kv_budget": BUDGET, "kv_allocation": "pyramid"},
     {"kv_policy": "snapkv", "kv_budget": BUDGET, "kv_checkpoint": 64},
 ]

@@ -187,9 +187,9 @@ class Policy:
     # True: the policy runs something trained for the served model (gates, head roles, a surrogate), so it serves
     # only models that have one
     trained: ClassVar[bool] = False
-    # False: the running statistics come from the step's queries alone (KVzap's surrogate), so keeping them up to
-    # date reads no cached key or value outside a compaction
-    stats_read_entries: ClassVar[bool] = True
+    # True: each entry's statistics are its own token's, computed once as it is written (KVzap's prediction), so
+    # keeping them reads no cached entry, and the lists at a checkpoint are the same whoever computed the prompt
+    token_statistics: ClassVar[bool] = False
     # what the engine should measure in the attention pass (fields of PassStatistics); window_sums only at compactions
     pass_statistics: ClassVar[tuple[str, ...]] = ()
     # kv_span when neither the request nor the server's defaults for this policy give one (`ScoredPolicy`: 8)

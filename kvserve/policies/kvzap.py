@@ -41,7 +41,7 @@ class KVzap(ScoredPolicy):
     )
 
     stat_names = (STAT,)
-    stats_read_entries: ClassVar[bool] = False  # the score is the token's own: no cached key or value is read
+    token_statistics: ClassVar[bool] = True  # the score is the token's own
     trained: ClassVar[bool] = True
     default_span: ClassVar[int] = 1  # a token's own prediction, as the paper prunes
     comparable_scores: ClassVar[bool] = True

@@ -286,7 +286,7 @@ def _reads_entries(policy: Policy, measured: PassStatistics) -> bool:
     """Outside a compaction, the entries are needed only by a statistic the pass did not measure (or by a policy that
     keeps statistics without declaring them as pass statistics)."""
     if policy.stat_names and not policy.pass_statistics:
-        return policy.stats_read_entries
+        return not policy.token_statistics
     return any(getattr(measured, name) is None for name in policy.pass_statistics if name != "window_sums")
 
 
