@@ -200,6 +200,38 @@ def test_duoattention_roles_come_from_the_served_profile(tmp_path, monkeypatch, 
     assert profiles.served_profile("another-model") is None  # a profile serves only its own model
 
 
+def test_the_kvzap_surrogate_comes_from_the_served_profile_and_only_for_its_model(tmp_path, monkeypatch, model_dir):
+    from kvserve import profile as profiles
+    from kvserve.kvzap import registry
+    from kvserve.kvzap.surrogate import Surrogate, SurrogateSet, model_identity
+
+    monkeypatch.delenv(PROFILE_ENV, raising=False)
+    registry.checked_surrogates.cache_clear()
+    with pytest.raises(registry.NoSurrogateError, match="kvserve calibrate"):  # none shipped for the tiny model
+        registry.checked_surrogates(str(model_dir))
+    config = json.loads((model_dir / "config.json").read_text())
+    inputs = config["hidden_size"]  # query heads x head size (the tiny models' queries span the hidden size)
+    layers = [Surrogate(inputs, config["num_key_value_heads"], None) for _ in range(config["num_hidden_layers"])]
+    path, surrogate_file = tmp_path / "profile.json", tmp_path / "profile.kvzap-linear.safetensors"
+    SurrogateSet("linear", model_identity(model_dir), layers).save(surrogate_file)
+    made = make_profile(model_dir, None)
+    made.kvzap = {"file": surrogate_file.name, "kind": "linear"}
+    made.save(path)
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    profiles._served_profile.cache_clear()
+    try:
+        served = registry.checked_surrogates(str(model_dir))
+        assert len(served.layers) == config["num_hidden_layers"] and served.model == model_identity(model_dir)
+        other = {**model_identity(model_dir), "q_proj_digest": "0" * 16}  # the same shape, other weights
+        SurrogateSet("linear", other, layers).save(surrogate_file)
+        registry.checked_surrogates.cache_clear()
+        with pytest.raises(registry.NoSurrogateError, match="differ in q_proj_digest"):
+            registry.checked_surrogates(str(model_dir))
+    finally:
+        registry.checked_surrogates.cache_clear()
+        profiles._served_profile.cache_clear()
+
+
 @pytest.mark.parametrize(
     "damage", ["corrupt", "foreign", "other model", "other weights", "other version", "bad roles", "bad setting"]
 )
