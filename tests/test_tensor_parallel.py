@@ -158,13 +158,14 @@ def test_what_needs_every_head_at_once_is_refused_under_tensor_parallelism():
     assert check_against_model(parse_kv_config(uniform), model_config, uniform, tensor_ranks=TENSOR).evicts
 
 
-def test_the_attention_gate_and_layer_wide_tova_votes_are_refused_under_tensor_parallelism():
+def test_the_attention_gate_kvzap_and_layer_wide_tova_votes_are_refused_under_tensor_parallelism():
     from kvserve.model_support import _check_tensor_parallel
 
     _check_tensor_parallel(parse_kv_config({"kv_policy": "snapkv", "kv_budget": 64}), TENSOR)
-    with pytest.raises(InvalidSetting, match="query head") as raised:
-        _check_tensor_parallel(parse_kv_config({"kv_policy": "attention_gate"}), TENSOR)
-    assert raised.value.field == "kv_policy"
+    for policy in ({"kv_policy": "attention_gate"}, {"kv_policy": "kvzap", "kv_budget": 256}):
+        with pytest.raises(InvalidSetting, match="query head") as raised:  # (KVzap's surrogate reads them all)
+            _check_tensor_parallel(parse_kv_config(policy), TENSOR)
+        assert raised.value.field == "kv_policy"
     # TOVA's layer-wide votes average every query head of a layer, which no rank holds alone
     _check_tensor_parallel(parse_kv_config({"kv_policy": "tova", "kv_budget": 64}), TENSOR)
     layer = {"kv_policy": "tova", "kv_budget": 64, "kv_vote_scope": "layer"}
