@@ -87,6 +87,20 @@ def test_vllm_xargs_select_the_policy(server, long_prompt):
     assert metric(server, "kvserve:evictions_total", labels) - before == 1
 
 
+def test_a_kvzap_threshold_header_decides_what_each_head_keeps(server, long_prompt):
+    """No entry passes a threshold above every prediction: each list keeps its window alone; every entry passes one
+    below them all: each keeps the budget, as without a threshold."""
+    headers = {"x-kv-policy": "kvzap", "x-kv-budget": "256", "x-kv-window": "16"}
+    kept = {}
+    for threshold in ("1000", "-1000", None):
+        given = headers if threshold is None else {**headers, "x-kv-threshold": threshold}
+        response = complete(server, long_prompt, given, max_tokens=2)
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        kept[threshold] = usage["prompt_tokens"] - usage["kv_tokens_evicted"]
+    assert kept == {"1000": 16, "-1000": 256, None: 256}
+
+
 def test_top_level_body_keys_select_the_policy(server, long_prompt):
     """What an OpenAI client sends with extra_body={"kv_policy": ...}; vLLM itself would drop unknown keys."""
     labels = '{engine="0",policy="tova"}'
@@ -139,6 +153,9 @@ def test_streaming_chat_with_eviction(server, long_prompt):
         ({"x-kv-colour": "blue"}, {}, "kv_colour"),
         ({"x-kv-policy": "snapkv", "x-kv-budget": "64", "x-kv-checkpoint": "40"}, {}, "kv_checkpoint"),  # blocks
         ({"x-kv-policy": "h2o", "x-kv-budget": "64", "x-kv-checkpoint": "64"}, {}, "kv_checkpoint"),
+        ({"x-kv-policy": "kvzap", "x-kv-budget": "256", "x-kv-threshold": "low"}, {}, "kv_threshold"),
+        ({"x-kv-policy": "kvzap", "x-kv-budget": "64"}, {}, "kv_budget"),  # below its 128-entry window
+        ({"x-kv-policy": "kvzap", "x-kv-budget": "256", "x-kv-threshold": "-4", "x-kv-span": "8"}, {}, "kv_span"),
         ({"x-kv-budget": "x" * 300}, {}, "x-kv-budget"),
         ({}, {"vllm_xargs": {"kv_policy": "snapkv", "kv_budget": "ten"}}, "kv_budget"),
         ({"x-kv-budget": "300"}, {"vllm_xargs": {"kv_policy": "snapkv", "kv_budget": 200}}, "kv_budget"),
