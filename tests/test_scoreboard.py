@@ -108,6 +108,7 @@ def test_the_mean_is_over_tasks_and_its_interval_adds_their_bounded_variances():
         ("kvzip@0.75/outside", "kvzip@0.75/outside/global"),
         ("snapkv@0.5/inside", "snapkv@0.5/inside"),
         ("default@0.875/inside", "default@0.875/inside"),
+        ("kvzap@t-6.5/inside", "kvzap@t-6.5/inside"),
     ],
 )
 def test_settings_are_named_by_policy_ratio_and_question(text, label):
@@ -115,7 +116,9 @@ def test_settings_are_named_by_policy_ratio_and_question(text, label):
     assert scoreboard.parse_setting(label) == scoreboard.parse_setting(text)
 
 
-@pytest.mark.parametrize("text", ["h2o@0.5/outside", "snapkv@1.5/inside", "snapkv@0.5", "kvzip@0.5/beside"])
+@pytest.mark.parametrize(
+    "text", ["h2o@0.5/outside", "snapkv@1.5/inside", "snapkv@0.5", "kvzip@0.5/beside", "kvzap@t-6/outside"]
+)
 def test_a_setting_without_a_press_or_a_ratio_is_refused(text):
     with pytest.raises(ValueError, match="setting|press|ratio"):
         scoreboard.parse_setting(text)
@@ -178,7 +181,15 @@ def test_kvserves_side_asks_a_real_server_each_way_and_the_kept_counts_are_the_s
         cases.append(scoreboard.BoardCase(context.key, outside, inside, context.references, 8))
     settings = [
         scoreboard.parse_setting(text)
-        for text in ("full", "kvzip@0.5/outside", "snapkv@0.5/outside", "snapkv@0.5/inside", "default@0.5/inside")
+        for text in (
+            "full",
+            "kvzip@0.5/outside",
+            "snapkv@0.5/outside",
+            "snapkv@0.5/inside",
+            "default@0.5/inside",
+            "kvzap@0.5/outside",
+            "kvzap@t-6/inside",
+        )
     ]
     out = str(tmp_path / "board.jsonl")
     client = Server(server)
@@ -195,9 +206,33 @@ def test_kvserves_side_asks_a_real_server_each_way_and_the_kept_counts_are_the_s
             assert row["kv_tokens_evicted"] == 0 and row["budget"] is None
             continue
         assert row["budget"] == scoreboard.budget_of(setting, case, block_size)
+        if setting.threshold is not None:  # the threshold decides each list's count; the budget caps nothing
+            assert row["budget"] == compressed and 0 < row["kv_tokens_evicted"] < compressed, row
+            continue
         evicted = compressed - row["budget"]
         if setting.question == "inside":  # the whole prompt compacted where it ends
             evicted = compressed + len(case.inside[1]) - row["budget"]
         assert row["kv_tokens_evicted"] == evicted, row["label"]
     scoreboard.run_kvserve(client, "unused", cases, settings, out, block_size)  # resumes: nothing asked again
     assert len(open(out).read().splitlines()) == len(rows)
+
+
+def test_kvzaps_threshold_is_placed_against_its_fixed_budgets_on_the_same_cases():
+    """A threshold scoring what B = 50% of the prompt scores, while keeping 40% of it: 0.80 of that budget. The
+    tail after the compressed prompt (2 tokens here) is read off a fixed budget's row of the same case."""
+    from kvserve.tools.report.kvzap import share_scoring, threshold_table
+
+    assert share_scoring([(0.25, 0.2), (0.5, 0.6), (1.0, 1.0)], 0.4) == pytest.approx(0.375)
+    assert share_scoring([(0.25, 0.2), (0.5, 0.6)], 0.9) is None
+    rows = []
+    for index in range(4):
+        for label, right, evicted, budget in (
+            ("full", True, 0, None),
+            ("kvzap@0.5/inside", index < 2, 502, 500),
+            ("kvzap@0.75/inside", index < 1, 752, 250),
+            ("kvzap@t-5/inside", index < 2, 602, 1000),
+        ):
+            row = _row("kvserve", label, "niah_single_1", index, right)
+            rows.append({**row, "context_tokens": 1000, "budget": budget, "kv_tokens_evicted": evicted})
+    text = threshold_table(rows)
+    assert "| kv_threshold -5 | 400 | 40% | 50.0 " in text and "| 50% | 0.80 |" in text

@@ -57,18 +57,23 @@ class BoardSetting:
     ratio: float = 0.0
     question: str = "outside"
     allocation: str = "uniform"  # kvserve's kv_allocation
+    threshold: float | None = None  # KVzap's kv_threshold instead of a ratio (kvserve side; B then caps nothing)
 
     @property
     def label(self) -> str:
         if self.policy == "full":
             return "full"
-        label = f"{self.policy}@{self.ratio:g}/{self.question}"
+        amount = f"t{self.threshold:g}" if self.threshold is not None else f"{self.ratio:g}"
+        label = f"{self.policy}@{amount}/{self.question}"
         return label + (f"/{self.allocation}" if self.allocation != "uniform" else "")
 
     @property
     def reference(self) -> str | None:
         """The kvpress row this setting is compared with (kvpress keeps every press's own allocation); kvserve's
-        default is SnapKV as the server configures it, so its row is kvpress's SnapKV at the same ratio and question."""
+        default is SnapKV as the server configures it, so its row is kvpress's SnapKV at the same ratio and question.
+        A threshold has none: it is compared with kvserve's own fixed budgets (what each keeps, what it scores)."""
+        if self.threshold is not None:
+            return None
         if self.policy in KVSERVE_ONLY:
             return f"{self.served_policy}@{self.ratio:g}/{self.question}"
         return self.label.removesuffix(f"/{self.allocation}") if self.allocation != "uniform" else self.label
@@ -89,9 +94,15 @@ def parse_setting(text: str) -> BoardSetting:
 
     if text == "full":
         return BoardSetting("full")
+    threshold = re.fullmatch(r"kvzap@t(-?[0-9.]+)/inside", text)
+    if threshold:  # (kv_threshold keeps uneven counts per head, which a compressed document cannot publish)
+        return BoardSetting("kvzap", question="inside", threshold=float(threshold.group(1)))
     match = re.fullmatch(r"([a-z_]+)@([0-9.]+)/(outside|inside)(?:/(uniform|global|heads|layers))?", text)
     if not match:
-        raise ValueError(f"{text!r}: a setting is full or POLICY@RATIO/QUESTION[/ALLOCATION], e.g. kvzip@0.75/outside")
+        raise ValueError(
+            f"{text!r}: a setting is full, POLICY@RATIO/QUESTION[/ALLOCATION] (e.g. kvzip@0.75/outside) or "
+            "kvzap@tTHRESHOLD/inside (e.g. kvzap@t-6/inside)"
+        )
     policy, ratio, question, allocation = match.groups()
     if policy not in REFERENCE_KNOBS and policy not in KVSERVE_ONLY:
         known = ", ".join([*REFERENCE_KNOBS, *KVSERVE_ONLY])
@@ -130,6 +141,8 @@ def budget_of(setting: BoardSetting, case: BoardCase, block_size: int) -> int | 
     if setting.policy == "full":
         return None
     compressed, _ = case.form(setting.question)
+    if setting.threshold is not None:  # the threshold alone decides: a cap no list reaches
+        return len(compressed)
     return ruler4k.budget_for(setting.ratio, len(compressed), block_size if setting.compresses_document else 1)
 
 
@@ -194,6 +207,8 @@ def served_setting(setting: BoardSetting, budget: int | None, model_dir: str, ca
         roles = model_roles(model_dir)
         heads = duo_retrieval_heads(roles, budget, len(case.form(setting.question)[0]))
         knobs = (("retrieval_fraction", repr(heads / roles.gates.numel())),)
+    if setting.threshold is not None:  # the same window as the fixed budgets it is compared with
+        knobs = (*knobs, ("threshold", repr(setting.threshold)))
     return Setting(setting.served_policy, budget, allocation=setting.allocation, knobs=knobs)
 
 
@@ -285,7 +300,8 @@ def label_order(label: str) -> tuple:
     if label == "full":
         return (0, 0.0, "")
     setting = parse_setting(label)
-    return (1, setting.ratio, setting.question, setting.policy, setting.allocation)
+    return (1 if setting.threshold is None else 2, setting.ratio, setting.question, setting.policy,
+            setting.allocation, setting.threshold or 0.0)  # fmt: skip
 
 
 def paired_difference(theirs: list[dict], ours: list[dict]) -> str:

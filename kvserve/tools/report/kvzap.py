@@ -4,6 +4,7 @@ a document and to decode, each against the plain path in the same run."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 from kvserve.tools.eval import ruler4k
@@ -61,6 +62,62 @@ def against_kvzip(rows: list[dict]) -> str:
     return table(["side", "ratio", "kvzip", "kvzap", "kvzap - kvzip (same cases)"], body)
 
 
+def share_scoring(points: list[tuple[float, float]], score: float) -> float | None:
+    """The kept share at which the (share, score) points, joined by straight lines, reach `score` (None: nowhere
+    between two rising points)."""
+    for (a, score_a), (b, score_b) in pairwise(points):
+        if score_a <= score <= score_b and score_b > score_a:
+            return a + (b - a) * (score - score_a) / (score_b - score_a)
+    return None
+
+
+def threshold_table(rows: list[dict]) -> str:
+    """kvserve's kvzap with the question inside: each fixed budget and each threshold, the entries a list keeps on
+    average and the score; for a threshold, the share of the prompt a fixed budget would keep for the same score
+    (linear between the fixed budgets' points, `full` keeping all), and its own kept share over that one."""
+    fixed: dict[float, list[dict]] = {}
+    thresholds: dict[float, list[dict]] = {}
+    full = [row for row in scored(rows) if row["side"] == "kvserve" and row["label"] == "full"]
+    for row in scored(rows):
+        if row["side"] != "kvserve" or row["label"] == "full":
+            continue
+        setting = parse_setting(row["label"])
+        if setting.policy == "kvzap" and setting.question == "inside":
+            group = thresholds if setting.threshold is not None else fixed
+            group.setdefault(setting.threshold if setting.threshold is not None else setting.ratio, []).append(row)
+    if not thresholds:
+        return ""
+    # a prompt's tail after the compressed part (the reply's start) is kept too: known from a fixed budget's row
+    tails = {tuple(r["key"]): r["kv_tokens_evicted"] + r["budget"] - r["context_tokens"] for g in fixed.values()
+             for r in g}  # fmt: skip
+    points = [(1 - ratio, ruler4k.mean_over_tasks(group)[0]) for ratio, group in fixed.items()]
+    keys = {tuple(r["key"]) for group in thresholds.values() for r in group}
+    if full:
+        points.append((1.0, ruler4k.mean_over_tasks([r for r in full if tuple(r["key"]) in keys])[0]))
+    points.sort()
+    body = [[f"B = {1 - ratio:.0%} of the prompt", "", f"{1 - ratio:.0%}", cell(group), "", ""]
+            for ratio, group in sorted(fixed.items(), reverse=True)]  # fmt: skip
+    for threshold, group in sorted(thresholds.items()):
+        known = [r for r in group if tuple(r["key"]) in tails]
+        kept = [r["context_tokens"] + tails[tuple(r["key"])] - r["kv_tokens_evicted"] for r in known]
+        share = sum(k / r["context_tokens"] for k, r in zip(kept, known, strict=True)) / max(len(known), 1)
+        score = ruler4k.mean_over_tasks(group)[0]
+        same = share_scoring(points, score)
+        body.append(
+            [
+                f"kv_threshold {threshold:g}",
+                f"{sum(kept) / max(len(kept), 1):.0f}",
+                f"{share:.0%}",
+                cell(group),
+                "-" if same is None else f"{same:.0%}",
+                "-" if same is None else f"{share / same:.2f}",
+            ]
+        )
+    headers = ["kvzap, question inside", "entries kept per list", "share of the prompt kept", "score",
+               "fixed B for that score", "kept / that B"]  # fmt: skip
+    return table(headers, body)
+
+
 def section(data: DataDir, plots: Path, plot_link: str) -> str:
     parts = [
         "## KVzap: KVzip's choice without the second pass",
@@ -79,8 +136,16 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
                 "RULER-4k (the scoreboard's cases, Qwen2.5-Coder-0.5B-Instruct), the context compressed before the "
                 "question; kvpress's side is its `KVzapPress` given the same surrogate, and its `KVzipPress`:",
                 against_kvzip(board.data),
-                f"Data: `{board.name}`; the runs: [the scoreboard](#on-kvpresss-leaderboard-ruler-at-4k).",
             ]
+            thresholds = threshold_table(board.data)
+            if thresholds:
+                parts += [
+                    "A threshold (`kv_threshold`) instead of a budget, the question inside the compressed prompt: "
+                    "each list keeps what passes, so the kept share follows the content. Against kvzap's fixed "
+                    "budgets on the same cases:",
+                    thresholds,
+                ]
+            parts.append(f"Data: `{board.name}`; the runs: [the scoreboard](#on-kvpresss-leaderboard-ruler-at-4k).")
     costs = []
     if (data.folder / DOCUMENTS).exists():
         from kvserve.tools.bench.documents import report

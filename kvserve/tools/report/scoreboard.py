@@ -32,6 +32,8 @@ def curves(rows: list[dict]) -> dict[tuple[str, str], list[tuple[float, float, f
         if row["label"] == "full":
             continue
         setting = parse_setting(row["label"])
+        if setting.threshold is not None:  # no ratio of its own: in the table and KVzap's section, not the figure
+            continue
         method = row["label"].split("@")[0] + "/" + setting.question
         method += f"/{setting.allocation}" if row["side"] == "kvserve" and setting.allocation != "uniform" else ""
         by.setdefault((row["side"], method, setting.ratio), []).append(row)
