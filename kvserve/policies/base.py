@@ -213,6 +213,14 @@ class Policy:
         """The per-request settings this policy declares, by field name."""
         return knobs_of(cls)
 
+    def token_scores(
+        self, layer_idx: int, queries: torch.Tensor, query_positions: torch.Tensor, rotary: Rotary | None, model: str,
+        heads: slice,
+    ) -> dict[str, torch.Tensor]:  # fmt: skip
+        """With `token_statistics`: each statistic of the step's new entries, [H, q], from their own queries
+        [q, Hq, D] at `query_positions` alone (model layer `layer_idx`, the model's KV heads `heads`)."""
+        raise NotImplementedError
+
     def decides_counts(self) -> bool:
         """This request's heads keep the counts `head_counts` gives (within the budget), not an allocation's: always
         for a policy with `own_counts`, per request for one whose settings say so (KVzap's threshold)."""
@@ -280,6 +288,20 @@ class Policy:
         """What the compaction keeps. Heads holding fewer than `budget` entries (ragged lists) keep all of theirs:
         their padding scores below every real entry, so the first `count` indices are the real ones."""
         return Selection(self.keep_indices(obs, budget), keep_counts=obs.head_budgets(budget))
+
+
+def written_newest(
+    stat: torch.Tensor | None, new: torch.Tensor, lengths: torch.Tensor | None, width: int
+) -> torch.Tensor:
+    """A per-entry statistic [H, width] whose newest q entries of each head (those before its length, or before
+    `width` for all when `lengths` is None) are `new` [H, q]; the older ones are `stat`'s (zero-padded, None: none)."""
+    heads, count = new.shape
+    out = torch.zeros(heads, width, dtype=new.dtype, device=new.device)
+    if stat is not None:
+        out[:, : stat.shape[1]] = stat[:, :width]
+    ends = lengths.to(new.device) if lengths is not None else torch.full((heads,), width, device=new.device)
+    slots = ends[:, None] - count + torch.arange(count, device=new.device)
+    return out.scatter_(1, slots.long(), new)
 
 
 def top_with_protected(

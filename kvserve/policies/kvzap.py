@@ -26,8 +26,9 @@ from typing import ClassVar
 import torch
 
 from kvserve.policies.allocation import ranked, top_counts
-from kvserve.policies.base import LayerObservation, ScoredPolicy, Selection, recent_mask
+from kvserve.policies.base import LayerObservation, ScoredPolicy, Selection, recent_mask, written_newest
 from kvserve.policies.knobs import knob
+from kvserve.policies.rotary import Rotary
 
 STAT = "kvzap"  # per entry: the surrogate's predicted log KVzip+ score, written when the entry is
 
@@ -55,21 +56,25 @@ class KVzap(ScoredPolicy):
     def protected_mask(self, obs: LayerObservation) -> torch.Tensor:
         return recent_mask(obs, self.window)
 
+    def token_scores(
+        self, layer_idx: int, queries: torch.Tensor, query_positions: torch.Tensor, rotary: Rotary | None, model: str,
+        heads: slice,
+    ) -> dict[str, torch.Tensor]:  # fmt: skip
+        """The layer's surrogate over the step's queries [q, Hq, D], un-rotated: each new entry's log score [H, q]."""
+        from kvserve.kvzap.registry import surrogates_for
+
+        if rotary is None:
+            raise ValueError("kvzap reads queries before RoPE; this layer's rotary embedding is unknown")
+        before_rope = rotary.unrotate(queries, query_positions)
+        return {STAT: surrogates_for(model).scores(layer_idx, before_rope)[heads].to(queries.device)}
+
     def update_stats(
         self, obs: LayerObservation, queries: torch.Tensor, query_positions: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        """The step's queries [q, Hq, D] score the step's q new entries, the newest of each head's list."""
-        from kvserve.kvzap.registry import surrogates_for
-
-        if obs.rotary is None:
-            raise ValueError("kvzap reads queries before RoPE; this layer's rotary embedding is unknown")
-        before_rope = obs.rotary.unrotate(queries, query_positions)
-        predicted = surrogates_for(obs.model).scores(obs.layer_idx, before_rope)[obs.heads].to(obs.positions.device)
-        count = predicted.shape[1]
-        ends = obs.lengths if obs.lengths is not None else torch.full((obs.num_heads,), obs.num_tokens)
-        slots = ends.to(predicted.device)[:, None] - count + torch.arange(count, device=predicted.device)
-        stat = obs.stats[STAT].clone()
-        stat.scatter_(1, slots, predicted.to(stat.dtype))
+        """The step's queries score the step's q new entries, the newest of each head's list."""
+        scores = self.token_scores(obs.layer_idx, queries, query_positions, obs.rotary, obs.model, obs.heads)
+        predicted = scores[STAT]
+        stat = written_newest(obs.stats[STAT], predicted.to(obs.stats[STAT].dtype), obs.lengths, obs.num_tokens)
         return {**obs.stats, STAT: stat}
 
     def score(self, obs: LayerObservation) -> torch.Tensor:

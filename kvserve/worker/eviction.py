@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from kvserve import phases
 from kvserve.metrics import metrics
 from kvserve.policies import LayerObservation, Policy, Selection
-from kvserve.policies.base import PassStatistics
+from kvserve.policies.base import PassStatistics, written_newest
 from kvserve.worker import allocated
 from kvserve.worker.decoding import measure_decode_rows, pseudo_queries, record_decode_windows
 from kvserve.worker.drafts import settle_drafts
@@ -162,6 +162,16 @@ def _evict(
             layer.stats = folded
             return
     lengths = plan.lengths(layer_idx)
+    if plan.compaction is None and policy.token_statistics:  # the new entries' own scores: nothing else to read
+        layout = plan.state.pages.layout
+        heads = slice(layout.first_head, layout.first_head + lengths.shape[0])
+        new = policy.token_scores(
+            layer_idx + layout.first_layer, queries, plan.query_positions().to(queries.device),
+            plan.state.rotary.get(layer_idx), plan.state.model, heads,
+        )  # fmt: skip
+        width = int(lengths.max())
+        layer.stats = {name: written_newest(layer.stats.get(name), new[name], lengths, width) for name in new}
+        return
     obs = _observe(plan, layer, layer_idx, cache, lengths, scale)
     question = question_window(plan, layer_idx, obs)
     if question is not None:  # a prefill chunk's compaction, voted on by the question's queries (kv_lookahead)

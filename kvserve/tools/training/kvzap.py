@@ -22,6 +22,7 @@ the tokens of a local prose corpus and scored on held-out texts (R^2 and Spearma
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -203,18 +204,51 @@ def as_kvpress(surrogates: SurrogateSet, model: PlainLlama, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=1))
 
 
-def corpus_windows(model_dir: Path, texts: int, tokens: int) -> tuple[list[list[int]], list[list[int]]]:
+def record_text(rng: random.Random, words: list[str]) -> str:
+    """One short record of the kind documents carry and no model can predict: a number, an identifier or a few
+    unrelated words, in one of a few plain phrasings."""
+    number, hex_id = str(rng.randrange(10**3, 10**8)), f"{rng.getrandbits(32):08x}-{rng.getrandbits(16):04x}"
+    picked = " ".join(rng.sample(words, 3))
+    date = f"{rng.randrange(1990, 2030)}-{rng.randrange(1, 13):02d}-{rng.randrange(1, 29):02d}"
+    return rng.choice(
+        (
+            f" Entry {rng.randrange(1, 999)}: {number}.",
+            f" The {rng.choice(words)} value is {number}.",
+            f" Reference {hex_id}.",
+            f" Code word: {picked}.",
+            f" Recorded on {date}: {number}.",
+        )
+    )
+
+
+def corpus_windows(
+    model_dir: Path, texts: int, tokens: int, records: int = 0, seed: int = 0
+) -> tuple[list[list[int]], list[list[int]]]:
     """`texts` training windows of `tokens` tokens from the train split of kvserve's prose corpus (pydoc_data's
-    topics, as the Attention-Gates train on), and a quarter as many (at least one) from its held-out split."""
-    from kvserve.tools.training.corpus import load_corpus
+    topics, as the Attention-Gates train on), and a quarter as many (at least one) from its held-out split. With
+    `records` R, each window gets R short records (`record_text`: numbers, identifiers, unrelated words) at seeded
+    random places between its tokens: the prose alone holds few of the unpredictable tokens that a reconstruction
+    (and a question) needs most, which the paper's training mix (web text, code, math) has throughout."""
+    from kvserve.tools.training.corpus import load_corpus, load_tokenizer
+    from kvserve.tools.training.retrieval import vocabulary
 
     corpus = load_corpus(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    words = vocabulary(tokenizer.decode(corpus.train[:20000]))
+    rng = random.Random(seed)
 
     def windows(stream: list[int], count: int) -> list[list[int]]:
         if len(stream) < tokens * count:
             raise ValueError(f"the corpus split holds {len(stream)} tokens, fewer than {count} x {tokens}")
         step = len(stream) // count
-        return [stream[i * step : i * step + tokens] for i in range(count)]
+        made = []
+        for i in range(count):
+            window = stream[i * step : i * step + tokens]
+            for place in sorted(rng.sample(range(1, tokens), records), reverse=True):
+                record = tokenizer.encode(record_text(rng, words), add_special_tokens=False).ids
+                window = window[:place] + record + window[place:]
+            made.append(window[:tokens])
+        return made
 
     return windows(corpus.train, texts), windows(corpus.held_out, max(1, texts // 4))
 
@@ -229,6 +263,9 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--kind", choices=KINDS, default="linear")
     parser.add_argument("--texts", type=int, default=32, help="training windows of the corpus")
     parser.add_argument("--tokens", type=int, default=512, help="tokens per window (the reconstruction doubles it)")
+    parser.add_argument(
+        "--records", type=int, default=6, help="short records (numbers, identifiers) inserted into each window"
+    )
     parser.add_argument("--hidden", type=int, default=256, help="the MLP's hidden width")
     parser.add_argument("--epochs", type=int, default=15, help="the MLP's epochs")
     parser.add_argument("--out", type=Path, required=True, help="the surrogate file")
@@ -239,7 +276,7 @@ def parse_args(argv: list[str] | None = None):
 
 def run(args) -> TrainResult:
     """Train, save, print each layer's held-out fit; returns the result."""
-    texts, held_out = corpus_windows(args.model, args.texts, args.tokens)
+    texts, held_out = corpus_windows(args.model, args.texts, args.tokens, args.records)
     model = PlainLlama(args.model)  # loaded once: the targets and kvpress's form read it
     surrogates, result = train(args.model, texts, held_out, args.kind, args.hidden, args.epochs, model)
     surrogates.save(args.out)
@@ -248,7 +285,7 @@ def run(args) -> TrainResult:
     if getattr(args, "report", None) is not None:
         from kvserve.provenance import command_line, provenance
 
-        record = {"model": Path(args.model).name, **asdict(result), "out": Path(args.out).name}
+        record = {"model": Path(args.model).name, **asdict(result), "records": args.records, "out": Path(args.out).name}
         record["provenance"] = provenance(command_line(None, "python -m kvserve.tools.training.kvzap"))
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(json.dumps(record, indent=1))
