@@ -58,6 +58,8 @@ def knob_alternatives(setting: Knob) -> tuple[Any, ...]:
     """Valid values of a knob for the mix, from its declaration: its default and one other value inside its range."""
     if setting.kind is str:
         return setting.choices or (setting.default,)
+    if setting.default is None:  # an optional knob, off by default: one value that turns it on
+        return (setting.kind(setting.minimum if setting.minimum is not None else 0),)
     low = setting.minimum if setting.minimum is not None else setting.default / 2
     if setting.kind is float:
         return setting.default, (setting.default + low) / 2
@@ -142,7 +144,9 @@ def valid_settings(rng: random.Random, policy: str, mix: Mix, max_model_len: int
     if settings and rng.random() < mix.knob_share:
         setting = rng.choice(settings)
         knobs[setting.key] = rng.choice(knob_alternatives(setting))
-    budgets = [b for b in mix.budgets if _protected(policy, knobs) < b <= max_model_len]
+    protected = _protected(policy, knobs)
+    # a policy that protects more than every budget of the mix (KVzap's 128-entry window) gets the least beyond it
+    budgets = [b for b in mix.budgets if protected < b <= max_model_len] or [protected + min(mix.budgets)]
     xargs = {"kv_policy": policy, "kv_budget": rng.choice(budgets), **knobs}
     parse_kv_config(xargs, defaults={})  # raises if the plan itself is wrong: that is a bug here, not the server's
     return xargs
