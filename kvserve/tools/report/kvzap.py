@@ -40,26 +40,31 @@ def fit_table(sources: list) -> str:
 
 
 def against_kvzip(rows: list[dict]) -> str:
-    """Per side and ratio (question outside): kvzip's and kvzap's scores, and kvzap minus kvzip on the cases both
-    answered."""
-    by: dict[tuple[str, str, float], list[dict]] = {}
+    """Per side, ratio and kvzap's allocation (question outside): kvzip's and kvzap's scores, and kvzap minus kvzip
+    on the cases both answered (kvzip at its own allocation: global on both sides)."""
+    zips: dict[tuple[str, float], list[dict]] = {}
+    zaps: dict[tuple[str, float, str], list[dict]] = {}
     for row in scored(rows):
         if row["label"] == "full":
             continue
         setting = parse_setting(row["label"])
-        if setting.policy in ("kvzip", "kvzap") and setting.question == "outside":
-            by.setdefault((row["side"], setting.policy, setting.ratio), []).append(row)
+        if setting.question != "outside":
+            continue
+        if setting.policy == "kvzip":
+            zips.setdefault((row["side"], setting.ratio), []).append(row)
+        elif setting.policy == "kvzap":
+            zaps.setdefault((row["side"], setting.ratio, setting.allocation), []).append(row)
     body = []
-    for side, ratio in sorted({(side, ratio) for side, policy, ratio in by if policy == "kvzap"}):
-        zap, zip_ = by.get((side, "kvzap", ratio), []), by.get((side, "kvzip", ratio), [])
+    for (side, ratio, allocation), zap in sorted(zaps.items()):
+        zip_ = zips.get((side, ratio), [])
         keys = {tuple(r["key"]) for r in zap} & {tuple(r["key"]) for r in zip_}
         difference = ""
         if keys:
             ours = ruler4k.mean_over_tasks([r for r in zap if tuple(r["key"]) in keys])[0]
             theirs = ruler4k.mean_over_tasks([r for r in zip_ if tuple(r["key"]) in keys])[0]
             difference = f"{100 * (ours - theirs):+.1f} (n={len(keys)})"
-        body.append([side, f"{ratio:g}", cell(zip_), cell(zap), difference])
-    return table(["side", "ratio", "kvzip", "kvzap", "kvzap - kvzip (same cases)"], body)
+        body.append([side, f"{ratio:g}", allocation, cell(zip_), cell(zap), difference])
+    return table(["side", "ratio", "kvzap's allocation", "kvzip", "kvzap", "kvzap - kvzip (same cases)"], body)
 
 
 def share_scoring(points: list[tuple[float, float]], score: float) -> float | None:
@@ -121,28 +126,26 @@ def threshold_table(rows: list[dict]) -> str:
 def section(data: DataDir, plots: Path, plot_link: str) -> str:
     parts = [
         "## KVzap: KVzip's choice without the second pass",
-        "`kvzap` predicts each entry's KVzip+ score from its token's queries as the entry is written, with a linear "
-        "surrogate per layer trained on the prose corpus (`kvserve calibrate MODEL --kvzap`); KVzip scores by a second "
-        "pass over the document. Surrogates, held out on other windows of the corpus (R^2 of the log score, "
-        "Spearman's rank correlation, means over layers):",
+        "`kvzap` predicts each entry's KVzip+ score from its token's queries as the entry is written (a linear "
+        "surrogate per layer, `kvserve calibrate MODEL --kvzap`); KVzip scores by a second pass over the document.",
     ]
     fits = [data.load(name) for name in SURROGATES if (data.folder / name).exists()]
-    if fits:
-        parts += [fit_table(fits), captions(fits)]
+    if fits:  # (R^2 of the log score and Spearman's rank correlation on held-out windows, means over layers)
+        parts += ["<details><summary>the surrogates' held-out fit</summary>", fit_table(fits), captions(fits),
+                  "</details>"]  # fmt: skip
     if (data.folder / SCOREBOARD).exists():
         board = data.load(SCOREBOARD)
         if any(row["label"].startswith("kvzap") for row in board.data):
             parts += [
-                "RULER-4k (the scoreboard's cases, Qwen2.5-Coder-0.5B-Instruct), the context compressed before the "
-                "question; kvpress's side is its `KVzapPress` given the same surrogate, and its `KVzipPress`:",
+                "RULER-4k, Qwen2.5-Coder-0.5B-Instruct, question outside; kvpress: `KVzapPress` with the same "
+                "surrogate, `KVzipPress`:",
                 against_kvzip(board.data),
             ]
             thresholds = threshold_table(board.data)
             if thresholds:
                 parts += [
-                    "A threshold (`kv_threshold`) instead of a budget, the question inside the compressed prompt: "
-                    "each list keeps what passes, so the kept share follows the content. Against kvzap's fixed "
-                    "budgets on the same cases:",
+                    "`kv_threshold` instead of a budget (question inside), against kvzap's fixed budgets on the same "
+                    "cases:",
                     thresholds,
                 ]
             parts.append(f"Data: `{board.name}`; the runs: [the scoreboard](#on-kvpresss-leaderboard-ruler-at-4k).")
@@ -152,18 +155,25 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
 
         documents = data.load(DOCUMENTS)
         args = documents.data["args"]
+        # vanilla's recompute (the plain prefill) and each compression; the prefix-hit rows are on "Compress once"
+        rows = [r for r in documents.data["results"] if r["mode"].startswith("compressed") or r["server"] == "vanilla"
+                and r["mode"] == "recompute"]  # fmt: skip
         parts += [
-            f"Cost of compressing a {args['doc_tokens']}-token document once (B={args['budget']}, Qwen2.5-Coder-0.5B-"
-            "Instruct), and each question's TTFT after it, against vanilla vLLM recomputing the document:",
-            report(documents.data["results"]),
+            f"Compressing a {args['doc_tokens']}-token document once (B={args['budget']}, Qwen2.5-Coder-0.5B-"
+            "Instruct) against vanilla vLLM's prefill of it:",
+            report(rows),
         ]
         costs.append(documents)
     if (data.folder / OVERHEAD).exists():
         overhead = data.load(OVERHEAD)
+        step = next(r for r in overhead.data["results"] if r["server"] == "kvserve" and r["policy"] != "full")
+        full = next(r for r in overhead.data["results"] if r["server"] == "kvserve" and r["policy"] == "full")
+        slower = step["tpot_p50"] / full["tpot_p50"]
         parts += [
-            "Decoding with the surrogate scoring every new entry and nothing evicted (B above every sequence), "
-            "against kvserve `full` and vanilla vLLM:",
-            overhead_table(overhead),
+            f"Decoding, every new entry scored and nothing evicted: a step takes {slower:.2f}x kvserve `full`'s.",
+            "<details><summary>decoding against vanilla vLLM and kvserve full</summary>\n\n"
+            + overhead_table(overhead)
+            + "\n\n</details>",
         ]
         costs.append(overhead)
     if costs:

@@ -14,14 +14,12 @@ from kvserve.tools.report.sources import DataDir
 TITLE = "## On kvpress's leaderboard: RULER at 4k"
 MODELS = (("Qwen2.5-Coder-0.5B-Instruct", "ruler4k/qwen05.jsonl", "ruler4k-qwen05.png"),)
 INTRO = (
-    "kvpress's leaderboard protocol: RULER at 4,096 tokens, compression ratios 0.25 to 0.875, RULER's string match, "
-    "mean over tasks; `kvserve eval scoreboard` gives kvpress 0.5.5 and a kvserve server the same tokens: RULER's "
-    f"generators from lm-evaluation-harness ({len(ruler4k.TASKS)} tasks; Python's documentation as the essay "
-    f"haystack; {' and '.join(ruler4k.MISSING)} need the hub). `outside`: the context compressed "
-    "before the question (kvserve: KVzip through `POST /v1/kvserve/compress`, the others `kv_document`); `inside`: "
-    "with it (kvpress's `query_aware`); `default`: kvserve's serving default. Ratio r keeps (1 - r) x the context's "
-    "entries per (layer, KV head) on both sides. Scores x100 [95% interval, Agresti-Coull per task] (n answers); a "
-    "line ends where the runs have reached."
+    "kvpress's leaderboard protocol (RULER at 4,096 tokens, RULER's string match, mean over tasks): `kvserve eval "
+    "scoreboard` gives kvpress 0.5.5 and a kvserve server the same tokens, from lm-evaluation-harness's generators "
+    f"({len(ruler4k.TASKS)} tasks; Python's documentation as the essay haystack; {' and '.join(ruler4k.MISSING)} "
+    "need the hub). `outside`: the context compressed before the question (kvserve: `kv_document`, KVzip by its "
+    "reconstruction); `inside`: with it; `default`: kvserve's serving default. Ratio r keeps (1 - r) x the context's "
+    "entries per (layer, KV head) on both sides. Scores x100 [95% interval] (n answers)."
 )
 
 
@@ -99,6 +97,13 @@ def task_table(rows: list[dict]) -> str:
     return table(["side", "setting", *tasks], body)
 
 
+def compared(rows: list[dict]) -> list[dict]:
+    """The rows of `full` and of the settings kvpress has rows for (a threshold, or a setting kvpress has not run
+    yet, is placed elsewhere: KVzap's section sets its thresholds against its fixed budgets)."""
+    theirs = {row["label"] for row in rows if row["side"] == "kvpress"}
+    return [row for row in rows if row["label"] == "full" or parse_setting(row["label"]).reference in theirs]
+
+
 def section(data: DataDir, plots: Path, plot_link: str) -> str:
     parts = [TITLE, INTRO]
     for title, name, png in MODELS:
@@ -107,7 +112,7 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
         parts += [
             f"### {title}",
             f"![RULER-4k score against compression ratio, {title}]({plot_link}/{png})",
-            board_table(source.data),
+            board_table(compared(source.data)),
             "<details><summary>per task (score x100, answers)</summary>\n\n"
             + task_table(source.data)
             + "\n\n</details>",
