@@ -66,7 +66,7 @@ def main(mode: str, out_path: str) -> None:
         _write(out_path, result)
         return
 
-    from engine_settings import find_state, keep_finished_states
+    from engine_settings import find_state, fitting_window, keep_finished_states
 
     from kvserve.policies import POLICIES, POLICY_NAMES
     from kvserve.vllm.worker import requests_of
@@ -93,7 +93,7 @@ def main(mode: str, out_path: str) -> None:
         if n != "full" and not (POLICIES[n].ragged or POLICIES[n].own_counts or POLICIES[n].reconstructs)
     ]
     prompts = [haystack(tokenizer, 300, seed=70 + i) for i in range(len(budgeted))]
-    kvs = [{"kv_policy": name, "kv_budget": EVERY_POLICY_BUDGET} for name in budgeted]
+    kvs = [fitting_window({"kv_policy": name, "kv_budget": EVERY_POLICY_BUDGET}) for name in budgeted]
     outputs = generate(prompts, EVERY_POLICY_TOKENS, kvs)
     result["every_policy"] = {}
     for name, output in zip(budgeted, outputs, strict=True):

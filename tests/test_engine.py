@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from engine_settings import BLOCK_SIZE, EQUIVALENCE_MAX_TOKENS, NUM_BLOCKS, equivalence_prompts
+from engine_settings import BLOCK_SIZE, EQUIVALENCE_MAX_TOKENS, NUM_BLOCKS, equivalence_prompts, fitting_window
 from hf_reference import (
     attention_probabilities,
     expected_attention_reference,
@@ -383,7 +383,10 @@ def test_every_policy_evicts_within_budget_and_returns_its_blocks(engine, monkey
     prompts = [TokensPrompt(prompt_token_ids=prompt(engine, 300, seed=70 + i)) for i in range(len(names))]
     params = [
         SamplingParams(
-            temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_policy": name, "kv_budget": budget}
+            temperature=0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args=fitting_window({"kv_policy": name, "kv_budget": budget}),
         )
         for name in names
     ]
