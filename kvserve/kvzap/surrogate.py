@@ -44,11 +44,6 @@ class SurrogateSet:
         with torch.no_grad():
             return module(queries.reshape(queries.shape[0], -1).to(next(module.parameters()).device)).T
 
-    def to(self, device: torch.device | str) -> SurrogateSet:
-        for layer in self.layers:
-            layer.to(device)
-        return self
-
     def save(self, path: Path) -> None:
         tensors = {f"layers.{i}.{name}": t.contiguous() for i, s in enumerate(self.layers) for name, t in
                    s.net.state_dict().items()}  # fmt: skip

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 
+from kvserve.policies.allocation import ranked, top_counts
 from kvserve.policies.knobs import Knob, knobs_of
 from kvserve.policies.rotary import Rotary
 
@@ -370,6 +371,14 @@ class ScoredPolicy(Policy):
     def protected_mask(self, obs: LayerObservation) -> torch.Tensor:
         """[H, n] entries kept regardless of score."""
         return torch.zeros(obs.num_heads, obs.num_tokens, dtype=torch.bool, device=obs.keys.device)
+
+    def select_head_counts(self, obs: LayerObservation, budget: int) -> Selection:
+        """Each head's `head_counts` entries: its protected ones first, then its best scores (a policy that
+        `decides_counts`)."""
+        counts = self.head_counts(obs, budget)
+        padding = obs.padding()
+        protected = self.protected_mask(obs) if padding is None else self.protected_mask(obs) & ~padding
+        return Selection(top_counts(ranked(self.score(obs), protected, padding), counts), keep_counts=counts)
 
     def keep_indices(self, obs: LayerObservation, budget: int) -> torch.Tensor:
         if obs.budget != budget:  # scores that depend on the budget (AhaKV's step gain) must see this one

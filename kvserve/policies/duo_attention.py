@@ -23,7 +23,6 @@ from typing import ClassVar
 import torch
 
 from kvserve.duo.roles import roles_for
-from kvserve.policies.allocation import ranked, top_counts
 from kvserve.policies.base import LayerObservation, Selection, recent_mask
 from kvserve.policies.knobs import knob
 from kvserve.policies.snapkv import SnapKV
@@ -80,8 +79,4 @@ class DuoAttention(SnapKV):
         return torch.where(self.retrieval_heads(obs)[:, None], window, streaming)
 
     def select(self, obs: LayerObservation, budget: int) -> Selection:
-        counts = self.head_counts(obs, budget)
-        padding = obs.padding()
-        protected = self.protected_mask(obs) if padding is None else self.protected_mask(obs) & ~padding
-        keys = ranked(self.score(obs), protected, padding)
-        return Selection(top_counts(keys, counts), keep_counts=counts)
+        return self.select_head_counts(obs, budget)

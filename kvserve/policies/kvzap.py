@@ -25,7 +25,6 @@ from typing import ClassVar
 
 import torch
 
-from kvserve.policies.allocation import ranked, top_counts
 from kvserve.policies.base import LayerObservation, ScoredPolicy, Selection, recent_mask, written_newest
 from kvserve.policies.knobs import knob
 from kvserve.policies.rotary import Rotary
@@ -89,9 +88,4 @@ class KVzap(ScoredPolicy):
         return passing.sum(dim=1).clamp(max=budget)
 
     def select(self, obs: LayerObservation, budget: int) -> Selection:
-        if self.threshold is None:
-            return super().select(obs, budget)
-        counts = self.head_counts(obs, budget)
-        padding = obs.padding()
-        protected = self.protected_mask(obs) if padding is None else self.protected_mask(obs) & ~padding
-        return Selection(top_counts(ranked(self.score(obs), protected, padding), counts), keep_counts=counts)
+        return super().select(obs, budget) if self.threshold is None else self.select_head_counts(obs, budget)

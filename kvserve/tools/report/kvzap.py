@@ -8,7 +8,7 @@ from itertools import pairwise
 from pathlib import Path
 
 from kvserve.tools.eval import ruler4k
-from kvserve.tools.eval.scoreboard import cell, parse_setting, scored
+from kvserve.tools.eval.scoreboard import cell, paired_difference, parse_setting, scored
 from kvserve.tools.markdown import table
 from kvserve.tools.report.costs import overhead_table
 from kvserve.tools.report.sources import DataDir, captions
@@ -57,13 +57,7 @@ def against_kvzip(rows: list[dict]) -> str:
     body = []
     for (side, ratio, allocation), zap in sorted(zaps.items()):
         zip_ = zips.get((side, ratio), [])
-        keys = {tuple(r["key"]) for r in zap} & {tuple(r["key"]) for r in zip_}
-        difference = ""
-        if keys:
-            ours = ruler4k.mean_over_tasks([r for r in zap if tuple(r["key"]) in keys])[0]
-            theirs = ruler4k.mean_over_tasks([r for r in zip_ if tuple(r["key"]) in keys])[0]
-            difference = f"{100 * (ours - theirs):+.1f} (n={len(keys)})"
-        body.append([side, f"{ratio:g}", allocation, cell(zip_), cell(zap), difference])
+        body.append([side, f"{ratio:g}", allocation, cell(zip_), cell(zap), paired_difference(zip_, zap)])
     return table(["side", "ratio", "kvzap's allocation", "kvzip", "kvzap", "kvzap - kvzip (same cases)"], body)
 
 
