@@ -109,6 +109,8 @@ def test_the_mean_is_over_tasks_and_its_interval_adds_their_bounded_variances():
         ("snapkv@0.5/inside", "snapkv@0.5/inside"),
         ("default@0.875/inside", "default@0.875/inside"),
         ("kvzap@t-6.5/inside", "kvzap@t-6.5/inside"),
+        ("snapkv:kernel_size=31@0.75/inside/span16", "snapkv:kernel_size=31@0.75/inside/span16"),
+        ("kvzip@0.75/outside/span8", "kvzip@0.75/outside/global/span8"),
     ],
 )
 def test_settings_are_named_by_policy_ratio_and_question(text, label):
@@ -116,11 +118,42 @@ def test_settings_are_named_by_policy_ratio_and_question(text, label):
     assert scoreboard.parse_setting(label) == scoreboard.parse_setting(text)
 
 
+def test_the_default_is_served_with_the_policys_own_knobs_and_span_and_the_press_with_kvpress_s():
+    """`default` is what a request naming only the policy gets (its class's knobs and span: a request's headers
+    always carry a span, so one left at 1 would measure a setting nobody is served); the row compared with a press
+    scores token by token with the press's knobs."""
+    from kvserve.policies import POLICIES
+
+    case = scoreboard.BoardCase(("niah_single_1", 0), ([1] * 100, [2]), ([1] * 100, [2]), ("x",), 8)
+    default = scoreboard.served_setting(scoreboard.parse_setting("default@0.5/inside"), 50, "unused", case)
+    served = POLICIES[scoreboard.parse_setting("default@0.5/inside").served_policy]
+    assert (default.policy, default.span, default.knobs) == (served.name, served.default_span, ())
+    assert served.default_span > 1
+    press = scoreboard.served_setting(scoreboard.parse_setting("snapkv@0.5/inside"), 50, "unused", case)
+    assert (press.span, press.knobs) == (1, scoreboard.REFERENCE_KNOBS["snapkv"])
+    tuned = scoreboard.parse_setting("snapkv:kernel_size=31@0.5/inside/span16")
+    assert tuned.reference == "snapkv@0.5/inside"
+    served_tuned = scoreboard.served_setting(tuned, 50, "unused", case)
+    assert (served_tuned.span, served_tuned.knobs) == (16, (("kernel_size", "31"),))
+    assert served_tuned.headers()["x-kv-kernel-size"] == "31"
+    knobs_only = scoreboard.served_setting(scoreboard.parse_setting("snapkv:kernel_size=31@0.5/inside"), 50, "", case)
+    assert knobs_only.span == served.default_span
+
+
 @pytest.mark.parametrize(
-    "text", ["h2o@0.5/outside", "snapkv@1.5/inside", "snapkv@0.5", "kvzip@0.5/beside", "kvzap@t-6/outside"]
+    "text",
+    [
+        "h2o@0.5/outside",
+        "snapkv@1.5/inside",
+        "snapkv@0.5",
+        "kvzip@0.5/beside",
+        "kvzap@t-6/outside",
+        "snapkv:no_such_knob=3@0.5/inside",
+        "snapkv@0.5/inside/span0",
+    ],
 )
 def test_a_setting_without_a_press_or_a_ratio_is_refused(text):
-    with pytest.raises(ValueError, match="setting|press|ratio"):
+    with pytest.raises(ValueError, match="setting|press|ratio|knob|span"):
         scoreboard.parse_setting(text)
 
 

@@ -14,8 +14,10 @@ A setting is `POLICY@RATIO/QUESTION` (`kvzip@0.75/outside`, `snapkv@0.5/inside`,
   (`ruler4k.budget_for`), the same B on both sides (kvpress's ratio is set to give exactly B); a compressed document
   keeps whole blocks, so its B is rounded to the server's block size.
 - POLICY: kvserve's name; the kvpress press is the one of that name (`parity.REFERENCE_KNOBS` makes kvserve's knobs
-  the press's). `default` is kvserve's serving default (snapkv with its own knobs, kvserve side only); `/global`
-  after the question names kvserve's kv_allocation (KVzip's default is global, as kvpress's KVzip ranks all heads).
+  the press's, span 1). `default` is kvserve's serving default (snapkv with its own knobs and span, what a request
+  naming only the policy gets; kvserve side only); `/global` after the question names kvserve's kv_allocation
+  (KVzip's default is global, as kvpress's KVzip ranks all heads). kvserve's own tuning of a press, compared with
+  that press: `POLICY:KNOB=VALUE@...` (the policy's own knobs, these changed) and `/spanN` (else its own span).
 
     kvserve eval scoreboard --url http://127.0.0.1:8000 --model-dir "$(kvserve setup-model qwen2.5-coder-0.5b)" \\
         --settings full,kvzip@0.75/outside,snapkv@0.75/inside --samples 20 --out docs/eval/ruler4k/qwen05.jsonl
@@ -58,25 +60,34 @@ class BoardSetting:
     question: str = "outside"
     allocation: str = "uniform"  # kvserve's kv_allocation
     threshold: float | None = None  # KVzap's kv_threshold instead of a ratio (kvserve side; B then caps nothing)
+    # kvserve's own tuning (`snapkv:kernel_size=31@0.75/inside/span16`): the policy's knobs with these changed and
+    # this span, served beside the press it is tuned from; none given, a press row serves the press's knobs, span 1
+    knobs: tuple[tuple[str, str], ...] = ()
+    span: int | None = None
+
+    @property
+    def tuned(self) -> bool:
+        return bool(self.knobs) or self.span is not None
 
     @property
     def label(self) -> str:
         if self.policy == "full":
             return "full"
         amount = f"t{self.threshold:g}" if self.threshold is not None else f"{self.ratio:g}"
-        label = f"{self.policy}@{amount}/{self.question}"
-        return label + (f"/{self.allocation}" if self.allocation != "uniform" else "")
+        name = ":".join([self.policy, *(f"{key}={value}" for key, value in self.knobs)])
+        label = f"{name}@{amount}/{self.question}"
+        label += f"/{self.allocation}" if self.allocation != "uniform" else ""
+        return label + (f"/span{self.span}" if self.span is not None else "")
 
     @property
     def reference(self) -> str | None:
         """The kvpress row this setting is compared with (kvpress keeps every press's own allocation); kvserve's
-        default is SnapKV as the server configures it, so its row is kvpress's SnapKV at the same ratio and question.
-        A threshold has none: it is compared with kvserve's own fixed budgets (what each keeps, what it scores)."""
+        default is SnapKV as the server configures it, so its row is kvpress's SnapKV at the same ratio and question,
+        and a tuned setting's is the press it is tuned from. A threshold has none: it is compared with kvserve's own
+        fixed budgets (what each keeps, what it scores)."""
         if self.threshold is not None:
             return None
-        if self.policy in KVSERVE_ONLY:
-            return f"{self.served_policy}@{self.ratio:g}/{self.question}"
-        return self.label.removesuffix(f"/{self.allocation}") if self.allocation != "uniform" else self.label
+        return BoardSetting(self.served_policy, self.ratio, self.question).label
 
     @property
     def served_policy(self) -> str:
@@ -89,31 +100,47 @@ class BoardSetting:
 
 
 def parse_setting(text: str) -> BoardSetting:
-    """`full` or POLICY@RATIO/QUESTION[/ALLOCATION]; ValueError names what is wrong."""
+    """`full`, POLICY[:KNOB=VALUE...]@RATIO/QUESTION[/ALLOCATION][/spanN] or kvzap@tT/inside; ValueError names what
+    is wrong."""
     from kvserve.policies import POLICIES
+    from kvserve.policies.knobs import knobs_of
 
     if text == "full":
         return BoardSetting("full")
     threshold = re.fullmatch(r"kvzap@t(-?[0-9.]+)/inside", text)
     if threshold:  # (kv_threshold keeps uneven counts per head, which a compressed document cannot publish)
         return BoardSetting("kvzap", question="inside", threshold=float(threshold.group(1)))
-    match = re.fullmatch(r"([a-z_]+)@([0-9.]+)/(outside|inside)(?:/(uniform|global|heads|layers))?", text)
+    match = re.fullmatch(
+        r"([a-z_]+)((?::[a-z_]+=[^:@/]+)*)@([0-9.]+)/(outside|inside)(?:/(uniform|global|heads|layers))?(?:/span(\d+))?",
+        text,
+    )
     if not match:
         raise ValueError(
-            f"{text!r}: a setting is full, POLICY@RATIO/QUESTION[/ALLOCATION] (e.g. kvzip@0.75/outside) or "
-            "kvzap@tTHRESHOLD/inside (e.g. kvzap@t-6/inside)"
+            f"{text!r}: a setting is full, POLICY[:KNOB=VALUE]@RATIO/QUESTION[/ALLOCATION][/spanN] (e.g. "
+            "kvzip@0.75/outside, snapkv:kernel_size=31@0.75/inside/span16) or kvzap@tTHRESHOLD/inside (e.g. "
+            "kvzap@t-6/inside)"
         )
-    policy, ratio, question, allocation = match.groups()
+    policy, knob_text, ratio, question, allocation, span = match.groups()
     if policy not in REFERENCE_KNOBS and policy not in KVSERVE_ONLY:
         known = ", ".join([*REFERENCE_KNOBS, *KVSERVE_ONLY])
         raise ValueError(f"{text!r}: {policy} has no kvpress press here; one of {known}")
     if policy not in POLICIES and policy not in KVSERVE_ONLY:
         raise ValueError(f"{text!r}: kvserve serves no policy {policy}")
+    knobs = tuple(tuple(pair.split("=", 1)) for pair in knob_text.split(":") if pair)
+    own = knobs_of(POLICIES[policy if policy not in KVSERVE_ONLY else "snapkv"])
+    unknown = [key for key, _ in knobs if key not in own]
+    if unknown:
+        raise ValueError(f"{text!r}: {policy} has no knob {', '.join(unknown)} (its knobs: {', '.join(own)})")
     ratio_value = float(ratio)
     if not 0 < ratio_value < 1:
         raise ValueError(f"{text!r}: the ratio is in (0, 1)")
+    if span is not None and int(span) < 1:
+        raise ValueError(f"{text!r}: a span is at least 1")
     default_allocation = "global" if policy == "kvzip" else "uniform"
-    return BoardSetting(policy, ratio_value, question, allocation or default_allocation)
+    return BoardSetting(
+        policy, ratio_value, question, allocation or default_allocation, knobs=knobs,
+        span=None if span is None else int(span),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -202,7 +229,12 @@ def server_block_size(server: Server) -> int:
 def served_setting(setting: BoardSetting, budget: int | None, model_dir: str, case: BoardCase) -> Setting:
     if setting.policy == "full":
         return Setting("full", None)
-    knobs = () if setting.policy in KVSERVE_ONLY else REFERENCE_KNOBS[setting.policy]
+    if setting.policy in KVSERVE_ONLY or setting.tuned:  # the policy's own knobs and span, unless told otherwise
+        from kvserve.policies import POLICIES
+
+        span = setting.span if setting.span is not None else POLICIES[setting.served_policy].default_span
+        return Setting(setting.served_policy, budget, allocation=setting.allocation, span=span, knobs=setting.knobs)
+    knobs = REFERENCE_KNOBS[setting.policy]
     if setting.policy == "duoattention":
         roles = model_roles(model_dir)
         heads = duo_retrieval_heads(roles, budget, len(case.form(setting.question)[0]))
@@ -301,7 +333,7 @@ def label_order(label: str) -> tuple:
         return (0, 0.0, "")
     setting = parse_setting(label)
     return (1 if setting.threshold is None else 2, setting.ratio, setting.question, setting.policy,
-            setting.allocation, setting.threshold or 0.0)  # fmt: skip
+            setting.allocation, setting.threshold or 0.0, setting.knobs, setting.span or 0)  # fmt: skip
 
 
 def paired_difference(theirs: list[dict], ours: list[dict]) -> str:
@@ -344,7 +376,11 @@ def add_parser(commands) -> None:
     parser = commands.add_parser("scoreboard", help="RULER-4k under kvpress's leaderboard protocol, both sides")
     add_side_arguments(parser)
     parser.add_argument("--side", choices=("kvserve", "kvpress"), default="kvserve")
-    parser.add_argument("--settings", default="full", help="comma list of full and POLICY@RATIO/QUESTION")
+    parser.add_argument(
+        "--settings",
+        default="full",
+        help="comma list of full, POLICY[:KNOB=VALUE]@RATIO/QUESTION[/ALLOCATION][/spanN] and kvzap@tT/inside",
+    )
     parser.add_argument("--tasks", default=",".join(ruler4k.TASKS), help="RULER tasks (all that can be generated)")
     parser.add_argument("--samples", type=int, default=10, help="cases per task")
     parser.add_argument("--seed", type=int, default=0)

@@ -18,7 +18,8 @@ INTRO = (
     "scoreboard` gives kvpress 0.5.5 and a kvserve server the same tokens, from lm-evaluation-harness's generators "
     f"({len(ruler4k.TASKS)} tasks; Python's documentation as the essay haystack; {' and '.join(ruler4k.MISSING)} "
     "need the hub). `outside`: the context compressed before the question (kvserve: `kv_document`, KVzip by its "
-    "reconstruction); `inside`: with it; `default`: kvserve's serving default. Ratio r keeps (1 - r) x the context's "
+    "reconstruction); `inside`: with it; `default`: kvserve's serving default (SnapKV with its own knobs and span); "
+    "`policy:knob=value`, `/spanN`: kvserve's own tuning of a press. Ratio r keeps (1 - r) x the context's "
     "entries per (layer, KV head) on both sides. Scores x100 [95% interval] (n answers)."
 )
 
@@ -34,6 +35,7 @@ def curves(rows: list[dict]) -> dict[tuple[str, str], list[tuple[float, float, f
             continue
         method = row["label"].split("@")[0] + "/" + setting.question
         method += f"/{setting.allocation}" if row["side"] == "kvserve" and setting.allocation != "uniform" else ""
+        method += f"/span{setting.span}" if setting.span is not None else ""
         by.setdefault((row["side"], method, setting.ratio), []).append(row)
     out: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
     for (side, method, ratio), group in sorted(by.items()):
