@@ -18,9 +18,9 @@ INTRO = (
     "scoreboard` gives kvpress 0.5.5 and a kvserve server the same tokens, from lm-evaluation-harness's generators "
     f"({len(ruler4k.TASKS)} tasks; Python's documentation as the essay haystack; {' and '.join(ruler4k.MISSING)} "
     "need the hub). `outside`: the context compressed before the question (kvserve: `kv_document`, KVzip by its "
-    "reconstruction); `inside`: with it; `default`: kvserve's serving default (SnapKV with its own knobs and span); "
-    "`policy:knob=value`, `/spanN`: kvserve's own tuning of a press. Ratio r keeps (1 - r) x the context's "
-    "entries per (layer, KV head) on both sides. Scores x100 [95% interval] (n answers)."
+    "reconstruction); `inside`: with it; `default`: kvserve's serving default; `:knob=value`: tuned. Ratio r "
+    "keeps (1 - r) x the context's entries per (layer, KV head) on both sides. Scores x100 [95% interval] (n "
+    "answers)."
 )
 
 
