@@ -36,7 +36,7 @@ from functools import cache
 
 from kvserve.duo.roles import HeadRoles
 from kvserve.tools.eval import ruler4k
-from kvserve.tools.eval.client import Server, Setting, append_row, load_rows
+from kvserve.tools.eval.client import Server, Setting, append_row, load_rows, parse_policy
 from kvserve.tools.eval.parity import (
     REFERENCE_KNOBS,
     ParityCase,
@@ -103,7 +103,6 @@ def parse_setting(text: str) -> BoardSetting:
     """`full`, POLICY[:KNOB=VALUE...]@RATIO/QUESTION[/ALLOCATION][/spanN] or kvzap@tT/inside; ValueError names what
     is wrong."""
     from kvserve.policies import POLICIES
-    from kvserve.policies.knobs import knobs_of
 
     if text == "full":
         return BoardSetting("full")
@@ -126,11 +125,8 @@ def parse_setting(text: str) -> BoardSetting:
         raise ValueError(f"{text!r}: {policy} has no kvpress press here; one of {known}")
     if policy not in POLICIES and policy not in KVSERVE_ONLY:
         raise ValueError(f"{text!r}: kvserve serves no policy {policy}")
-    knobs = tuple(tuple(pair.split("=", 1)) for pair in knob_text.split(":") if pair)
-    own = knobs_of(POLICIES[policy if policy not in KVSERVE_ONLY else "snapkv"])
-    unknown = [key for key, _ in knobs if key not in own]
-    if unknown:
-        raise ValueError(f"{text!r}: {policy} has no knob {', '.join(unknown)} (its knobs: {', '.join(own)})")
+    # each knob one of the served policy's, each value one the server takes
+    _, knobs = parse_policy(BoardSetting(policy).served_policy + knob_text)
     ratio_value = float(ratio)
     if not 0 < ratio_value < 1:
         raise ValueError(f"{text!r}: the ratio is in (0, 1)")
