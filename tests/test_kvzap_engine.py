@@ -92,15 +92,28 @@ def test_prompt_chunks_score_their_entries_and_keep_the_best(engine, reference):
     assert engine.free_blocks() == free_before
 
 
-def test_decode_steps_score_their_entries_and_a_decode_compaction_keeps_the_best(engine, reference):
+def test_decode_steps_score_their_entries_and_a_decode_compaction_keeps_the_best(engine, reference, monkeypatch):
+    """Two requests decode side by side: each step's new entries of both are scored in one call per layer."""
+    from kvserve.worker import eviction
+
+    batched = []
+    score_together = eviction._token_scores
+
+    def counted(plans, layer_idx, queries):
+        batched.append(len(plans))
+        return score_together(plans, layer_idx, queries)
+
+    monkeypatch.setattr(eviction, "_token_scores", counted)
     budget, window = 128, 32
-    ids = haystack(engine.tokenizer, 100, seed=142)
-    out = engine.generate([ids], 70, {"kv_policy": "kvzap", "kv_budget": budget, "kv_window": window})[0]
-    state = engine.eviction_state(out.request_id)
-    end = budget + BLOCK_SIZE  # the one compaction: once the lists reach B + one block, in decode
-    assert state.compactions == 1
-    written = ids + list(out.outputs[0].token_ids)  # no eviction before that compaction: the reference is exact
-    assert_kept(state, reference_scores(reference, written[:end]), end, budget, window)
+    prompts = [haystack(engine.tokenizer, 100, seed=seed) for seed in (142, 147)]
+    outs = engine.generate(prompts, 70, {"kv_policy": "kvzap", "kv_budget": budget, "kv_window": window})
+    assert 2 in batched
+    for ids, out in zip(prompts, outs, strict=True):
+        state = engine.eviction_state(out.request_id)
+        end = budget + BLOCK_SIZE  # the one compaction: once the lists reach B + one block, in decode
+        assert state.compactions == 1
+        written = ids + list(out.outputs[0].token_ids)  # no eviction before that compaction: the reference is exact
+        assert_kept(state, reference_scores(reference, written[:end]), end, budget, window)
 
 
 def test_a_threshold_keeps_what_passes_per_list_and_frees_the_rest(engine, reference):

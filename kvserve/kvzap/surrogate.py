@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvserve.policies.rotary import Rotary
+
 
 class Surrogate(torch.nn.Module):
     """One layer's predictor: [.., Hq * D] queries before RoPE -> [.., H_kv] log KVzip+ scores."""
@@ -28,6 +30,11 @@ class Surrogate(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x.float())
 
+    @property
+    def linear(self) -> torch.nn.Linear | None:
+        """The whole map when it is one linear layer (then it can be folded into RoPE's inverse), else None."""
+        return self.net if isinstance(self.net, torch.nn.Linear) else None
+
 
 @dataclass(frozen=True)
 class SurrogateSet:
@@ -38,11 +45,33 @@ class SurrogateSet:
     layers: list[Surrogate]
     fit: list[dict] = field(default_factory=list)  # held-out fit per layer
 
+    # per (layer, query heads, RoPE layout): a linear surrogate's weight arranged for Rotary.unrotated_linear
+    _folded: dict = field(default_factory=dict, repr=False, compare=False)
+
     def scores(self, layer: int, queries: torch.Tensor) -> torch.Tensor:
         """[n, Hq, D] or [n, Hq * D] queries before RoPE -> [H_kv, n] predicted log KVzip+ scores."""
         module = self.layers[layer]
+        device = next(iter(module.net.state_dict().values())).device
         with torch.no_grad():
-            return module(queries.reshape(queries.shape[0], -1).to(next(module.parameters()).device)).T
+            return module(queries.reshape(queries.shape[0], -1).to(device)).T
+
+    def scores_of_rotated(
+        self, layer: int, queries: torch.Tensor, positions: torch.Tensor, rotary: Rotary
+    ) -> torch.Tensor:
+        """`scores` of [n, Hq, D] queries after RoPE at `positions` [n]: a linear surrogate reads them through RoPE's
+        inverse folded into its weight (`Rotary.unrotated_linear`), an MLP reads them unrotated."""
+        linear = self.layers[layer].linear
+        if linear is None:
+            return self.scores(layer, rotary.unrotate(queries, positions))
+        key = (layer, queries.shape[1], rotary.neox, rotary.rotary_dim, queries.device)
+        if key not in self._folded:
+            with torch.no_grad():
+                weights = rotary.pair_weights(linear.weight, queries.shape[1])
+                bias = linear.bias.float()
+            self._folded[key] = (weights[0].to(queries.device), weights[1].to(queries.device)), bias.to(queries.device)
+        weights, bias = self._folded[key]
+        with torch.no_grad():
+            return (rotary.unrotated_linear(queries, positions, weights) + bias).T
 
     def save(self, path: Path) -> None:
         tensors = {f"layers.{i}.{name}": t.contiguous() for i, s in enumerate(self.layers) for name, t in

@@ -64,8 +64,7 @@ class KVzap(ScoredPolicy):
 
         if rotary is None:
             raise ValueError("kvzap reads queries before RoPE; this layer's rotary embedding is unknown")
-        before_rope = rotary.unrotate(queries, query_positions)
-        return {STAT: surrogates_for(model).scores(layer_idx, before_rope)[heads].to(queries.device)}
+        return {STAT: surrogates_for(model).scores_of_rotated(layer_idx, queries, query_positions, rotary)[heads]}
 
     def update_stats(
         self, obs: LayerObservation, queries: torch.Tensor, query_positions: torch.Tensor

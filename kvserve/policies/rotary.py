@@ -9,6 +9,7 @@ plain table for tests and references. Pure PyTorch, like the rest of `kvserve.po
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -70,6 +71,51 @@ class Rotary:
         norm = cos.square() + sin.square()
         shape = (positions.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
         return self.apply(x, (cos / norm).view(shape), (-sin / norm).view(shape))
+
+    def pair_weights(self, weight: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A linear map's weight [O, heads * D] over unrotated vectors, arranged for `unrotated_linear`: [2 * heads *
+        R, O], its columns of the rotated dims, then the same with each pair's two columns (w1, w2) made (w2, -w1);
+        and [heads * (D - R), O], its columns of the dims past R."""
+        w = weight.float().view(weight.shape[0], heads, -1)
+        rotated = w[..., : self.rotary_dim]
+        first, second = self._pairs(rotated)
+        swapped = torch.empty_like(rotated)
+        new_first, new_second = self._pairs(swapped)
+        new_first.copy_(second)
+        new_second.copy_(-first)
+        both = torch.cat([rotated.flatten(1), swapped.flatten(1)], dim=1)
+        return both.T.contiguous(), w[..., self.rotary_dim :].flatten(1).T.contiguous()
+
+    def unrotated_linear(
+        self, x: torch.Tensor, positions: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """[n, O]: the linear map `weights` (`pair_weights`) of x [n, heads, D] unrotated from `positions` [n], without
+        the unrotated copy. Unrotating pair (f, g) by (c, s) gives (f c - g s, f s + g c), so a row (w1, w2) of the
+        map reads c * (w1 f + w2 g) + s * (w2 f - w1 g): the map of x scaled by c plus the swapped map of x scaled by
+        s, one product. Unrotating first took about 10 passes over the queries, most of KVzap's cost per step."""
+        both_w, rest_w = weights
+        inverse = self._inverse[positions.to(self.cos.device)].to(x.device)  # [n, 2, R/2]: (c, s) of each pair
+        n = x.shape[0]
+        rotated = x[..., : self.rotary_dim]
+        if self.neox:  # [n, 2 (c, s), heads, 2 (f, g), R/2]
+            scaled = rotated.unflatten(-1, (2, -1))[:, None] * inverse[:, :, None, None, :]
+        else:  # [n, 2 (c, s), heads, R/2, 2 (f, g)]
+            scaled = rotated.unflatten(-1, (-1, 2))[:, None] * inverse[:, :, None, :, None]
+        y = scaled.float().reshape(n, -1) @ both_w
+        if rest_w.shape[0]:
+            y = y + x[..., self.rotary_dim :].reshape(n, -1).float() @ rest_w
+        return y
+
+    @cached_property
+    def _inverse(self) -> torch.Tensor:
+        """[P, 2, R/2]: the cos and sin that unrotate each position (a scaled table's too: Rot(-a) / m)."""
+        norm = self.cos.square() + self.sin.square()
+        return torch.stack([self.cos / norm, -self.sin / norm], dim=1)
+
+    def _pairs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the (first, second) elements of every rotated pair of x [..., R]."""
+        half = self.rotary_dim // 2
+        return (x[..., :half], x[..., half:]) if self.neox else (x[..., 0::2], x[..., 1::2])
 
     def mean_matrix(self, first: int, count: int, head_dim: int) -> torch.Tensor:
         """[D, D] the average of the rotation matrices of positions first .. first + count - 1 (clipped to the

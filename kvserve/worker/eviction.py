@@ -71,6 +71,7 @@ def after_attention(
                 if plan.req_id in measured:
                     plan.eviction_seconds += share
     recorded = record_decode_windows(step, layer_idx, query)
+    scored = _token_scores_together(step, layer_idx, query)
     for plan in step.rows:
         if plan.failure is not None:
             continue
@@ -102,6 +103,7 @@ def after_attention(
                     scale,
                     (measured or {}).get(plan.req_id),
                     window_recorded=plan.req_id in recorded,
+                    scored=scored.get(plan.req_id),
                 )
         except Exception as error:  # a policy's bug fails its request, never the engine (the scheduler ends it)
             # the reason alone: the scheduler's log and the HTTP front end's 500 name the policy once
@@ -144,6 +146,7 @@ def _evict(
     scale: float,
     given: PassStatistics | None,
     window_recorded: bool = False,
+    scored: dict[str, torch.Tensor] | None = None,
 ) -> None:
     layer = plan.state.layer(layer_idx)
     policy = plan.state.policy
@@ -163,12 +166,7 @@ def _evict(
             return
     lengths = plan.lengths(layer_idx)
     if plan.compaction is None and policy.token_statistics:  # the new entries' own scores: nothing else to read
-        layout = plan.state.pages.layout
-        heads = slice(layout.first_head, layout.first_head + lengths.shape[0])
-        new = policy.token_scores(
-            layer_idx + layout.first_layer, queries, plan.query_positions().to(queries.device),
-            plan.state.rotary.get(layer_idx), plan.state.model, heads,
-        )  # fmt: skip
+        new = scored if scored is not None else _token_scores([plan], layer_idx, queries)[plan.req_id]
         width = int(lengths.max())
         layer.stats = {name: written_newest(layer.stats.get(name), new[name], lengths, width) for name in new}
         return
@@ -188,6 +186,44 @@ def _evict(
             layer.stats = obs.stats = merged
     if plan.compaction is not None:
         _compact(plan, layer, layer_idx, obs, cache, table)
+
+
+def _token_scores_together(step: StepContext, layer_idx: int, query: torch.Tensor) -> dict[str, dict]:
+    """The new entries' own scores (`token_statistics`) of every decoding request of the step that only scores
+    them, one call per group of requests with the same policy and model: per request and layer, the fixed cost of
+    a call made most of KVzap's decode overhead."""
+    groups: dict[tuple, list[RowPlan]] = {}
+    for plan in step.rows:
+        state = plan.state
+        if plan.failure is None and not plan.drafts and plan.compaction is None and state.gate is None \
+                and state.policy.token_statistics:  # fmt: skip
+            layout = state.pages.layout
+            key = (state.policy, state.model, id(state.rotary.get(layer_idx)), layout.first_layer, layout.first_head)
+            groups.setdefault(key, []).append(plan)
+    scored: dict[str, dict] = {}
+    for plans in groups.values():
+        if len(plans) > 1:
+            queries = torch.cat([query[plan.query_start : plan.query_end] for plan in plans])
+            scored.update(_token_scores(plans, layer_idx, queries))
+    return scored
+
+
+def _token_scores(plans: list[RowPlan], layer_idx: int, queries: torch.Tensor) -> dict[str, dict]:
+    """Per request of `plans` (one policy, model and layout), its new entries' scores {name: [H, q]} from `queries`,
+    the requests' step queries in order."""
+    first = plans[0].state
+    layout = first.pages.layout
+    positions = torch.cat([plan.query_positions() for plan in plans]).to(queries.device)
+    new = first.policy.token_scores(
+        layer_idx + layout.first_layer, queries, positions, first.rotary.get(layer_idx), first.model,
+        slice(layout.first_head, layout.first_head + layout.num_heads),
+    )  # fmt: skip
+    scored, start = {}, 0
+    for plan in plans:
+        end = start + plan.query_end - plan.query_start
+        scored[plan.req_id] = {name: scores[:, start:end] for name, scores in new.items()}
+        start = end
+    return scored
 
 
 def _record_window(layer: LayerState, queries: torch.Tensor, plan: RowPlan, window: int) -> None:

@@ -124,3 +124,24 @@ def test_a_threshold_is_a_per_request_count_and_refuses_allocations_and_spans():
         assert error.value.field == key and "threshold" in str(error.value)
     # without a threshold the budget may be allocated as any scored policy's
     assert parse_kv_config({"kv_policy": "kvzap", "kv_budget": 256, "kv_allocation": "global"}, defaults={})
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("rotary_dim", [DIM, DIM // 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_linear_surrogate_reads_rotated_queries_as_it_reads_them_unrotated(surrogates, neox, rotary_dim, dtype):
+    """The fold of RoPE's inverse into a linear surrogate (Rotary.unrotated_linear) against unrotating first, for
+    both pair layouts, a partial rotation and a scaled table (YaRN's); the served queries are left as they were."""
+    table = Rotary.default(DIM, 10000.0, 2 * LENGTH, rotary_dim=rotary_dim)
+    rotary = Rotary(table.cos * 1.2, table.sin * 1.2, neox=neox)
+    queries = torch.randn(LENGTH, HEADS * GROUP, DIM, generator=torch.Generator().manual_seed(5)).to(dtype)
+    positions = torch.randperm(2 * LENGTH, generator=torch.Generator().manual_seed(6))[:LENGTH]
+    before = queries.clone()
+    folded = surrogates.scores_of_rotated(0, queries, positions, rotary)
+    torch.testing.assert_close(folded, surrogates.scores(0, rotary.unrotate(queries, positions)), rtol=1e-4, atol=1e-4)
+    assert torch.equal(queries, before)
+    assert surrogates.layers[1].linear is None  # the MLP reads unrotated queries: the same path as `scores`
+    torch.testing.assert_close(
+        surrogates.scores_of_rotated(1, queries, positions, rotary),
+        surrogates.scores(1, rotary.unrotate(queries, positions)),
+    )
