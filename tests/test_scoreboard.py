@@ -187,6 +187,10 @@ def test_the_figure_and_table_are_drawn_from_a_small_result_file(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = scoreboard.board_table(rows)
     assert "| kvzip@0.5/outside/global | 100.0 " in text and "-25.0 (n=8)" in text
+    board = {"kvzip": {"model": "Big-8B", "ratio": 0.7, "score": 47.5, "full": 95.0}}
+    line = page.leaderboard_line(board, rows, "Small")
+    assert "KVzip at 0.7 keeps 50% of full on Big-8B (47.5 of 95.0)" in line
+    assert "Small, question outside, 0.75: 50% on kvserve (50.0, n=8), 50% on kvpress 0.5.5 (50.0, n=8)." in line
 
 
 def test_kvserves_side_asks_a_real_server_each_way_and_the_kept_counts_are_the_settings(server, tokenizer, tmp_path):

@@ -37,9 +37,8 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             f"One request at a time on {args['model']}, prefill chunks of {args['chunk']:,} tokens: {policies} with "
             "`kv_evict_every_chunk` compacts every list back to B after each chunk, so a chunk attends to at most "
             f"B + itself (`full`: to the whole prompt so far). {cases(sources)}; TTFT and TPOT medians, scores means "
-            "(cases). Peak entries / list: the most in use (`kvserve:kv_pages_in_use`) / allocated "
-            "(`vllm:kv_cache_usage_perc`) per (layer, KV head) list, polled every 0.2 s; bound: B + one chunk + one "
-            "block.",
+            "(cases). Peak entries / list: in use (`kvserve:kv_pages_in_use`) / allocated "
+            "(`vllm:kv_cache_usage_perc`), polled every 0.2 s; bound: B + one chunk + one block.",
             # where the engine's time went by phase (phase_table) explains the TTFT column rather than deciding
             # anything: it stays in the files' rows (`kvserve bench long` prints it) and the metric's dashboard
             report(rows, per_list, args["chunk"], args["block_size"]),

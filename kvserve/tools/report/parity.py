@@ -19,12 +19,10 @@ MODELS = (
     ("SmolLM2-135M-Instruct (the default model)", "parity/smollm2.jsonl"),
 )
 INTRO = (
-    "A method is done when it scores at least what its reference implementation does: kvpress 0.5.5 (in "
-    "`.kvpress-venv`) for KVzip, SnapKV, TOVA, StreamingLLM, Expected Attention, KeyDiff and DuoAttention. `kvserve "
-    "eval parity` gives both the same tokens (the suite's passkey and multi-key lookup in kvpress's chat layout, "
-    "greedy) and B; KVzip compresses the context before the question (`outside`), the others the whole prompt "
-    "(`inside`). Cells: mean score [95% interval] (n answers); last column: each side's mean as a share of its "
-    "own `full`."
+    "kvserve against kvpress 0.5.5 (`.kvpress-venv`) on the suite's passkey and multi-key lookup: `kvserve eval "
+    "parity` gives both the same tokens (kvpress's chat layout, greedy) and B; KVzip compresses the context before "
+    "the question (`outside`), the others the whole prompt (`inside`). Cells: mean [95% interval] (n); last "
+    "column: each side's share of its own `full`."
 )
 
 
@@ -36,8 +34,7 @@ CHECKPOINT_MODELS = (
 CHECKPOINT_INTRO = (
     "With `kv_checkpoint=C` the prompt up to its last multiple of C is compacted before any question is seen and "
     "shared by every request that starts with it; the rest is kept in full. The suite's passkey and multi-key lookup "
-    "(plain prompts) at `kv_checkpoint=512`, B=512: a 1k-token prompt's prefix is not compressed, a 2k one's 1,536 "
-    "tokens and a 4k one's 3,584 keep 512. Cells: mean score over both tasks; last column: share of `full` [95% "
+    "at `kv_checkpoint=512`, B=512. Cells: mean score over both tasks; last column: share of `full` [95% "
     "interval]. A checkpoint naming no policy uses `kv_checkpoint_policy` (built in: `{policy}`)."
 )
 

@@ -50,8 +50,7 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             + workload(engines)
             + " "
             + data_parallel_gain(engines)
-            + " Vanilla is bound by its pool, which a second engine doubles; kvserve and the ceiling by compute, "
-            "which it adds less of on 2 cores.",
+            + " Vanilla is bound by its pool, which a second engine doubles; kvserve by compute.",
             tensor_table(engines, "engines"),
             engines.caption(),
         ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvserve.tools.eval import ruler4k
-from kvserve.tools.eval.scoreboard import board_table, parse_setting, scored
+from kvserve.tools.eval.scoreboard import board_table, parse_setting, scored, share
 from kvserve.tools.markdown import table
 from kvserve.tools.report.plots import pyplot, save
 from kvserve.tools.report.sources import DataDir
@@ -115,12 +115,35 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             f"### {title}",
             f"![RULER-4k score against compression ratio, {title}]({plot_link}/{png})",
             board_table(compared(source.data)),
+            *([leaderboard_line(data.load(LEADERBOARD).data, source.data, title)] if name == MODELS[0][1] else []),
             "<details><summary>per task (score x100, answers)</summary>\n\n"
             + task_table(source.data)
             + "\n\n</details>",
             source.caption(),
         ]
     return "\n\n".join(parts)
+
+
+LEADERBOARD = "ruler4k/kvpress-leaderboard.json"  # kvpress's published KVzip row, not run here
+LEADERBOARD_SETTING = "kvzip@0.75/outside/global"  # kvserve's nearest: KVzip before the question, at 4x
+
+
+def leaderboard_line(board: dict, rows: list[dict], model: str) -> str:
+    """kvpress's own leaderboard's KVzip (an 8B model on GPUs) beside KVzip here, each as a share of its full."""
+    theirs = board["kvzip"]
+    setting = parse_setting(LEADERBOARD_SETTING)
+    shares = []
+    for side, label in (("kvserve", LEADERBOARD_SETTING), ("kvpress 0.5.5", setting.reference)):
+        group = [row for row in scored(rows) if row["side"] == side.split()[0] and row["label"] == label]
+        full = [row for row in scored(rows) if row["side"] == side.split()[0] and row["label"] == "full"]
+        if group and full:
+            mean = 100 * ruler4k.mean_over_tasks(group)[0]
+            shares.append(f"{share(group, full)} on {side} ({mean:.1f}, n={len(group)})")
+    return (
+        f"kvpress's own leaderboard (`docs/eval/{LEADERBOARD}`, not run here): KVzip at {theirs['ratio']} keeps "
+        f"{theirs['score'] / theirs['full']:.0%} of full on {theirs['model']} ({theirs['score']} of {theirs['full']}). "
+        f"{model}, question outside, {setting.ratio}: {', '.join(shares) or 'not run yet'}."
+    )
 
 
 # the README's cells: full, the best compression before the question and the serving default, at 4x

@@ -255,10 +255,9 @@ def speculative_part(data: DataDir) -> list[str]:
         "### Speculative decoding (n-gram) with eviction",
         f"{args['prompts']} requests at once, each a {args['doc_tokens']}-token document and the instruction to "
         f"repeat it ({args['max_tokens']} output tokens, greedy), so prompt lookup drafts from the document; a pool "
-        f"of {args['num_blocks']} blocks of {args['block_size']} tokens for every server. A step that verifies "
-        "drafts never compacts, so in float32 kvserve's greedy answers with speculation are its answers without it "
-        "(tests/test_speculative.py); in bfloat16 a verify step rounds differently from one-token steps, which can "
-        "tip a compaction's choice (last column).",
+        f"of {args['num_blocks']} blocks of {args['block_size']} tokens for every server. In float32 kvserve's "
+        "greedy answers with speculation are those without it (tests/test_speculative.py); in bfloat16 a verify "
+        "step rounds differently, which can tip a compaction (last column).",
         report(source.data["results"]),
         source.caption(),
         *speculative_few_part(data),
@@ -272,11 +271,9 @@ def speculative_few_part(data: DataDir) -> list[str]:
         return []
     source = data.load(SPECULATIVE_FEW)
     return [
-        f"The same workload with every server started with `{source.data['args']['server_args']}`, so kvserve runs no "
-        "more requests at once than vanilla fits and each step's batch is alike on both. What is left between kvserve "
-        "+ n-gram and vanilla + n-gram is the drafts' acceptance (its column) and the eviction's own cost (kvserve "
-        "without n-gram against vanilla): under B the cache holds part of each document, so the greedy copy departs "
-        "from the document's text, which prompt lookup drafts from, more often than vanilla's full cache does.",
+        f"The same workload with every server started with `{source.data['args']['server_args']}`: as many requests "
+        "at once on both. What is left is the drafts' acceptance (under B the cache holds part of each document, so "
+        "the copy departs from the text prompt lookup drafts from) and the eviction's own cost.",
         report(source.data["results"]),
         source.caption(),
     ]
