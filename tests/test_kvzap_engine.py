@@ -116,6 +116,37 @@ def test_decode_steps_score_their_entries_and_a_decode_compaction_keeps_the_best
         assert_kept(state, reference_scores(reference, written[:end]), end, budget, window)
 
 
+def test_a_failure_scoring_requests_together_falls_back_to_each_alone(engine, monkeypatch):
+    """Scoring the step's requests in one call is an optimisation: if it fails, each request scores alone (the same
+    lists and tokens) and the engine serves on."""
+    from kvserve.worker import eviction
+
+    prompts = [haystack(engine.tokenizer, 100, seed=seed) for seed in (148, 149)]
+    kv = {"kv_policy": "kvzap", "kv_budget": 128, "kv_window": 32}
+
+    def kept(outs) -> list:
+        return [{i: layer.kept_positions.clone() for i, layer in engine.eviction_state(out.request_id).layers.items()}
+                for out in outs]  # fmt: skip
+
+    together = engine.generate(prompts, 70, kv)
+    alone_scores = eviction._token_scores
+
+    raised = []
+
+    def failing_together(plans, layer_idx, queries):
+        if len(plans) > 1:
+            raised.append(layer_idx)
+            raise RuntimeError("injected")
+        return alone_scores(plans, layer_idx, queries)
+
+    monkeypatch.setattr(eviction, "_token_scores", failing_together)
+    alone = engine.generate(prompts, 70, kv)
+    assert raised
+    assert [o.outputs[0].token_ids for o in alone] == [o.outputs[0].token_ids for o in together]
+    for a, b in zip(kept(alone), kept(together), strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[i], b[i]) for i in a)
+
+
 def test_a_threshold_keeps_what_passes_per_list_and_frees_the_rest(engine, reference):
     budget, window = 256, 16
     ids = haystack(engine.tokenizer, 400, seed=143)

@@ -204,7 +204,10 @@ def _token_scores_together(step: StepContext, layer_idx: int, query: torch.Tenso
     for plans in groups.values():
         if len(plans) > 1:
             queries = torch.cat([query[plan.query_start : plan.query_end] for plan in plans])
-            scored.update(_token_scores(plans, layer_idx, queries))
+            try:
+                scored.update(_token_scores(plans, layer_idx, queries))
+            except Exception:  # never the engine: each request then scores alone, and only a failing one fails
+                logger.exception("kvserve: scoring the step's new entries together failed; scoring each alone")
     return scored
 
 
