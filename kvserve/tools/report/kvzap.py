@@ -15,6 +15,7 @@ from kvserve.tools.report.sources import DataDir, captions
 
 SURROGATES = ("kvzap/smollm2-linear.json", "kvzap/qwen05-linear.json")
 SCOREBOARD = "ruler4k/qwen05.jsonl"
+OTHER_SCOREBOARDS = (("SmolLM2-135M-Instruct", "ruler4k/smollm2.jsonl"),)  # kvzap against kvzip only, folded
 DOCUMENTS = "kvzap/documents-qwen05.json"
 OVERHEAD = "kvzap/overhead-qwen05.json"
 
@@ -143,6 +144,13 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
                     thresholds,
                 ]
             parts.append(f"Data: `{board.name}`; the runs: [the scoreboard](#on-kvpresss-leaderboard-ruler-at-4k).")
+    for title, name in OTHER_SCOREBOARDS:
+        if (data.folder / name).exists():
+            other = data.load(name)
+            parts.append(
+                f"<details><summary>the same on {title}</summary>\n\n{against_kvzip(other.data)}\n\n"
+                f"{other.caption()}\n\n</details>"
+            )
     costs = []
     if (data.folder / DOCUMENTS).exists():
         from kvserve.tools.bench.documents import report
