@@ -31,6 +31,11 @@ class Surrogate(torch.nn.Module):
         return self.net(x.float())
 
     @property
+    def device(self) -> torch.device:
+        first = self.linear if self.linear is not None else self.net[0]
+        return first.weight.device
+
+    @property
     def linear(self) -> torch.nn.Linear | None:
         """The whole map when it is one linear layer (then it can be folded into RoPE's inverse), else None."""
         return self.net if isinstance(self.net, torch.nn.Linear) else None
@@ -51,9 +56,8 @@ class SurrogateSet:
     def scores(self, layer: int, queries: torch.Tensor) -> torch.Tensor:
         """[n, Hq, D] or [n, Hq * D] queries before RoPE -> [H_kv, n] predicted log KVzip+ scores."""
         module = self.layers[layer]
-        device = next(iter(module.net.state_dict().values())).device
-        with torch.no_grad():
-            return module(queries.reshape(queries.shape[0], -1).to(device)).T
+        with torch.no_grad():  # (the device read from the module's first layer: `parameters()` walks all modules)
+            return module(queries.reshape(queries.shape[0], -1).to(module.device)).T
 
     def scores_of_rotated(
         self, layer: int, queries: torch.Tensor, positions: torch.Tensor, rotary: Rotary

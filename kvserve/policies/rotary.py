@@ -42,10 +42,7 @@ class Rotary:
         x = x.float()
         half = self.cos.shape[1]
         rotated, rest = x[..., : 2 * half], x[..., 2 * half :]
-        if self.neox:
-            first, second = rotated[..., :half], rotated[..., half:]
-        else:
-            first, second = rotated[..., 0::2], rotated[..., 1::2]
+        first, second = self._pairs(rotated)
         new_first, new_second = first * cos - second * sin, first * sin + second * cos
         if self.neox:
             out = torch.cat([new_first, new_second], dim=-1)
@@ -67,10 +64,9 @@ class Rotary:
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [n, ..., D] rotated at `positions` [n] back to its unrotated form. A scaled table (YaRN multiplies cos and
         sin by a constant) is inverted too: the inverse of m * Rot(a) is Rot(-a) / m."""
-        cos, sin = self._table_at(positions, x.device)
-        norm = cos.square() + sin.square()
-        shape = (positions.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
-        return self.apply(x, (cos / norm).view(shape), (-sin / norm).view(shape))
+        inverse = self._inverse_at(positions, x.device)
+        shape = (positions.shape[0],) + (1,) * (x.dim() - 2) + (inverse.shape[2],)
+        return self.apply(x, inverse[:, 0].view(shape), inverse[:, 1].view(shape))
 
     def pair_weights(self, weight: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A linear map's weight [O, heads * D] over unrotated vectors, arranged for `unrotated_linear`: [2 * heads *
@@ -94,7 +90,7 @@ class Rotary:
         map reads c * (w1 f + w2 g) + s * (w2 f - w1 g): the map of x scaled by c plus the swapped map of x scaled by
         s, one product. Unrotating first took about 10 passes over the queries, most of KVzap's cost per step."""
         both_w, rest_w = weights
-        inverse = self._inverse[positions.to(self.cos.device)].to(x.device)  # [n, 2, R/2]: (c, s) of each pair
+        inverse = self._inverse_at(positions, x.device)  # [n, 2, R/2]: (c, s) of each pair
         n = x.shape[0]
         rotated = x[..., : self.rotary_dim]
         if self.neox:  # [n, 2 (c, s), heads, 2 (f, g), R/2]
@@ -111,6 +107,10 @@ class Rotary:
         """[P, 2, R/2]: the cos and sin that unrotate each position (a scaled table's too: Rot(-a) / m)."""
         norm = self.cos.square() + self.sin.square()
         return torch.stack([self.cos / norm, -self.sin / norm], dim=1)
+
+    def _inverse_at(self, positions: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """[n, 2, R/2]: `_inverse` at `positions`, on `device`."""
+        return self._inverse[positions.to(self.cos.device)].to(device)
 
     def _pairs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the (first, second) elements of every rotated pair of x [..., R]."""

@@ -132,13 +132,14 @@ def leaderboard_line(board: dict, rows: list[dict], model: str) -> str:
     """kvpress's own leaderboard's KVzip (an 8B model on GPUs) beside KVzip here, each as a share of its full."""
     theirs = board["kvzip"]
     setting = parse_setting(LEADERBOARD_SETTING)
-    shares = []
-    for side, label in (("kvserve", LEADERBOARD_SETTING), ("kvpress 0.5.5", setting.reference)):
-        group = [row for row in scored(rows) if row["side"] == side.split()[0] and row["label"] == label]
-        full = [row for row in scored(rows) if row["side"] == side.split()[0] and row["label"] == "full"]
+    rows, shares = scored(rows), []
+    for side, named, label in (("kvserve", "kvserve", LEADERBOARD_SETTING),
+                               ("kvpress", "kvpress 0.5.5", setting.reference)):  # fmt: skip
+        group = [row for row in rows if row["side"] == side and row["label"] == label]
+        full = [row for row in rows if row["side"] == side and row["label"] == "full"]
         if group and full:
             mean = 100 * ruler4k.mean_over_tasks(group)[0]
-            shares.append(f"{share(group, full)} on {side} ({mean:.1f}, n={len(group)})")
+            shares.append(f"{share(group, full)} on {named} ({mean:.1f}, n={len(group)})")
     return (
         f"kvpress's own leaderboard (`docs/eval/{LEADERBOARD}`, not run here): KVzip at {theirs['ratio']} keeps "
         f"{theirs['score'] / theirs['full']:.0%} of full on {theirs['model']} ({theirs['score']} of {theirs['full']}). "
