@@ -9,8 +9,12 @@ n-gram), the acceptance rate (accepted / proposed draft tokens, from vLLM's coun
 once, and whether each server's answers with speculation equal its answers without (greedy in float32 kvserve's
 must; in bfloat16 a verify step's rounding differs from one-token steps', which can tip a compaction's choice).
 
-    kvserve bench speculative --prompts 8 --doc-tokens 600 --max-tokens 192 --num-blocks 80 \\
-        --out docs/eval/speculative.json
+    kvserve bench speculative --prompts 8 --doc-tokens 1800 --max-tokens 192 --num-blocks 80 \\
+        --out docs/eval/speculative-long-documents.json
+
+With 1800-token documents the pool holds one request without eviction, so eviction's room adds to the drafts' gain;
+with 600-token documents (`--doc-tokens 600 --out docs/eval/speculative.json`) it holds three, and on 2 CPU cores
+more requests at once add little throughput.
 """
 
 from __future__ import annotations

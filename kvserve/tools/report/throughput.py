@@ -20,6 +20,7 @@ SPECULATIVE = "speculative.json"
 # the same workload with every server held to as many running requests as vanilla fits (`--max-num-seqs`): what
 # speculation gives each step when the steps' batches are alike
 SPECULATIVE_FEW = "speculative-few-running.json"
+SPECULATIVE_LONG = "speculative-long-documents.json"
 # models/capacity-gemma3-tiny-3000.json (2026-11-25, kvserve 0.1, a random-weight hybrid model) stays in docs/eval
 # the decode-heavy workload at equal KV bytes on a bf16 and an fp8 cache: two runs, each against its own vanilla
 FP8_CAPACITY = ("fp8/decode-heavy-bf16.json", "fp8/decode-heavy-fp8.json")
@@ -244,36 +245,38 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
 
 
 def speculative_part(data: DataDir) -> list[str]:
-    """`kvserve bench speculative`: n-gram speculative decoding with and without eviction at equal memory."""
+    """`kvserve bench speculative`: n-gram speculative decoding with and without eviction at equal memory. Long
+    documents first (the pool binds vanilla there); the shorter documents' runs folded below them."""
     from kvserve.tools.bench.speculative import report
 
-    if not (data.folder / SPECULATIVE).exists():
+    runs = [
+        data.load(name) for name in (SPECULATIVE_LONG, SPECULATIVE, SPECULATIVE_FEW) if (data.folder / name).exists()
+    ]
+    if not runs:
         return []
-    source = data.load(SPECULATIVE)
-    args = source.data["args"]
-    return [
+    lead, *others = runs
+    parts = [
         "### Speculative decoding (n-gram) with eviction",
+        f"{speculative_workload(lead.data['args'])} In float32 kvserve's greedy answers with speculation are those "
+        "without it (tests/test_speculative.py); in bfloat16 a verify step rounds differently, which can tip a "
+        "compaction (last column).",
+        report(lead.data["results"]),
+        lead.caption(),
+    ]
+    for other in others:
+        args = other.data["args"]
+        extra = f", every server started with `{args['server_args']}`" if args["server_args"] else ""
+        parts.append(
+            f"<details><summary>{args['doc_tokens']}-token documents{extra}</summary>\n\n"
+            f"{speculative_workload(args)}\n\n{report(other.data['results'])}\n\n{other.caption()}\n\n</details>"
+        )
+    return parts
+
+
+def speculative_workload(args: dict) -> str:
+    return (
         f"{args['prompts']} requests at once, each a {args['doc_tokens']}-token document and the instruction to "
         f"repeat it ({args['max_tokens']} output tokens, greedy), so prompt lookup drafts from the document; a pool "
-        f"of {args['num_blocks']} blocks of {args['block_size']} tokens for every server. In float32 kvserve's "
-        "greedy answers with speculation are those without it (tests/test_speculative.py); in bfloat16 a verify "
-        "step rounds differently, which can tip a compaction (last column).",
-        report(source.data["results"]),
-        source.caption(),
-        *speculative_few_part(data),
-    ]
-
-
-def speculative_few_part(data: DataDir) -> list[str]:
-    from kvserve.tools.bench.speculative import report
-
-    if not (data.folder / SPECULATIVE_FEW).exists():
-        return []
-    source = data.load(SPECULATIVE_FEW)
-    return [
-        f"The same workload with every server started with `{source.data['args']['server_args']}`: as many requests "
-        "at once on both. What is left is the drafts' acceptance (under B the cache holds part of each document, so "
-        "the copy departs from the text prompt lookup drafts from) and the eviction's own cost.",
-        report(source.data["results"]),
-        source.caption(),
-    ]
+        f"of {args['num_blocks']} blocks of {args['block_size']} tokens for every server ({args['policy']} "
+        f"B={args['budget']} on kvserve's)."
+    )
