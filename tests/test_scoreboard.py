@@ -193,6 +193,23 @@ def test_the_figure_and_table_are_drawn_from_a_small_result_file(tmp_path):
     assert "Small, question outside, 0.75: 50% on kvserve (50.0, n=8), 50% on kvpress 0.5.5 (50.0, n=8)." in line
 
 
+def test_the_table_keeps_kvserves_own_settings_at_every_ratio_and_leaves_thresholds_out():
+    """A kvserve setting whose press kvpress has not run yet is a row with an empty kvpress cell (a best setting at a
+    ratio kvpress has not reached must still be on the page); a threshold has no ratio and stays out."""
+    from kvserve.tools.report import scoreboard as page
+
+    rows = []
+    for index in range(3):
+        rows.append(_row("kvpress", "full", "vt", index, True))
+        rows.append(_row("kvserve", "full", "vt", index, True))
+        rows.append(_row("kvserve", "snapkv:kernel_size=31@0.875/inside", "vt", index, index < 2))
+        rows.append(_row("kvserve", "kvzap@t-6/inside", "vt", index, True))
+    kept = {row["label"] for row in page.compared(rows)}
+    assert kept == {"full", "snapkv:kernel_size=31@0.875/inside"}
+    text = scoreboard.board_table(page.compared(rows))
+    assert "| snapkv:kernel_size=31@0.875/inside |  | 66.7 " in text, text
+
+
 def test_kvserves_side_asks_a_real_server_each_way_and_the_kept_counts_are_the_settings(server, tokenizer, tmp_path):
     """kvserve's side of each setting kind against the real server, on short cases (the server's 2,048-token
     context): full, a compressed document (kvzip through the compress route), another policy's document

@@ -29,6 +29,10 @@ GATE = ("gate/suite-ruler.jsonl", "gate/suite-tasks.jsonl")
 FP8 = ("fp8/ruler.jsonl", "fp8/tasks.jsonl")
 FP8_UNQUANTISED = ("fp8/bf16-ruler.jsonl", "fp8/bf16-tasks.jsonl")
 DEFAULT_POLICY = BUILTIN_DEFAULTS["kv_policy"]
+# SnapKV's pool over 15 (the default) and 31, both run on one machine on the same cases (the suite above has 15 from
+# another machine; mixing them in one cell would count each case twice)
+POOL_COMPARISON = ("snapkv-kernel/ruler.jsonl", "snapkv-kernel/tasks.jsonl", "snapkv-kernel/broad.jsonl",
+                   "snapkv-kernel/multikey.jsonl")  # fmt: skip
 FLOOR = 0.5  # a task is judged where the full cache scores at least this
 CHECKPOINT = "/checkpoint"  # in a label: a kv_checkpoint setting (`kvserve.tools.eval.client.Setting.label`)
 
@@ -266,6 +270,20 @@ def load_suite(data: DataDir) -> tuple[list[Source], Suite, list[Cell]]:
     return sources, suite, suite.judged_cells(FLOOR)
 
 
+def pool_comparison_part(data: DataDir) -> list[str]:
+    """SnapKV's pool (`kernel_size`) 15 against 31 on the suite's tasks, run side by side on one machine, folded."""
+    sources = [data.load(name) for name in POOL_COMPARISON if (data.folder / name).exists()]
+    if not sources:
+        return []
+    suite = Suite.from_rows([row for source in sources for row in source.data])
+    cells = suite.judged_cells(FLOOR)
+    return [
+        "<details><summary>snapkv's pool over 15 and 31, the same cases on one machine</summary>\n\n"
+        f"Judged tasks: {', '.join(sorted({task for task, _ in cells}))}; share of `full` [95% interval].\n\n"
+        f"{variants_table(suite, cells, 'snapkv', mean=False)}\n\n{captions(sources)}\n\n</details>"
+    ]
+
+
 def section(data: DataDir, plots: Path, plot_link: str) -> str:
     sources, suite, cells = load_suite(data)
     labels = best_labels(suite, cells)
@@ -301,6 +319,7 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             f"The default policy, `{DEFAULT_POLICY}`, in every setting that ran them (`kernel_size`: the pool over "
             "the votes):",
             variants_table(suite, cells, DEFAULT_POLICY, mean=False),
+            *pool_comparison_part(data),
             "`kv_checkpoint=turns` keeps on one prompt what eager eviction keeps (tested): the rows above. "
             "`kv_checkpoint=C` compacts every C tokens with only what came before, not with the question:",
             checkpoint_table(suite, cells),

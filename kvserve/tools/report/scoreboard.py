@@ -100,10 +100,10 @@ def task_table(rows: list[dict]) -> str:
 
 
 def compared(rows: list[dict]) -> list[dict]:
-    """The rows of `full` and of the settings kvpress has rows for (a threshold, or a setting kvpress has not run
-    yet, is placed elsewhere: KVzap's section sets its thresholds against its fixed budgets)."""
-    theirs = {row["label"] for row in rows if row["side"] == "kvpress"}
-    return [row for row in rows if row["label"] == "full" or parse_setting(row["label"]).reference in theirs]
+    """The rows of `full` and of every fixed ratio, kvserve's own settings included where kvpress has no row for their
+    press yet (an empty kvpress cell says so). A threshold is placed elsewhere: KVzap's section sets its thresholds
+    against its fixed budgets."""
+    return [row for row in rows if row["label"] == "full" or parse_setting(row["label"]).threshold is None]
 
 
 def section(data: DataDir, plots: Path, plot_link: str) -> str:
