@@ -6,6 +6,7 @@ fp8 caches; and Attention-Gate at its own keep ratio against the baselines at eq
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvserve.config import BUILTIN_DEFAULTS
@@ -29,8 +30,8 @@ GATE = ("gate/suite-ruler.jsonl", "gate/suite-tasks.jsonl")
 FP8 = ("fp8/ruler.jsonl", "fp8/tasks.jsonl")
 FP8_UNQUANTISED = ("fp8/bf16-ruler.jsonl", "fp8/bf16-tasks.jsonl")
 DEFAULT_POLICY = BUILTIN_DEFAULTS["kv_policy"]
-# SnapKV's pool over 15 (the default) and 31, both run on one machine on the same cases (the suite above has 15 from
-# another machine; mixing them in one cell would count each case twice)
+# SnapKV's pool settings (`kernel_size`) run side by side on one machine on the same cases (the suite above has the
+# default's rows from another machine; mixing them in one cell would count each case twice)
 POOL_COMPARISON = ("snapkv-kernel/ruler.jsonl", "snapkv-kernel/tasks.jsonl", "snapkv-kernel/broad.jsonl",
                    "snapkv-kernel/multikey.jsonl")  # fmt: skip
 FLOOR = 0.5  # a task is judged where the full cache scores at least this
@@ -262,23 +263,22 @@ def fp8_part(data: DataDir, suite: Suite, cells: list[Cell], labels: dict[str, s
     ]
 
 
-def load_suite(data: DataDir) -> tuple[list[Source], Suite, list[Cell]]:
-    """The quality suite's result files, their rows as one suite, and its judged cells (this section's and the
-    summary's)."""
-    sources = [data.load(name) for name in SUITE]
+def load_suite(data: DataDir, names: Sequence[str] = SUITE) -> tuple[list[Source], Suite, list[Cell]]:
+    """The quality suite's result files (`names`), their rows as one suite, and its judged cells (this section's and
+    the summary's)."""
+    sources = [data.load(name) for name in names]
     suite = Suite.from_rows([row for source in sources for row in source.data])
     return sources, suite, suite.judged_cells(FLOOR)
 
 
 def pool_comparison_part(data: DataDir) -> list[str]:
-    """SnapKV's pool (`kernel_size`) 15 against 31 on the suite's tasks, run side by side on one machine, folded."""
-    sources = [data.load(name) for name in POOL_COMPARISON if (data.folder / name).exists()]
-    if not sources:
+    """SnapKV's pool settings (`kernel_size`) on the suite's tasks, run side by side on one machine, folded."""
+    names = [name for name in POOL_COMPARISON if (data.folder / name).exists()]
+    if not names:
         return []
-    suite = Suite.from_rows([row for source in sources for row in source.data])
-    cells = suite.judged_cells(FLOOR)
+    sources, suite, cells = load_suite(data, names)
     return [
-        "<details><summary>snapkv's pool over 15 and 31, the same cases on one machine</summary>\n\n"
+        "<details><summary>snapkv's pool settings side by side, the same cases on one machine</summary>\n\n"
         f"Judged tasks: {', '.join(sorted({task for task, _ in cells}))}; share of `full` [95% interval].\n\n"
         f"{variants_table(suite, cells, 'snapkv', mean=False)}\n\n{captions(sources)}\n\n</details>"
     ]

@@ -20,6 +20,7 @@ SPECULATIVE = "speculative.json"
 # the same workload with every server held to as many running requests as vanilla fits (`--max-num-seqs`): what
 # speculation gives each step when the steps' batches are alike
 SPECULATIVE_FEW = "speculative-few-running.json"
+# documents long enough that the pool limits vanilla's concurrency (where eviction pays): the section leads with it
 SPECULATIVE_LONG = "speculative-long-documents.json"
 # models/capacity-gemma3-tiny-3000.json (2026-11-25, kvserve 0.1, a random-weight hybrid model) stays in docs/eval
 # the decode-heavy workload at equal KV bytes on a bf16 and an fp8 cache: two runs, each against its own vanilla
