@@ -32,7 +32,7 @@ from kvserve.settings import GENERAL_KEYS  # the request keys besides the knobs,
 # Server-wide defaults travel to the processes that parse settings (the API server; offline, the one process) here.
 DEFAULTS_ENV = declared("KVSERVE_DEFAULTS")
 # `kvserve serve`'s defaults without --kv-* (configs/default.yaml says the same): eviction on, SnapKV keeping 1,024
-# entries per layer and KV head, with SnapKV's own settings (spans of 8, votes pooled over 15 keys: its class's
+# entries per layer and KV head, with SnapKV's own settings (spans of 8, votes pooled over 31 keys: its class's
 # defaults, which every way of naming snapkv gets). Chosen by the quality suite (measured: docs/benchmarks.md, section
 # "How much quality do I keep at 8x?"): spans lifted SnapKV on RULER's single needle, and it still reads and
 # publishes prefix-cache blocks (allocations heads / global would not).

@@ -139,6 +139,6 @@ def test_the_builtin_default_pools_snapkvs_votes_wider_and_only_snapkvs():
     def knobs(request: dict) -> dict:
         return dict(parse_kv_config(request, defaults=BUILTIN_DEFAULTS).knobs)
 
-    assert knobs({})["kernel_size"] == knobs({"kv_policy": "snapkv"})["kernel_size"] == 15
+    assert knobs({})["kernel_size"] == knobs({"kv_policy": "snapkv"})["kernel_size"] == POLICIES["snapkv"]().kernel_size
     assert knobs({"kv_policy": "snapkv", "kv_kernel_size": 7})["kernel_size"] == 7
     assert knobs({"kv_policy": "ahakv"})["kernel_size"] == POLICIES["ahakv"]().kernel_size

@@ -6,12 +6,14 @@ GQA group, smoothed with a 1-D pool over the keys before the window, and the top
 together with the window itself.
 
 The pool is the paper's way to keep "the complete information" around what the window attends to. Its kernel is
-15 by default, where the paper pools over 7 (`kv_kernel_size=7` serves the paper's): what must stay whole is longer
+31 by default, where the paper pools over 7 (`kv_kernel_size=7` serves the paper's): what must stay whole is longer
 in some prompts. A 7-digit value tokenized digit by digit sits 8 entries past the key a question attends to, and a
-kernel of 7 lets its last digits go (the answer then starts right and goes wrong). On the multi-key lookup 15 kept
-more of full's score than 7 and the suite's other tasks held (measured: docs/benchmarks.md, section "The hard half:
-multi-key lookup"). The default is the class's, so the server default, `--kv-policy snapkv`, a request naming
-snapkv and `vllm serve` all pool over 15.
+36-character UUID many more; a narrow pool keeps the key and lets the value's tail go (the answer then starts right
+and goes wrong). Measured (docs/benchmarks.md): on RULER at 4k with the question inside, 31 kept more of full's
+score than 15 at ratios 0.75 and 0.875 (section "On kvpress's leaderboard: RULER at 4k"); on the own suite it kept
+as much as 15 at every budget and more at the smallest (section "How much quality do I keep at 8x?", the pool
+settings side by side). The default is the class's, so the server default, `--kv-policy snapkv`, a request naming
+snapkv and `vllm serve` all pool over 31.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from kvserve.policies.knobs import knob
 class SnapKV(ScoredPolicy):
     name = "snapkv"
     window: int = knob(32, "observation window: most recent queries that vote, always kept", minimum=1)
-    kernel_size: int = knob(15, "pooling kernel over keys (odd; the paper's is 7)", minimum=1, odd=True)
+    kernel_size: int = knob(31, "pooling kernel over keys (odd; the paper's is 7)", minimum=1, odd=True)
     pooling: str = knob("avg", "pooling of the votes", choices=("avg", "max"))
 
     pass_statistics = ("window_sums",)

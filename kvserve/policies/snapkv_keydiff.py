@@ -18,6 +18,7 @@ import torch
 
 from kvserve.policies.base import LayerObservation, percentile_ranks
 from kvserve.policies.keydiff import KeyDiff
+from kvserve.policies.knobs import knob
 from kvserve.policies.snapkv import SnapKV
 
 DIVERSITY = KeyDiff()  # (its score reads no setting: made once, not per compaction)
@@ -26,6 +27,8 @@ DIVERSITY = KeyDiff()  # (its score reads no setting: made once, not per compact
 @dataclass(frozen=True, kw_only=True)
 class SnapKVKeyDiff(SnapKV):
     name = "snapkv_keydiff"
+    # the pool every long-prompt result of this mix was measured with (SnapKV's default then; its 31 is untested here)
+    kernel_size: int = knob(15, "pooling kernel over keys (odd; SnapKV's paper's is 7)", minimum=1, odd=True)
 
     def score(self, obs: LayerObservation) -> torch.Tensor:
         votes = super().score(obs)

@@ -45,7 +45,7 @@ from kvserve.provenance import command_line, provenance
 PROG = "python -m kvserve.tools.eval.streaming"
 SCORERS = ("full", "keydiff", "snapkv", "lookahead", "mix")
 WINDOW = 32  # the newest entries every rule keeps, and SnapKV's voting window (both policies' defaults)
-KERNEL = 15  # SnapKV's pooling kernel as `kvserve serve` defaults it
+KERNEL = SnapKVKeyDiff().kernel_size  # the served mix's pool; the `snapkv` rule votes with the same, to compare
 KEYDIFF, SNAPKV = KeyDiff(window=WINDOW), SnapKV(window=WINDOW, kernel_size=KERNEL)
 MIX = SnapKVKeyDiff(window=WINDOW, kernel_size=KERNEL)  # the served `snapkv_keydiff`
 

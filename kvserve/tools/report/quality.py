@@ -30,8 +30,8 @@ GATE = ("gate/suite-ruler.jsonl", "gate/suite-tasks.jsonl")
 FP8 = ("fp8/ruler.jsonl", "fp8/tasks.jsonl")
 FP8_UNQUANTISED = ("fp8/bf16-ruler.jsonl", "fp8/bf16-tasks.jsonl")
 DEFAULT_POLICY = BUILTIN_DEFAULTS["kv_policy"]
-# SnapKV's pool settings (`kernel_size`) run side by side on one machine on the same cases (the suite above has the
-# default's rows from another machine; mixing them in one cell would count each case twice)
+# SnapKV's pool settings (`kernel_size`) run side by side on one machine on the same cases (the suite above has its
+# pool-15 rows from another machine; the pool-31 rows, the default's, were copied into it from these files)
 POOL_COMPARISON = ("snapkv-kernel/ruler.jsonl", "snapkv-kernel/tasks.jsonl", "snapkv-kernel/broad.jsonl",
                    "snapkv-kernel/multikey.jsonl")  # fmt: skip
 FLOOR = 0.5  # a task is judged where the full cache scores at least this
