@@ -202,6 +202,28 @@ def test_the_readme_results_are_what_the_data_gives():
     assert "tasks, 1k-4k tokens)" in block and "tasks, 4k tokens)" in block  # each share says its task set
 
 
+def test_the_readmes_default_row_shows_the_defaults_own_setting_and_names_any_other():
+    """The server default's row is the default's own setting, even where another setting of its policy scores more;
+    where the default's setting did not run at the row's budgets, the best one that did is shown under its label."""
+    from kvserve.tools.eval.suite import Suite
+    from kvserve.tools.report import readme
+
+    default, other = readme.DEFAULT_LABEL, f"{readme.DEFAULT_POLICY}:kernel_size=7/span8"
+
+    def rows(label: str, budget: int | None, correct: int) -> list[dict]:
+        return [
+            {"policy": label, "budget": budget, "task": "passkey", "length": 1000, "score": float(i < correct)}
+            for i in range(4)
+        ]
+
+    full = rows("full", None, 4)
+    both = Suite.from_rows(full + rows(default, 256, 2) + rows(other, 256, 4))
+    cells = both.judged_cells(readme.FLOOR)
+    assert readme.quality(both, cells, readme.DEFAULT_POLICY, (256,)).startswith("50% (")
+    only_other = Suite.from_rows(full + rows(other, 256, 3))
+    assert readme.quality(only_other, cells, readme.DEFAULT_POLICY, (256,)).startswith(f"`{other}`: 75% (")
+
+
 def test_a_changed_number_in_the_data_changes_the_readme(tmp_path):
     from kvserve.tools.report import readme
     from kvserve.tools.report.sources import DataDir

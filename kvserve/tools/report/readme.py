@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvserve.config import BUILTIN_DEFAULTS, CHECKPOINT_POLICY_KEY
+from kvserve.tools.eval.client import label_of
 from kvserve.tools.eval.suite import Cell, Suite
 from kvserve.tools.markdown import ratio, table, with_block
 from kvserve.tools.report import models, parity, scoreboard
@@ -20,6 +21,8 @@ from kvserve.tools.report.throughput import DECODE_HEAVY
 START = "<!-- results: written by `kvserve report` from docs/eval; edit the generator, not this block -->"
 END = "<!-- /results -->"
 DEFAULT_POLICY = BUILTIN_DEFAULTS["kv_policy"]
+# the results label of what a request gets from the server's defaults (its policy's own knobs and span)
+DEFAULT_LABEL = label_of({"kv_policy": DEFAULT_POLICY})
 CHECKPOINT_POLICY = BUILTIN_DEFAULTS[CHECKPOINT_POLICY_KEY]
 # (policy, the budgets its row shows): the server's default at a short and a long ratio, and the trained heads where
 # they lead at the smallest budgets
@@ -40,13 +43,16 @@ def eviction_off(run: dict) -> str:
 
 
 def quality(suite: Suite, cells: list[Cell], policy: str, budgets: tuple[int, ...]) -> str:
-    """`91% / 99% (4 tasks, 1k-4k tokens)`: the policy's best setting over `cells`, else over their single-needle
-    tasks (said so), at each budget."""
+    """`91% / 99% (4 tasks, 1k-4k tokens)`: the server default's own setting where `policy` is the default's and it
+    ran at every budget, else the policy's best setting (named where it is not the default's), over `cells`, else
+    over their single-needle tasks (said so), at each budget."""
     for judged, which in ((cells, ""), (single_needle_cells(cells), "single needle: ")):
-        label = best_labels(suite, judged).get(policy)
-        shares = [suite.ratio((label, budget), judged) for budget in budgets] if label else [None]
-        if all(share is not None for share in shares):
-            return " / ".join(f"{share:.0%}" for share in shares) + f" ({which}{task_set(judged)})"
+        best = best_labels(suite, judged).get(policy)
+        for label in dict.fromkeys([DEFAULT_LABEL if policy == DEFAULT_POLICY else None, best]):
+            shares = [suite.ratio((label, budget), judged) for budget in budgets] if label else [None]
+            if all(share is not None for share in shares):
+                named = f"`{label}`: " if policy == DEFAULT_POLICY and label != DEFAULT_LABEL else ""
+                return named + " / ".join(f"{share:.0%}" for share in shares) + f" ({which}{task_set(judged)})"
     return "not run"
 
 
