@@ -33,26 +33,43 @@ def parallelism_refusal(
     return None
 
 
-# Speculative methods kvserve serves with eviction: n-gram prompt lookup proposes from the token ids alone. A drafter
-# with its own layers (a draft model, EAGLE, MTP) writes its own KV cache into the request's blocks, which a
-# compaction would free under it.
-SPECULATIVE_METHODS = ("ngram",)
+# Speculative methods kvserve serves with eviction. n-gram prompt lookup proposes from the token ids alone. A draft
+# model (vLLM's DraftModelProposer) keeps a KV cache of its own in its layers' share of the request's blocks, which it
+# addresses by vLLM's block table: those layers stay vLLM's (`kvserve.vllm.model.DRAFTER_PREFIX`), and a request that
+# has compacted, whose block table no longer maps its positions, is given no drafts (`drafts_allowed`). EAGLE's and
+# MTP's drafters also read the target's hidden states, which eviction changes; they are not served.
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+OWN_CACHE_METHODS = ("draft_model",)  # drafters with a KV cache of their own, laid out by vLLM's block table
 
 
-def speculation_refusal(speculative_config, pipeline_parallel_size: int = 1) -> str | None:
-    """Why kvserve cannot evict beside this `--speculative-config`, or None (none given, or n-gram)."""
+def speculation_refusal(
+    speculative_config, pipeline_parallel_size: int = 1, attention_mode: str = "vllm"
+) -> str | None:
+    """Why kvserve cannot evict beside this `--speculative-config`, or None (none given, n-gram, a draft model).
+    `attention_mode`: KVSERVE_ATTENTION's, whose `kernels` keeps every paged layer's cache in its own layout."""
     if speculative_config is None:
         return None
     method = speculative_config.method
     if method not in SPECULATIVE_METHODS:
         return (
-            f"kvserve eviction serves speculative decoding by n-gram prompt lookup ('method': 'ngram') only, not "
-            f"{method!r}: its drafter keeps a KV cache of its own in the request's blocks, which eviction would free "
-            "under it. Use 'ngram', or run vanilla vLLM (VLLM_PLUGINS without 'kvserve')."
+            f"kvserve eviction serves speculative decoding by n-gram prompt lookup ('method': 'ngram') and by a draft "
+            f"model ('method': 'draft_model'), not {method!r} (EAGLE's and MTP's drafters read the target model's "
+            "hidden states, which eviction changes; other drafters are not verified with eviction). Use one of those, "
+            "or run vanilla vLLM (VLLM_PLUGINS without 'kvserve')."
         )
     if pipeline_parallel_size > 1:
         return "kvserve eviction does not serve speculative decoding under pipeline parallelism"
+    if method in OWN_CACHE_METHODS and attention_mode == "kernels":
+        return (
+            f"kvserve eviction serves {method!r} with vLLM's CPU attention only (KVSERVE_ATTENTION=vllm, the "
+            "default): the drafter's layers attend with vLLM's own ops over vLLM's cache layout"
+        )
     return None
+
+
+def drafter_has_own_cache(speculative_config) -> bool:
+    """Whether the drafter keeps a KV cache of its own (a draft model): a compacted request then gets no drafts."""
+    return speculative_config is not None and speculative_config.method in OWN_CACHE_METHODS
 
 
 def flag_value(args: list[str], *names: str) -> str | None:

@@ -18,8 +18,11 @@ from dataclasses import dataclass
 
 import httpx
 
-# kvserve's side asks for eviction per request; vanilla ignores headers it does not know
-EVICTING = {"x-kv-policy": "snapkv", "x-kv-budget": "64"}
+# kvserve's side asks for eviction per request; vanilla ignores headers it does not know. B=96 evicts most of the
+# probes' prompt (258 tokens in the chat template); at B=64 the default model's answers to the tool-call probes ran
+# off into digits under SnapKV's pool of 31 (with kv_kernel_size=15 they parsed): the model's answer, not the feature
+EVICTING = {"x-kv-policy": "snapkv", "x-kv-budget": "96"}
+EVICTING_BUDGET = EVICTING["x-kv-budget"]
 PROMPT = (
     "The library keeps its maps in a room on the third floor. Each map shows a river, the towns beside it and the "
     "roads between them, drawn by hand a century ago. " * 6 + "Question: where does the library keep its maps? Answer:"

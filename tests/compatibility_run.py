@@ -5,8 +5,10 @@ probes, on real `vllm serve` / `kvserve serve` servers of the default model. Wri
 
 vanilla: a server with a LoRA adapter runs every per-request probe (tests/compatibility.py) and the adapter's; one
 with n-gram speculation and one with a draft model each answer a quoting request. kvserve, evicting by its server
-defaults (snapkv, B=64): one server with n-gram speculation and the adapter; one asked for a draft model, which it
-refuses at start-up (its reason is the outcome). The per-request probes of kvserve's side run on the session's server.
+defaults (snapkv at the per-request probes' budget): one server with n-gram speculation and the adapter; one with a
+draft model, which drafts for a request until it compacts: an evicting request is served, and one that does not
+evict gets accepted drafts. A server that refuses at start-up gives its reason as the outcome. The per-request
+probes of kvserve's side run on the session's server.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from compatibility import complete, outcome, run_probes  # noqa: E402
+from compatibility import EVICTING_BUDGET, complete, outcome, run_probes  # noqa: E402
 from engine_settings import SERVED_MODEL, SERVER_ARGS  # noqa: E402
 
 from kvserve.model import ensure_default_model  # noqa: E402
 from kvserve.tools.bench.servers import ServerStartError, running_server  # noqa: E402
 
-EVICTING_FLAGS = ["--kv-policy", "snapkv", "--kv-budget", "64"]
+EVICTING_FLAGS = ["--kv-policy", "snapkv", "--kv-budget", EVICTING_BUDGET]
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 SPACE = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB, as the session's server: vLLM's default reserves most of the memory
 REFUSAL = re.compile(r"(kvserve eviction [^\n]*)")
@@ -40,15 +42,25 @@ def accepted_drafts(base: str) -> float:
     return sum(float(value) for value in found)
 
 
-def speculation(base: str) -> dict:
-    """A request whose answer quotes its prompt: served, and drafts were accepted."""
-    result = outcome(complete(base, SERVED_MODEL, {}, max_tokens=48), lambda answer: None)
+def speculation(base: str, headers: dict | None = None) -> dict:
+    """A request (`headers`: its settings) whose answer quotes its prompt: served, and drafts were accepted."""
+    result = outcome(complete(base, SERVED_MODEL, headers or {}, max_tokens=48), lambda answer: None)
     deadline = time.monotonic() + 120  # the API server's counters follow the engine's steps with a lag
     while result["outcome"] == "serves" and accepted_drafts(base) == 0:
         if time.monotonic() > deadline:
             result["outcome"] = "fails: no draft was accepted"
         time.sleep(1)
     return result
+
+
+def drafting_beside_eviction(base: str) -> dict:
+    """A draft model drafts for a request until it compacts: a request evicting by the server's defaults is served
+    (the outcome, with its evicted count), and one that does not evict gets accepted drafts."""
+    evicting = outcome(complete(base, SERVED_MODEL, {}, max_tokens=48), lambda answer: None)
+    if evicting["outcome"] != "serves":
+        return evicting
+    drafted = speculation(base, {"x-kv-policy": "full"})
+    return evicting if drafted["outcome"] == "serves" else drafted
 
 
 def adapter(base: str) -> dict:
@@ -106,8 +118,8 @@ def main(side: str, adapter_dir: str, out: str) -> None:
         # vLLM's rule for LoRA beside drafts: a step's token budget holds every sequence's drafts
         args = [*EVICTING_FLAGS, *ngram, *lora, "--max-num-seqs", "16"]
         results["speculative decoding, n-gram"] = served(side, args, folder / "ngram.log", speculation_and_adapter)
-    flags = EVICTING_FLAGS if side == "kvserve" else []
-    results["speculative decoding, draft model"] = served(side, [*flags, *drafting], folder / "draft.log", speculation)
+    flags, ask = (EVICTING_FLAGS, drafting_beside_eviction) if side == "kvserve" else ([], speculation)
+    results["speculative decoding, draft model"] = served(side, [*flags, *drafting], folder / "draft.log", ask)
     Path(out).write_text(json.dumps(results, indent=1))
 
 

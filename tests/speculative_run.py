@@ -3,7 +3,9 @@ eviction setting (each under its own cache salt); write per setting the token id
 request's lists kept (`kept_lists`), the block pool's free blocks after the requests finished, and vLLM's
 speculative-decoding counters, as JSON. The engine core runs in this process so the pool can be read.
 
-Usage: python tests/speculative_run.py SETTINGS.json OUT.json   (SETTINGS: a list of kv_* dicts)
+Usage: python tests/speculative_run.py SETTINGS.json OUT.json [SPECULATIVE_CONFIG]   (SETTINGS: a list of kv_* dicts;
+SPECULATIVE_CONFIG: vLLM's --speculative-config as JSON, the n-gram drafter by default; a draft model's "model" may be
+"default", the default model drafting for itself)
 """
 
 import json
@@ -32,7 +34,10 @@ if __name__ == "__main__":
     settings_path, out_path = sys.argv[1:3]
     with open(settings_path) as f:
         settings = json.load(f)
-    llm = LLM(**engine_kwargs(), speculative_config=SPECULATIVE_CONFIG, disable_log_stats=False)
+    speculative_config = json.loads(sys.argv[3]) if len(sys.argv) > 3 else SPECULATIVE_CONFIG
+    if speculative_config.get("model") == "default":
+        speculative_config["model"] = engine_kwargs()["model"]
+    llm = LLM(**engine_kwargs(), speculative_config=speculative_config, disable_log_stats=False)
     core = llm.llm_engine.engine_core.engine_core
     pool = core.scheduler.kv_cache_manager.block_pool
     runner = core.model_executor.driver_worker.worker.model_runner

@@ -143,6 +143,20 @@ def test_a_gated_request_gets_no_drafts():
     assert drafts_allowed(record, Progress(tokens, 300, 350), 350, 4, BS, under_pressure=False) == 0
 
 
+def test_a_drafter_with_its_own_cache_drafts_until_the_request_compacts():
+    """A draft model's cache follows vLLM's block table, which a compacted request's no longer does: drafts stop at
+    its first compaction (a drafter without a cache, n-gram, keeps drafting between compactions)."""
+    tokens = sequence(700, [])
+    record = record_for(SNAPKV, tokens)
+    short = Progress(tokens[:101], 100, 100)  # below the budget: not compacted yet
+    before = drafts_allowed(record, short, 100, 4, BS, under_pressure=False)
+    assert before == drafts_allowed(record, short, 100, 4, BS, under_pressure=False, drafter_cache=True) > 0
+    record.report = report(300, B)  # the prompt compacted where it ended
+    after = Progress(tokens[:301], 300, 300)
+    assert drafts_allowed(record, after, 300, 4, BS, under_pressure=False) > 0
+    assert drafts_allowed(record, after, 300, 4, BS, under_pressure=False, drafter_cache=True) == 0
+
+
 def report(logical: int, kept: int, heads: int = 3) -> PageReport:
     """Lists of `kept` entries in each of `heads` lists after a compaction at `logical` tokens."""
     pages = heads * -(-kept // BS)

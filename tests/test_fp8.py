@@ -68,8 +68,10 @@ def _differences(kept: torch.Tensor, keep: torch.Tensor, scores: torch.Tensor) -
 def test_snapkv_on_fp8_keeps_what_dense_attention_over_the_dequantised_cache_chooses(fp8_results, hf_model):
     """The first layers keep exactly the reference's choice (float ties aside). Deeper, the engine's and the
     reference's hidden states differ in float rounding, and rounding keys toward zero to fp8 turns a difference
-    at a code boundary into a whole code: measured, 116 of 11,520 kept entries differ over 30 layers, each where
-    the two scores lie within 0.7% of the head's top score; against the unquantised reference, 426 differ."""
+    at a code boundary into a whole code: a few kept entries differ (under 2% of them), each where the two scores
+    lie within 2.5% of the head's top score (SnapKV's pool of 31 spreads a head's top score over more keys than its
+    former 15, so a near-tie is a larger share of it), and less than half as many as against the unquantised
+    reference."""
     ids = fp8_results["snapkv"]["prompt"]
     budget = SNAPKV["kv_budget"]
     with fp8_cache(torch.float8_e4m3fn):  # "fp8" is e4m3; the engine's scales are 1 (the checkpoint brings none)
@@ -83,7 +85,7 @@ def test_snapkv_on_fp8_keeps_what_dense_attention_over_the_dequantised_cache_cho
     plain = sum(_differences(kept[layer], plain_keep[layer], plain_scores[layer])[0] for layer in range(len(kept)))
     total = sum(count for count, _ in differing)
     assert total <= 0.02 * budget * len(kept) * 3, total
-    assert max(worst for _, worst in differing) <= 0.01
+    assert max(worst for _, worst in differing) <= 0.025, sorted(worst for _, worst in differing)[-3:]
     assert total < plain / 2, (total, plain)  # the quantised reference is the one the engine follows
 
 

@@ -14,7 +14,7 @@ from kvserve import REQUIRED_VLLM_VERSION
 from kvserve.cli import BUILTIN_DEFAULTS, defaults_from_args
 from kvserve.config import parse_kv_config, requested_policy
 from kvserve.errors import InvalidSetting
-from kvserve.policies import POLICY_NAMES
+from kvserve.policies import POLICIES, POLICY_NAMES
 from kvserve.vllm import patches as vllm_patches
 
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -188,7 +188,8 @@ def test_start_up_says_what_each_policy_gets():
     vllm_serve = effective_defaults({})
     assert vllm_serve[0] == "full (default): no eviction"
     snapkv = next(line for line in vllm_serve if line.startswith("snapkv:"))
-    own = "span 8, allocation uniform, window 32, kernel_size 15, pooling avg"
+    policy = POLICIES["snapkv"]()  # its own knobs, as the class declares them
+    own = f"span 8, allocation uniform, window {policy.window}, kernel_size {policy.kernel_size}, pooling avg"
     assert snapkv == f"snapkv: budget the request's kv_budget, {own}"
 
 

@@ -1,10 +1,12 @@
-"""Speculative decoding (vLLM's n-gram prompt lookup) with eviction: a step that verifies drafts never compacts, the
+"""Speculative decoding with eviction. vLLM's n-gram prompt lookup: a step that verifies drafts never compacts, the
 rejected drafts' entries leave the lists, and the accepted tokens' queries count in the statistics and windows as
 one-token steps would (`kvserve.core.compaction.drafts_allowed`, `kvserve.worker.drafts.settle_drafts`). So greedy
 output with speculation equals greedy output without it under every policy family, and so do the compactions: the
-positions each (layer, head) kept at its last one. The run with speculation is an engine of its own
-(tests/speculative_run.py, in the background); the one without is the session's engine, on the same prompts under the
-same cache salts."""
+positions each (layer, head) kept at its last one. A draft model (here the default model drafting for itself) keeps a
+KV cache of its own in the request's blocks, laid out by vLLM's block table, so it drafts for a request until the
+request compacts and not after; the output is again the output without speculation. The runs with speculation are
+engines of their own (tests/speculative_run.py, in the background); the one without is the session's engine, on the
+same prompts under the same cache salts."""
 
 from __future__ import annotations
 
@@ -60,18 +62,36 @@ SETTINGS = [
 ]
 
 
+# a draft model: the default model drafts for itself, so every draft it makes is accepted where its own cache is the
+# target's; under B=96 the two longer prompts compact where they end and the short one never does
+DRAFT_MODEL = {"method": "draft_model", "model": "default", "num_speculative_tokens": 3}
+DRAFT_SETTINGS = [{}, {"kv_policy": "snapkv", "kv_budget": BUDGET}]
+
+
 def background_runs() -> list[Run]:
-    settings = Path(tempfile.mkdtemp(prefix="kvserve-speculative-")) / "settings.json"
-    settings.write_text(json.dumps(SETTINGS))
-    argv = [sys.executable, str(TESTS / "speculative_run.py"), str(settings), "{out}"]
-    # vLLM's n-gram drafter is a numba kernel whose pool starts a thread per CPU, in a process bound to one CPU; a run
-    # that takes a minute once outlived its 900 s timeout on CI beside the other tests: one thread, one suspect less
-    return [Run("speculative_results", argv, {"NUMBA_NUM_THREADS": "1"})]
+    folder = Path(tempfile.mkdtemp(prefix="kvserve-speculative-"))
+    runs = []
+    for fixture, settings, config in (
+        ("speculative_results", SETTINGS, []),
+        ("draft_model_results", DRAFT_SETTINGS, [json.dumps(DRAFT_MODEL)]),
+    ):
+        path = folder / f"{fixture}.json"
+        path.write_text(json.dumps(settings))
+        argv = [sys.executable, str(TESTS / "speculative_run.py"), str(path), "{out}", *config]
+        # vLLM's n-gram drafter is a numba kernel whose pool starts a thread per CPU, in a process bound to one CPU; a
+        # run that took a minute once outlived its 900 s timeout on CI beside the other tests: one thread
+        runs.append(Run(fixture, argv, {"NUMBA_NUM_THREADS": "1"}))
+    return runs
 
 
 @pytest.fixture(scope="module")
 def speculative_results(background):
     return background.results("speculative_results")[0]
+
+
+@pytest.fixture(scope="module")
+def draft_model_results(background):
+    return background.results("draft_model_results")[0]
 
 
 def _without_speculation(engine, kv: dict):
@@ -103,10 +123,59 @@ def test_speculation_gives_the_tokens_and_compactions_of_one_token_steps(engine,
         assert max(k["compactions"] for k in kept) >= 3, kv  # decode compactions between the drafts
 
 
-def test_only_drafters_without_a_cache_of_their_own_are_served():
+@pytest.mark.parametrize("index", range(len(DRAFT_SETTINGS)), ids=[s.get("kv_policy", "full") for s in DRAFT_SETTINGS])
+def test_a_draft_model_drafts_until_a_request_compacts_and_changes_no_token(engine, draft_model_results, index):
+    result, full = draft_model_results["results"][index], draft_model_results["results"][0]
+    kv = result["kv"]
+    assert kv == DRAFT_SETTINGS[index]
+    outputs, kept = _without_speculation(engine, kv)
+    assert result["outputs"] == [list(o.outputs[0].token_ids) for o in outputs], kv
+    assert result["evicted"] == [o.kv_transfer_params["kv_tokens_evicted"] for o in outputs], kv
+    assert result["kept"] == kept, kv
+    assert result["free_blocks"] == draft_model_results["total_blocks"], kv  # the drafter's slots leaked nothing
+    speculation = result["speculation"]
+    # the drafter is the target: where it reads its own cache in vLLM's layout, every draft is accepted
+    assert speculation["num_accepted_tokens"] == speculation["num_draft_tokens"] > 0, kv
+    # drafts only for the requests that never compacted, as many as each had without eviction
+    compacted = [bool(evicted) for evicted in result["evicted"]]
+    assert compacted.count(True) == (2 if kv else 0), result["evicted"]
+    per_request = full["speculation"]["num_drafts"] / len(compacted)
+    assert speculation["num_drafts"] == per_request * compacted.count(False), (kv, speculation)
+
+
+def test_drafters_that_read_no_hidden_states_are_served():
     assert speculation_refusal(None) is None
     assert speculation_refusal(SimpleNamespace(method="ngram")) is None
-    for method in ("draft_model", "eagle", "eagle3", "mtp", "suffix"):
+    assert speculation_refusal(SimpleNamespace(method="draft_model")) is None
+    for method in ("eagle", "eagle3", "mtp", "suffix"):
         refusal = speculation_refusal(SimpleNamespace(method=method))
-        assert refusal is not None and repr(method) in refusal and "'ngram'" in refusal
+        assert refusal is not None and repr(method) in refusal and "'ngram'" in refusal and "'draft_model'" in refusal
     assert "pipeline" in speculation_refusal(SimpleNamespace(method="ngram"), pipeline_parallel_size=2)
+    # the drafter's layers attend with vLLM's ops over vLLM's layout, which KVSERVE_ATTENTION=kernels does not keep
+    assert "KVSERVE_ATTENTION" in speculation_refusal(SimpleNamespace(method="draft_model"), attention_mode="kernels")
+    assert speculation_refusal(SimpleNamespace(method="ngram"), attention_mode="kernels") is None
+
+
+def test_a_draft_model_of_another_cache_shape_is_refused_at_start_up_with_the_reason():
+    """A drafter whose KV heads, head size or dtype differ from the target's shares a group of mixed shapes with it,
+    which kvserve does not page; one of the target's shape joins the target's own group, whose target layers page."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
+
+    from kvserve.vllm.model import paged_group
+
+    target, drafter = "model.layers.0.self_attn.attn", "draft_model.model.layers.0.self_attn.attn"
+    support = SimpleNamespace(evicts=True, paged_layers=(0,), describe=lambda: "evicts on all 1 layers")
+
+    def spec(head_size: int) -> FullAttentionSpec:
+        return FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=head_size, dtype=torch.float32)
+
+    def config(drafter_head_size: int) -> SimpleNamespace:
+        specs = {target: spec(64), drafter: spec(drafter_head_size)}
+        mixed = drafter_head_size != 64  # vLLM's grouping: one spec for equal shapes, a mixed one otherwise
+        group = UniformTypeKVCacheSpecs(block_size=32, kv_cache_specs=specs) if mixed else specs[target]
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=group, layer_names=[target, drafter])])
+
+    assert paged_group(config(64), support) == 0
+    with pytest.raises(RuntimeError, match="draft model of the target's KV-cache shape"):
+        paged_group(config(128), support)

@@ -146,14 +146,23 @@ def compaction_after(
 
 
 def drafts_allowed(
-    record: CoreRequest, progress: Progress, computed: int, wanted: int, block_size: int, under_pressure: bool
+    record: CoreRequest,
+    progress: Progress,
+    computed: int,
+    wanted: int,
+    block_size: int,
+    under_pressure: bool,
+    drafter_cache: bool = False,
 ) -> int:
     """Speculative decoding: how many of `wanted` draft tokens a decoding request that has computed `computed`
     tokens may verify in its next step. A step with drafts never compacts, so the drafts stop before the first
     token whose one-token step would compact by the rules above (0 when the next token's does: that step runs
     plain and compacts). However many drafts are accepted, every compaction then falls on the same one-token step,
-    with the same cache, as without speculation. A gated policy decides per token in its attention pass: no drafts."""
-    if record.settings.ragged:
+    with the same cache, as without speculation. A gated policy decides per token in its attention pass: no drafts.
+    `drafter_cache`: the drafter keeps a KV cache of its own, addressed by vLLM's block table (a draft model), which
+    a compacted request's table no longer follows (it lists the blocks the request kept): its drafts would be
+    guesses from the wrong entries, so a compacted request gets none."""
+    if record.settings.ragged or (drafter_cache and record.compacted):
         return 0
     for draft in range(wanted + 1):
         end = computed + 1 + draft  # the step that ends with this draft's token, were it taken alone

@@ -27,7 +27,7 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
 from kvserve import phases
-from kvserve.vllm.model import layer_index, pages_this_layer
+from kvserve.vllm.model import is_drafter_layer, layer_index, pages_this_layer
 from kvserve.worker import fused, layouts
 from kvserve.worker.eviction import after_attention, pseudo_queries, relocate_protected
 from kvserve.worker.step import StepPages, current_step
@@ -70,7 +70,8 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         step = current_step()
-        if step is None or not self.paged:  # a dummy run, or a layer that stays vLLM's: vLLM's own slots
+        # a dummy run, or a layer that stays vLLM's (a draft model's too): vLLM's own slots
+        if step is None or not self.paged or is_drafter_layer(layer):
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         pages = step.pages
         tokens = pages.num_tokens
@@ -92,7 +93,7 @@ class KVServeAttentionImpl(CPUAttentionBackendImpl):
         self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
     ) -> torch.Tensor:
         step = current_step()
-        if step is None or attn_metadata is None or not self.paged:
+        if step is None or attn_metadata is None or not self.paged or is_drafter_layer(layer):
             return super().forward(
                 layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
             )

@@ -165,12 +165,14 @@ class EvictingFullAttentionManager(FullAttentionManager):
         needed = blocks_for(num_tokens)
         if apply_admission_cap or record is None:  # the whole-sequence admission check: the step adds the spares
             return needed
-        spare = self._spare_blocks(record, num_tokens, new_computed_blocks) if record.evicts else 0
+        # whether the step compacts is read off the target's tokens: `num_tokens` adds a draft model's lookahead slots
+        # (vLLM's num_lookahead_tokens), which are no tokens of the sequence
+        spare = self._spare_blocks(record, num_tokens_main_model, new_computed_blocks) if record.evicts else 0
         row_room = self.max_blocks_per_request - cdiv(num_tokens, self.block_size)
         room = min(self.block_pool.get_num_free_blocks() - needed, row_room)
         if 0 <= room < spare and not record.private:
             self._stop_publishing(record)
-            spare = self._spare_blocks(record, num_tokens, new_computed_blocks)
+            spare = self._spare_blocks(record, num_tokens_main_model, new_computed_blocks)
         # beyond a row's width no spare fits: a compaction short of pages fails its request with the reason
         spare = min(spare, max(row_room, 0))
         record.spare_blocks = spare

@@ -10,11 +10,25 @@ from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
 
 from kvserve.model_support import EvictionSupport, ServedEngine, eviction_support
 from kvserve.policies.rotary import Rotary
 from kvserve.worker.pages import PageLayout
+
+# vLLM's DraftModelProposer loads a draft model under this prefix. Its attention layers join the target's KV-cache
+# group (the same blocks, the same block table) under the same layer numbers; kvserve pages only the target's.
+DRAFTER_PREFIX = "draft_model."
+
+
+def model_layer_names(layer_names) -> list[str]:
+    """The target model's attention layers among `layer_names` (a draft model's are not the model's)."""
+    return [name for name in layer_names if not name.startswith(DRAFTER_PREFIX)]
+
+
+def is_drafter_layer(layer) -> bool:
+    """Whether an attention layer is a draft model's: its cache stays vLLM's, addressed by vLLM's block table."""
+    return layer.layer_name.startswith(DRAFTER_PREFIX)
 
 
 def paged_group(kv_cache_config, support: EvictionSupport) -> int | None:
@@ -26,8 +40,16 @@ def paged_group(kv_cache_config, support: EvictionSupport) -> int | None:
     groups = kv_cache_config.kv_cache_groups
     full = [index for index, group in enumerate(groups) if type(group.kv_cache_spec) is FullAttentionSpec]
     kinds = [type(group.kv_cache_spec).__name__ for group in groups]
+    mixed = [group for group in groups if type(group.kv_cache_spec) is UniformTypeKVCacheSpecs]
+    if any(len(model_layer_names(group.layer_names)) < len(group.layer_names) for group in mixed):
+        raise RuntimeError(
+            "kvserve eviction serves a draft model of the target's KV-cache shape (KV heads, head size, dtype): this "
+            "one's differs, so vLLM put both models' layers in one group of mixed shapes, which kvserve does not "
+            "page. Use a draft model of the target's shape or 'ngram', or run vanilla vLLM (VLLM_PLUGINS without "
+            "'kvserve')."
+        )
     if len(full) == 1:
-        layers = {extract_layer_index(name) for name in groups[full[0]].layer_names}
+        layers = {extract_layer_index(name) for name in model_layer_names(groups[full[0]].layer_names)}
         if layers <= set(support.paged_layers):
             return full[0]
     raise RuntimeError(
@@ -99,17 +121,22 @@ def pages_this_layer(impl, mode: str, kv_sharing_target_layer_name: str | None) 
 
 
 def layer_numbers(layer_names) -> tuple[int, ...]:
-    """The model layer of each named attention layer, in order."""
-    return tuple(sorted(extract_layer_index(name) for name in layer_names))
+    """The model layer of each of the target model's named attention layers, in order."""
+    return tuple(sorted(extract_layer_index(name) for name in model_layer_names(layer_names)))
 
 
 def caches_by_layer(runner) -> dict[int, torch.Tensor]:
-    """This worker's KV caches by model layer (vLLM lists `runner.kv_caches` in layer order over every group)."""
-    groups = runner.kv_cache_config.kv_cache_groups
-    names = sorted((name for group in groups for name in group.layer_names), key=extract_layer_index)
-    if len(names) != len(runner.kv_caches):
-        raise RuntimeError(f"kvserve: {len(names)} attention layers but {len(runner.kv_caches)} KV caches")
-    return {extract_layer_index(name): cache for name, cache in zip(names, runner.kv_caches, strict=True)}
+    """This worker's KV caches of the target model's layers, by model layer. vLLM lists `runner.kv_caches` in layer
+    order over every group, a draft model's layers beside the target's under the same numbers, so each layer's cache
+    is found as the one its attention module was bound to (a view of it, at the same address)."""
+    context = runner.compilation_config.static_forward_context
+    by_address = {cache.data_ptr(): cache for cache in runner.kv_caches}
+    names = model_layer_names(name for group in runner.kv_cache_config.kv_cache_groups for name in group.layer_names)
+    caches = {extract_layer_index(name): by_address.get(context[name].kv_cache.data_ptr()) for name in names}
+    unbound = [index for index, cache in caches.items() if cache is None]
+    if unbound or len(caches) != len(names):
+        raise RuntimeError(f"kvserve: no KV cache of its own for attention layers {unbound or sorted(caches)}")
+    return caches
 
 
 def rotary_tables(model: torch.nn.Module, model_layers: tuple[int, ...], device: torch.device) -> dict[int, Rotary]:

@@ -38,10 +38,11 @@ from kvserve.errors import InvalidSetting
 from kvserve.messages import Compaction, PageReport, StepPlan, cdiv, with_evicted_count
 from kvserve.metrics import metrics, set_engine
 from kvserve.model_support import eviction_support, generation_marker
-from kvserve.parallelism import parallelism_refusal, speculation_refusal
+from kvserve.parallelism import drafter_has_own_cache, parallelism_refusal, speculation_refusal
 from kvserve.vllm.carriers import attach_plan, plan_of, report_of
 from kvserve.vllm.kv_cache_manager import EvictingFullAttentionManager, keep_after, progress_of
 from kvserve.vllm.model import paged_group
+from kvserve.worker.kernel_dispatch import attention_mode
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format, INFO shown
 
@@ -58,9 +59,11 @@ class EvictingScheduler(Scheduler):
         )
         if refusal is not None:
             raise RuntimeError(refusal)
-        refusal = speculation_refusal(self.vllm_config.speculative_config, parallel.pipeline_parallel_size)
+        speculative = self.vllm_config.speculative_config
+        refusal = speculation_refusal(speculative, parallel.pipeline_parallel_size, attention_mode())
         if refusal is not None:
             raise RuntimeError(refusal)
+        self.drafter_cache = drafter_has_own_cache(speculative)
         self.paged_group = paged_group(self.kv_cache_config, self.support)
         self.pipeline_stages = parallel.pipeline_parallel_size
         self.evicting_manager: EvictingFullAttentionManager | None = None
@@ -256,7 +259,9 @@ class EvictingScheduler(Scheduler):
         if record is not None and request.spec_token_ids and num_computed_tokens + 1 >= request.num_tokens:
             progress = progress_of(request, computed=num_computed_tokens)
             wanted, pressure = num_new_tokens - 1, self.core.under_pressure
-            allowed = drafts_allowed(record, progress, num_computed_tokens, wanted, self.block_size, pressure)
+            allowed = drafts_allowed(
+                record, progress, num_computed_tokens, wanted, self.block_size, pressure, self.drafter_cache
+            )
             return min(num_new_tokens, 1 + allowed)
         # a one-token step (decoding) ends wherever it must anyway: no scan of the sequence on the decode path
         if num_new_tokens <= 1 or record is None or not record.settings.checkpoints:
