@@ -46,7 +46,12 @@ class SnapKV(ScoredPolicy):
 
     def score(self, obs: LayerObservation) -> torch.Tensor:
         votes = obs.window_votes()  # [H, n]
-        split = obs.num_tokens - self.window
-        # Pool over the prefix only (as SnapKV does), so the window's own large self-attention does not leak into
-        # the scores of the keys just before it.
-        return torch.cat([pool_scores(votes[:, :split], self.kernel_size, self.pooling), votes[:, split:]], dim=-1)
+        window = self.protected_mask(obs)
+        # Pool over each head's prefix only (as SnapKV does), so the window's own large self-attention does not leak
+        # into the scores of the keys just before it. Heads holding fewer entries than others (padded) have their
+        # window earlier: zeroing window and padding before the pool gives each head what pooling its own prefix alone
+        # gives (the pool pads with zeros, and votes are never negative).
+        padding = obs.padding()
+        outside = window if padding is None else window | padding
+        pooled = pool_scores(votes.masked_fill(outside, 0), self.kernel_size, self.pooling)
+        return torch.where(window, votes, pooled)

@@ -9,8 +9,8 @@ from pathlib import Path
 from kvserve.tools.markdown import table
 from kvserve.tools.report.sources import DataDir, Source
 
-# the latest run of `kvserve_kernels.bench` (2026-11-27, kvserve 0.17) in the dtype the models serve in; its float16
-# twin and the H100 runs (2026-11-24, 0.1: older kernels) stay in docs/eval
+# the H200 runs of `kvserve_kernels.bench` (2026-11-27, kvserve 0.17, and 2026-12-04, 0.27: one file, two runs) in the
+# dtype the models serve in; their float16 twin and the H100 runs (2026-11-24, 0.1: older kernels) stay in docs/eval
 RUNS = ("kernels/h200-bf16.json",)
 
 
