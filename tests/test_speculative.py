@@ -2,11 +2,11 @@
 rejected drafts' entries leave the lists, and the accepted tokens' queries count in the statistics and windows as
 one-token steps would (`kvserve.core.compaction.drafts_allowed`, `kvserve.worker.drafts.settle_drafts`). So greedy
 output with speculation equals greedy output without it under every policy family, and so do the compactions: the
-positions each (layer, head) kept at its last one. A draft model (here the default model drafting for itself) keeps a
-KV cache of its own in the request's blocks, laid out by vLLM's block table, so it drafts for a request until the
-request compacts and not after; the output is again the output without speculation. The runs with speculation are
-engines of their own (tests/speculative_run.py, in the background); the one without is the session's engine, on the
-same prompts under the same cache salts."""
+positions each (layer, head) kept at its last one. A draft model (here the default model's twin of another cache
+shape) keeps a KV cache of its own in the request's blocks, laid out by vLLM's block table, so it drafts for a
+request until the request compacts and not after; the output is again the output without speculation. The runs
+with speculation are engines of their own (tests/speculative_run.py, in the background); the one without is the
+session's engine, on the same prompts under the same cache salts."""
 
 from __future__ import annotations
 
@@ -62,9 +62,11 @@ SETTINGS = [
 ]
 
 
-# a draft model: the default model drafts for itself, so every draft it makes is accepted where its own cache is the
-# target's; under B=96 the two longer prompts compact where they end and the short one never does
-DRAFT_MODEL = {"method": "draft_model", "model": "default", "num_speculative_tokens": 3}
+# a draft model of another cache shape that computes what the target computes (tests/drafters.py: the default model
+# with its KV heads repeated, 9 where the target has 3), so every draft it makes is accepted where it reads its own
+# cache, in the group of mixed shapes vLLM builds for the two; under B=96 the two longer prompts compact where they
+# end and the short one never does
+DRAFT_MODEL = {"method": "draft_model", "model": "default, KV heads repeated", "num_speculative_tokens": 3}
 DRAFT_SETTINGS = [{}, {"kv_policy": "snapkv", "kv_budget": BUDGET}]
 
 
@@ -134,7 +136,7 @@ def test_a_draft_model_drafts_until_a_request_compacts_and_changes_no_token(engi
     assert result["kept"] == kept, kv
     assert result["free_blocks"] == draft_model_results["total_blocks"], kv  # the drafter's slots leaked nothing
     speculation = result["speculation"]
-    # the drafter is the target: where it reads its own cache in vLLM's layout, every draft is accepted
+    # the drafter computes what the target does: where it reads its own cache in vLLM's layout, every draft is accepted
     assert speculation["num_accepted_tokens"] == speculation["num_draft_tokens"] > 0, kv
     # drafts only for the requests that never compacted, as many as each had without eviction
     compacted = [bool(evicted) for evicted in result["evicted"]]
@@ -156,26 +158,31 @@ def test_drafters_that_read_no_hidden_states_are_served():
     assert speculation_refusal(SimpleNamespace(method="ngram"), attention_mode="kernels") is None
 
 
-def test_a_draft_model_of_another_cache_shape_is_refused_at_start_up_with_the_reason():
-    """A drafter whose KV heads, head size or dtype differ from the target's shares a group of mixed shapes with it,
-    which kvserve does not page; one of the target's shape joins the target's own group, whose target layers page."""
+def test_the_targets_layers_page_beside_a_draft_model_of_either_cache_shape():
+    """A drafter of the target's cache shape joins the target's group; one whose KV heads, head size or dtype differ
+    shares one group of mixed shapes with it (one block table, a cache per layer). Either way kvserve pages the
+    target's layers by the target's spec; a group whose target layers differ among themselves is refused."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
 
-    from kvserve.vllm.model import paged_group
+    from kvserve.vllm.model import paged_group, paged_spec
 
     target, drafter = "model.layers.0.self_attn.attn", "draft_model.model.layers.0.self_attn.attn"
-    support = SimpleNamespace(evicts=True, paged_layers=(0,), describe=lambda: "evicts on all 1 layers")
+    support = SimpleNamespace(evicts=True, paged_layers=(0, 1), describe=lambda: "evicts on all 2 layers")
 
     def spec(head_size: int) -> FullAttentionSpec:
         return FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=head_size, dtype=torch.float32)
 
-    def config(drafter_head_size: int) -> SimpleNamespace:
-        specs = {target: spec(64), drafter: spec(drafter_head_size)}
-        mixed = drafter_head_size != 64  # vLLM's grouping: one spec for equal shapes, a mixed one otherwise
+    def config(drafter_head_size: int, second_target_head_size: int = 64) -> SimpleNamespace:
+        second = target.replace(".0.", ".1.")
+        specs = {target: spec(64), second: spec(second_target_head_size), drafter: spec(drafter_head_size)}
+        mixed = len({s.head_size for s in specs.values()}) > 1  # vLLM's grouping: one spec for equal shapes
         group = UniformTypeKVCacheSpecs(block_size=32, kv_cache_specs=specs) if mixed else specs[target]
-        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=group, layer_names=[target, drafter])])
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=group, layer_names=list(specs))])
 
-    assert paged_group(config(64), support) == 0
-    with pytest.raises(RuntimeError, match="draft model of the target's KV-cache shape"):
-        paged_group(config(128), support)
+    for drafter_head_size in (64, 128):
+        groups = config(drafter_head_size).kv_cache_groups
+        assert paged_group(config(drafter_head_size), support) == 0
+        assert paged_spec(groups[0]) == spec(64), drafter_head_size
+    with pytest.raises(RuntimeError, match="vLLM built KV-cache groups"):
+        paged_group(config(64, second_target_head_size=128), support)

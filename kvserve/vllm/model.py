@@ -31,23 +31,29 @@ def is_drafter_layer(layer) -> bool:
     return layer.layer_name.startswith(DRAFTER_PREFIX)
 
 
+def paged_spec(group) -> FullAttentionSpec | None:
+    """The target model's page spec in a KV-cache group: the group's own spec, or, where vLLM put a draft model of
+    another cache shape (KV heads, head size, dtype) beside the target in one group of mixed shapes (one block table,
+    a cache per layer in its own page size), the one spec every target layer shares. None when the target's layers
+    are not all full attention of one shape."""
+    spec = group.kv_cache_spec
+    if type(spec) is not UniformTypeKVCacheSpecs:
+        return spec if type(spec) is FullAttentionSpec else None
+    shapes = {spec.kv_cache_specs[name] for name in model_layer_names(group.layer_names)}
+    target = shapes.pop() if len(shapes) == 1 else None
+    return target if type(target) is FullAttentionSpec else None
+
+
 def paged_group(kv_cache_config, support: EvictionSupport) -> int | None:
-    """The KV-cache group kvserve pages: the one full-attention group, holding (this stage's share of) exactly the
-    layers `support` evicts on. None when the model cannot evict; a RuntimeError when vLLM built other groups than
-    the config predicts (a model kind this module reads wrongly must fail loudly, not evict the wrong layers)."""
+    """The KV-cache group kvserve pages: the one full-attention group (a draft model's layers of another shape beside
+    the target's in it), holding (this stage's share of) exactly the layers `support` evicts on. None when the model
+    cannot evict; a RuntimeError when vLLM built other groups than the config predicts (a model kind this module
+    reads wrongly must fail loudly, not evict the wrong layers)."""
     if not support.evicts:
         return None
     groups = kv_cache_config.kv_cache_groups
-    full = [index for index, group in enumerate(groups) if type(group.kv_cache_spec) is FullAttentionSpec]
+    full = [index for index, group in enumerate(groups) if paged_spec(group) is not None]
     kinds = [type(group.kv_cache_spec).__name__ for group in groups]
-    mixed = [group for group in groups if type(group.kv_cache_spec) is UniformTypeKVCacheSpecs]
-    if any(len(model_layer_names(group.layer_names)) < len(group.layer_names) for group in mixed):
-        raise RuntimeError(
-            "kvserve eviction serves a draft model of the target's KV-cache shape (KV heads, head size, dtype): this "
-            "one's differs, so vLLM put both models' layers in one group of mixed shapes, which kvserve does not "
-            "page. Use a draft model of the target's shape or 'ngram', or run vanilla vLLM (VLLM_PLUGINS without "
-            "'kvserve')."
-        )
     if len(full) == 1:
         layers = {extract_layer_index(name) for name in model_layer_names(groups[full[0]].layer_names)}
         if layers <= set(support.paged_layers):

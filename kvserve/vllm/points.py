@@ -186,6 +186,8 @@ ATTRIBUTES: tuple[tuple[str, str, str], ...] = (
      "read: a draft model's layers (named `draft_model.`) stay vLLM's; each target layer's bound cache (model.py)"),
     ("GPUModelRunner", "compilation_config.static_forward_context",
      "read: the attention layers by name, to find each target layer's cache beside a drafter's (model.py)"),
+    ("UniformTypeKVCacheSpecs", "kv_cache_specs",
+     "read: the target's page spec where a drafter of another cache shape shares its KV-cache group (model.py)"),
     ("ModelConfig", "_kvserve_support", "planted: which layers evict (`kvserve.model_support.eviction_support`)"),
     ("SchedulerOutput", "kvserve_plan", "planted: the engine core's StepPlan for the workers (carriers.py)"),
     ("ModelRunnerOutput", "kvserve_report", "planted: the workers' StepReport for the engine core (carriers.py)"),

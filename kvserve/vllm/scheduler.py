@@ -41,7 +41,7 @@ from kvserve.model_support import eviction_support, generation_marker
 from kvserve.parallelism import drafter_has_own_cache, parallelism_refusal, speculation_refusal
 from kvserve.vllm.carriers import attach_plan, plan_of, report_of
 from kvserve.vllm.kv_cache_manager import EvictingFullAttentionManager, keep_after, progress_of
-from kvserve.vllm.model import paged_group
+from kvserve.vllm.model import paged_group, paged_spec
 from kvserve.worker.kernel_dispatch import attention_mode
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format, INFO shown
@@ -77,7 +77,7 @@ class EvictingScheduler(Scheduler):
             manager = self.kv_cache_manager.coordinator.single_type_managers[self.paged_group]
             if type(manager) is not FullAttentionManager:
                 raise RuntimeError(f"kvserve: the paged KV-cache group has a {type(manager).__name__}")
-            spec = self.kv_cache_config.kv_cache_groups[self.paged_group].kv_cache_spec
+            spec = paged_spec(self.kv_cache_config.kv_cache_groups[self.paged_group])
             # pages per block over every pipeline stage (the scheduler's cache config names the first stage's layers)
             # and every tensor-parallel rank (the spec counts one rank's KV heads)
             ranks = parallel.tensor_parallel_size
