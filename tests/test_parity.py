@@ -96,3 +96,36 @@ def test_duoattention_keeps_b_on_average_with_the_same_heads_on_both_sides():
         streamed = np.zeros(heads, dtype=bool)
         streamed[np.argsort(scores, axis=None)[: heads - retrieval]] = True  # kvpress's choice
         assert (~streamed.reshape(gates.shape) == roles.retrieval(retrieval / heads).numpy()).all()
+
+
+def test_terminating_an_evaluation_stops_kvpress_s_process(tmp_path):
+    """SIGTERM to `kvserve eval parity/scoreboard` ends the kvpress process it started too (`terminated_as_exit`),
+    which would otherwise go on appending rows to the result file."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from waiting import wait_until
+
+    child_pid = tmp_path / "child.pid"
+    stand_in = tmp_path / "kvpress-python"  # stands in for kvpress's interpreter: records its pid, then runs on
+    stand_in.write_text(f"#!/bin/sh\necho $$ > {child_pid}\nexec sleep 600\n")
+    stand_in.chmod(0o755)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from kvserve.tools.eval.parity import run_kvpress_side as run; "
+         "run(sys.argv[1], 'model', [], [], sys.argv[2])", str(stand_in), str(tmp_path / "rows.jsonl")]
+    )  # fmt: skip
+    pid = int(wait_until(lambda: child_pid.exists() and child_pid.read_text().strip(), 120, "kvpress's stand-in"))
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=120) == 128 + signal.SIGTERM
+
+    def gone() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # killed but not yet reaped by anyone would still answer: a zombie counts as gone
+        return open(f"/proc/{pid}/stat").read().split(") ")[1].startswith("Z")
+
+    wait_until(gone, 60, f"kvpress's process {pid} still running after its evaluation was terminated")

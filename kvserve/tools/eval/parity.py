@@ -28,9 +28,12 @@ interval (Wilson), and kvserve minus kvpress.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -190,9 +193,29 @@ def run_kvpress_side(python: str, model_dir: str, cases: list[ParityCase], setti
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
-        subprocess.run([python, str(KVPRESS_SIDE), f.name, out], check=True)
+        with terminated_as_exit():
+            subprocess.run([python, str(KVPRESS_SIDE), f.name, out], check=True)
     finally:
         Path(f.name).unlink()
+
+
+@contextmanager
+def terminated_as_exit():
+    """SIGTERM raises SystemExit while inside, so `subprocess.run` kills its child on the way out: a terminated
+    evaluation must not leave kvpress's process appending rows to the result file after it (one did, and the page
+    generated from that file went stale)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_now(signum: int, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_now)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @cache
