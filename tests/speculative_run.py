@@ -5,8 +5,7 @@ speculative-decoding counters, as JSON. The engine core runs in this process so 
 
 Usage: python tests/speculative_run.py SETTINGS.json OUT.json [SPECULATIVE_CONFIG]   (SETTINGS: a list of kv_* dicts;
 SPECULATIVE_CONFIG: vLLM's --speculative-config as JSON, the n-gram drafter by default; a draft model's "model" may be
-"default", the default model drafting for itself, or "default, KV heads repeated", its twin of another cache shape:
-tests/drafters.py)
+"default, KV heads repeated", the default model's twin of another cache shape: tests/drafters.py)
 """
 
 import json
@@ -36,9 +35,7 @@ if __name__ == "__main__":
     with open(settings_path) as f:
         settings = json.load(f)
     speculative_config = json.loads(sys.argv[3]) if len(sys.argv) > 3 else SPECULATIVE_CONFIG
-    if speculative_config.get("model") == "default":
-        speculative_config["model"] = engine_kwargs()["model"]
-    elif speculative_config.get("model") == "default, KV heads repeated":
+    if speculative_config.get("model") == "default, KV heads repeated":
         from drafters import repeated_heads_twin
 
         speculative_config["model"] = str(repeated_heads_twin())

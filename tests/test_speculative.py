@@ -181,8 +181,8 @@ def test_the_targets_layers_page_beside_a_draft_model_of_either_cache_shape():
         return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=group, layer_names=list(specs))])
 
     for drafter_head_size in (64, 128):
-        groups = config(drafter_head_size).kv_cache_groups
-        assert paged_group(config(drafter_head_size), support) == 0
-        assert paged_spec(groups[0]) == spec(64), drafter_head_size
+        built = config(drafter_head_size)
+        assert paged_group(built, support) == 0
+        assert paged_spec(built.kv_cache_groups[0]) == spec(64), drafter_head_size
     with pytest.raises(RuntimeError, match="vLLM built KV-cache groups"):
         paged_group(config(64, second_target_head_size=128), support)

@@ -214,8 +214,8 @@ def terminated_as_exit():
     previous = signal.signal(signal.SIGTERM, exit_now)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # a handler not installed from Python reads as None, which signal.signal does not take back
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 @cache
