@@ -34,28 +34,30 @@ def parallelism_refusal(
 
 
 # Speculative methods kvserve serves with eviction. n-gram prompt lookup proposes from the token ids alone. A draft
-# model (vLLM's DraftModelProposer) keeps a KV cache of its own in its layers' share of the request's blocks, which it
-# addresses by vLLM's block table: those layers stay vLLM's (`kvserve.vllm.model.DRAFTER_PREFIX`), and a request that
-# has compacted, whose block table no longer maps its positions, is given no drafts (`drafts_allowed`). EAGLE's and
-# MTP's drafters also read the target's hidden states, which eviction changes; they are not served.
-SPECULATIVE_METHODS = ("ngram", "draft_model")
-OWN_CACHE_METHODS = ("draft_model",)  # drafters with a KV cache of their own, laid out by vLLM's block table
+# model (vLLM's DraftModelProposer) and an EAGLE or EAGLE-3 head (EagleProposer: a layer fed the target's hidden
+# states) keep a KV cache of their own in their layers' share of the request's blocks, which they address by vLLM's
+# block table: those layers stay vLLM's (`kvserve.vllm.model.is_drafter_name`), and a request that has compacted,
+# whose block table no longer maps its positions, is given no drafts (`drafts_allowed`). Until then the target's
+# hidden states are vanilla's (nothing was evicted), so a head drafts what it drafts in vanilla vLLM.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+OWN_CACHE_METHODS = ("draft_model", "eagle", "eagle3")  # drafters with a KV cache of their own, in vLLM's layout
 
 
 def speculation_refusal(
     speculative_config, pipeline_parallel_size: int = 1, attention_mode: str = "vllm"
 ) -> str | None:
-    """Why kvserve cannot evict beside this `--speculative-config`, or None (none given, n-gram, a draft model).
+    """Why kvserve cannot evict beside this `--speculative-config`, or None (none given, n-gram, a draft model, an
+    EAGLE or EAGLE-3 head).
     `attention_mode`: KVSERVE_ATTENTION's, whose `kernels` keeps every paged layer's cache in its own layout."""
     if speculative_config is None:
         return None
     method = speculative_config.method
     if method not in SPECULATIVE_METHODS:
         return (
-            f"kvserve eviction serves speculative decoding by n-gram prompt lookup ('method': 'ngram') and by a draft "
-            f"model ('method': 'draft_model'), not {method!r} (EAGLE's and MTP's drafters read the target model's "
-            "hidden states, which eviction changes; other drafters are not verified with eviction). Use one of those, "
-            "or run vanilla vLLM (VLLM_PLUGINS without 'kvserve')."
+            f"kvserve eviction serves speculative decoding by n-gram prompt lookup ('ngram'), a draft model "
+            f"('draft_model') and an EAGLE head ('eagle', 'eagle3'), not {method!r}: its drafter is not verified "
+            "with eviction (MTP's layers come with the target's own checkpoint, which no model kvserve was tested on "
+            "has). Use one of those, or run vanilla vLLM (VLLM_PLUGINS without 'kvserve')."
         )
     if pipeline_parallel_size > 1:
         return "kvserve eviction does not serve speculative decoding under pipeline parallelism"
@@ -68,7 +70,8 @@ def speculation_refusal(
 
 
 def drafter_has_own_cache(speculative_config) -> bool:
-    """Whether the drafter keeps a KV cache of its own (a draft model): a compacted request then gets no drafts."""
+    """Whether the drafter keeps a KV cache of its own (a draft model, an EAGLE or EAGLE-3 head): a compacted request
+    then gets no drafts."""
     return speculative_config is not None and speculative_config.method in OWN_CACHE_METHODS
 
 

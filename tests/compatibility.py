@@ -195,6 +195,8 @@ STARTED = (
     Probe("LoRA adapters", '`--enable-lora --lora-modules name=path`, `"model": name`', None),
     Probe("speculative decoding, n-gram", '`--speculative-config \'{"method": "ngram", ...}\'`', None),
     Probe("speculative decoding, draft model", '`--speculative-config \'{"method": "draft_model", ...}\'`', None),
+    Probe("speculative decoding, EAGLE", '`--speculative-config \'{"method": "eagle", ...}\'`', None),
+    Probe("speculative decoding, EAGLE-3", '`--speculative-config \'{"method": "eagle3", ...}\'`', None),
 )
 
 

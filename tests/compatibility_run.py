@@ -4,11 +4,12 @@ probes, on real `vllm serve` / `kvserve serve` servers of the default model. Wri
     python tests/compatibility_run.py vanilla|kvserve ADAPTER_DIR OUT.json
 
 vanilla: a server with a LoRA adapter runs every per-request probe (tests/compatibility.py) and the adapter's; one
-with n-gram speculation and one with a draft model each answer a quoting request. kvserve, evicting by its server
-defaults (snapkv at the per-request probes' budget): one server with n-gram speculation and the adapter; one with a
-draft model, which drafts for a request until it compacts: an evicting request is served, and one that does not
-evict gets accepted drafts. A server that refuses at start-up gives its reason as the outcome. The per-request
-probes of kvserve's side run on the session's server.
+with n-gram speculation, one with a draft model, one with an EAGLE and one with an EAGLE-3 head (tests/drafters.py)
+each answer a quoting request. kvserve, evicting by its server defaults (snapkv at the per-request probes' budget):
+one server with n-gram speculation and the adapter; one with a draft model and one with each head, which draft for a
+request until it compacts: an evicting request is served, and one that does not evict gets accepted drafts. A server
+that refuses at start-up gives its reason as the outcome. The per-request probes of kvserve's side run on the
+session's server.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import httpx
 sys.path.insert(0, os.path.dirname(__file__))
 
 from compatibility import EVICTING_BUDGET, complete, outcome, run_probes  # noqa: E402
+from drafters import eagle3_head, eagle_head  # noqa: E402
 from engine_settings import SERVED_MODEL, SERVER_ARGS  # noqa: E402
 
 from kvserve.model import ensure_default_model  # noqa: E402
@@ -54,8 +56,9 @@ def speculation(base: str, headers: dict | None = None) -> dict:
 
 
 def drafting_beside_eviction(base: str) -> dict:
-    """A draft model drafts for a request until it compacts: a request evicting by the server's defaults is served
-    (the outcome, with its evicted count), and one that does not evict gets accepted drafts."""
+    """A drafter with a KV cache of its own drafts for a request until it compacts: a request evicting by the
+    server's defaults is served (the outcome, with its evicted count), and one that does not evict gets accepted
+    drafts."""
     evicting = outcome(complete(base, SERVED_MODEL, {}, max_tokens=48), lambda answer: None)
     if evicting["outcome"] != "serves":
         return evicting
@@ -100,6 +103,7 @@ def main(side: str, adapter_dir: str, out: str) -> None:
     ngram = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3})]
     draft = {"method": "draft_model", "model": str(ensure_default_model()), "num_speculative_tokens": 2}
     drafting = ["--speculative-config", json.dumps(draft)]
+    heads = {"EAGLE": ("eagle", eagle_head), "EAGLE-3": ("eagle3", eagle3_head)}
     results: dict[str, dict] = {}
     if side == "vanilla":
 
@@ -120,6 +124,10 @@ def main(side: str, adapter_dir: str, out: str) -> None:
         results["speculative decoding, n-gram"] = served(side, args, folder / "ngram.log", speculation_and_adapter)
     flags, ask = (EVICTING_FLAGS, drafting_beside_eviction) if side == "kvserve" else ([], speculation)
     results["speculative decoding, draft model"] = served(side, [*flags, *drafting], folder / "draft.log", ask)
+    for name, (method, head) in heads.items():
+        config = {"method": method, "model": str(head()), "num_speculative_tokens": 2}
+        args = [*flags, "--speculative-config", json.dumps(config)]
+        results[f"speculative decoding, {name}"] = served(side, args, folder / f"{method}.log", ask)
     Path(out).write_text(json.dumps(results, indent=1))
 
 

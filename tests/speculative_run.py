@@ -3,9 +3,10 @@ eviction setting (each under its own cache salt); write per setting the token id
 request's lists kept (`kept_lists`), the block pool's free blocks after the requests finished, and vLLM's
 speculative-decoding counters, as JSON. The engine core runs in this process so the pool can be read.
 
-Usage: python tests/speculative_run.py SETTINGS.json OUT.json [SPECULATIVE_CONFIG]   (SETTINGS: a list of kv_* dicts;
-SPECULATIVE_CONFIG: vLLM's --speculative-config as JSON, the n-gram drafter by default; a draft model's "model" may be
-"default, KV heads repeated", the default model's twin of another cache shape: tests/drafters.py)
+Usage: python tests/speculative_run.py SETTINGS.json OUT.json [SPECULATIVE_CONFIG [alone]]   (SETTINGS: a list of
+kv_* dicts; SPECULATIVE_CONFIG: vLLM's --speculative-config as JSON, the n-gram drafter by default; its "model" may
+name one of tests/drafters.py's drafters, DRAFTERS below; `alone`: each prompt in a batch of its own, its counters
+its own, so "speculation" is a list per prompt)
 """
 
 import json
@@ -35,10 +36,16 @@ if __name__ == "__main__":
     with open(settings_path) as f:
         settings = json.load(f)
     speculative_config = json.loads(sys.argv[3]) if len(sys.argv) > 3 else SPECULATIVE_CONFIG
-    if speculative_config.get("model") == "default, KV heads repeated":
-        from drafters import repeated_heads_twin
+    from drafters import eagle3_head, eagle_head, repeated_heads_twin
 
-        speculative_config["model"] = str(repeated_heads_twin())
+    DRAFTERS = {
+        "default, KV heads repeated": repeated_heads_twin,
+        "default's EAGLE head, trained here": eagle_head,
+        "default's EAGLE-3 head, trained here": eagle3_head,
+    }
+    if speculative_config.get("model") in DRAFTERS:
+        speculative_config["model"] = str(DRAFTERS[speculative_config["model"]]())
+    alone = sys.argv[4:5] == ["alone"]
     llm = LLM(**engine_kwargs(), speculative_config=speculative_config, disable_log_stats=False)
     core = llm.llm_engine.engine_core.engine_core
     pool = core.scheduler.kv_cache_manager.block_pool
@@ -51,13 +58,21 @@ if __name__ == "__main__":
         wanted = {f"vllm:spec_decode_{name}": name for name in names}
         return {wanted[m.name]: m.value for m in llm.get_metrics() if m.name in wanted}
 
-    results = []
-    for kv in settings:
+    def generate(salted: list, params: SamplingParams) -> tuple[list, dict]:
         before = counters()
-        params = SamplingParams(temperature=0, max_tokens=SPECULATIVE_MAX_TOKENS, ignore_eos=True, extra_args=kv)
-        salted = [TokensPrompt(prompt_token_ids=p, cache_salt=speculation_salt(kv)) for p in prompts]
         outputs = llm.generate(salted, params, use_tqdm=False)
         after = counters()
+        return outputs, {name: after[name] - before.get(name, 0) for name in after}
+
+    results = []
+    for kv in settings:
+        params = SamplingParams(temperature=0, max_tokens=SPECULATIVE_MAX_TOKENS, ignore_eos=True, extra_args=kv)
+        salted = [TokensPrompt(prompt_token_ids=p, cache_salt=speculation_salt(kv)) for p in prompts]
+        if alone:
+            runs = [generate([prompt], params) for prompt in salted]
+            outputs, speculation = [run[0][0] for run in runs], [run[1] for run in runs]
+        else:
+            outputs, speculation = generate(salted, params)
         tables = [finished, runner.kvserve.requests]
         states = [find_state(tables, o.request_id) if kv.get("kv_policy") else None for o in outputs]
         results.append(
@@ -67,7 +82,7 @@ if __name__ == "__main__":
                 "evicted": [(o.kv_transfer_params or {}).get("kv_tokens_evicted") for o in outputs],
                 "free_blocks": pool.get_num_free_blocks(),
                 "kept": [None if state is None else kept_lists(state) for state in states],
-                "speculation": {name: after[name] - before.get(name, 0) for name in after},
+                "speculation": speculation,
             }
         )
     with open(out_path, "w") as f:

@@ -36,6 +36,7 @@ def background_runs() -> list[Run]:
             f"compatibility_{side}",
             [sys.executable, str(TESTS / "compatibility_run.py"), side, str(session_adapter_path()), "{out}"],
             prepare=session_adapter,
+            timeout_s=1500,  # a server per started feature, and the EAGLE heads trained first (tests/drafters.py)
         )
         for side in ("vanilla", "kvserve")
     ]
@@ -79,7 +80,13 @@ def test_what_vanilla_serves_an_evicting_request_serves_or_refuses_naming_the_fi
 
 def test_the_started_features_serve_while_evicting_as_vanilla_serves_them(compatibility_vanilla, compatibility_kvserve):
     vanilla = compatibility_vanilla
-    for feature in ("LoRA adapters", "speculative decoding, n-gram", "speculative decoding, draft model"):
+    for feature in (
+        "LoRA adapters",
+        "speculative decoding, n-gram",
+        "speculative decoding, draft model",
+        "speculative decoding, EAGLE",
+        "speculative decoding, EAGLE-3",
+    ):
         assert vanilla[feature]["outcome"] == compatibility_kvserve[feature]["outcome"] == "serves", feature
         assert compatibility_kvserve[feature]["evicted"] > 0, feature
 

@@ -159,9 +159,9 @@ def drafts_allowed(
     token whose one-token step would compact by the rules above (0 when the next token's does: that step runs
     plain and compacts). However many drafts are accepted, every compaction then falls on the same one-token step,
     with the same cache, as without speculation. A gated policy decides per token in its attention pass: no drafts.
-    `drafter_cache`: the drafter keeps a KV cache of its own, addressed by vLLM's block table (a draft model), which
-    a compacted request's table no longer follows (it lists the blocks the request kept): its drafts would be
-    guesses from the wrong entries, so a compacted request gets none."""
+    `drafter_cache`: the drafter keeps a KV cache of its own, addressed by vLLM's block table (a draft model, an
+    EAGLE head), which a compacted request's table no longer follows (it lists the blocks the request kept): its
+    drafts would be guesses from the wrong entries, so a compacted request gets none."""
     if record.settings.ragged or (drafter_cache and record.compacted):
         return 0
     for draft in range(wanted + 1):

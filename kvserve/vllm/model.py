@@ -16,22 +16,37 @@ from kvserve.model_support import EvictionSupport, ServedEngine, eviction_suppor
 from kvserve.policies.rotary import Rotary
 from kvserve.worker.pages import PageLayout
 
-# vLLM's DraftModelProposer loads a draft model under this prefix. Its attention layers join the target's KV-cache
-# group (the same blocks, the same block table) under the same layer numbers; kvserve pages only the target's.
+# A drafter with layers of its own joins the target's KV-cache group (the same blocks, the same block table); kvserve
+# pages only the target's layers. vLLM's DraftModelProposer loads a draft model under this prefix (its layers keep
+# their own numbers); an EAGLE or EAGLE-3 head's layers are numbered on from the target's last
+# (`EagleLlamaForCausalLM`, `Eagle3LlamaForCausalLM`).
 DRAFTER_PREFIX = "draft_model."
 
 
-def model_layer_names(layer_names) -> list[str]:
-    """The target model's attention layers among `layer_names` (a draft model's are not the model's)."""
-    return [name for name in layer_names if not name.startswith(DRAFTER_PREFIX)]
+def is_drafter_name(name: str, num_layers: int) -> bool:
+    """Whether a named attention layer is a drafter's, not one of the target model's `num_layers` layers."""
+    return name.startswith(DRAFTER_PREFIX) or extract_layer_index(name) >= num_layers
+
+
+def model_layer_names(layer_names, num_layers: int) -> list[str]:
+    """The target model's attention layers among `layer_names` (a drafter's are not the model's)."""
+    return [name for name in layer_names if not is_drafter_name(name, num_layers)]
+
+
+def mark_drafter_layers(runner, num_layers: int) -> None:
+    """Plant on each attention layer whether it is a drafter's, read on every step by `is_drafter_layer`."""
+    for name, layer in runner.compilation_config.static_forward_context.items():
+        if hasattr(layer, "layer_name"):
+            layer._kvserve_drafter = is_drafter_name(name, num_layers)
 
 
 def is_drafter_layer(layer) -> bool:
-    """Whether an attention layer is a draft model's: its cache stays vLLM's, addressed by vLLM's block table."""
-    return layer.layer_name.startswith(DRAFTER_PREFIX)
+    """Whether an attention layer is a drafter's: its cache stays vLLM's, addressed by vLLM's block table (planted
+    when the worker attaches: `mark_drafter_layers`)."""
+    return layer._kvserve_drafter
 
 
-def paged_spec(group) -> FullAttentionSpec | None:
+def paged_spec(group, num_layers: int) -> FullAttentionSpec | None:
     """The target model's page spec in a KV-cache group: the group's own spec, or, where vLLM put a draft model of
     another cache shape (KV heads, head size, dtype) beside the target in one group of mixed shapes (one block table,
     a cache per layer in its own page size), the one spec every target layer shares. None when the target's layers
@@ -39,7 +54,7 @@ def paged_spec(group) -> FullAttentionSpec | None:
     spec = group.kv_cache_spec
     if type(spec) is not UniformTypeKVCacheSpecs:
         return spec if type(spec) is FullAttentionSpec else None
-    shapes = {spec.kv_cache_specs[name] for name in model_layer_names(group.layer_names)}
+    shapes = {spec.kv_cache_specs[name] for name in model_layer_names(group.layer_names, num_layers)}
     target = shapes.pop() if len(shapes) == 1 else None
     return target if type(target) is FullAttentionSpec else None
 
@@ -52,10 +67,11 @@ def paged_group(kv_cache_config, support: EvictionSupport) -> int | None:
     if not support.evicts:
         return None
     groups = kv_cache_config.kv_cache_groups
-    full = [index for index, group in enumerate(groups) if paged_spec(group) is not None]
+    full = [index for index, group in enumerate(groups) if paged_spec(group, support.num_layers) is not None]
     kinds = [type(group.kv_cache_spec).__name__ for group in groups]
     if len(full) == 1:
-        layers = {extract_layer_index(name) for name in model_layer_names(groups[full[0]].layer_names)}
+        names = model_layer_names(groups[full[0]].layer_names, support.num_layers)
+        layers = {extract_layer_index(name) for name in names}
         if layers <= set(support.paged_layers):
             return full[0]
     raise RuntimeError(
@@ -126,18 +142,19 @@ def pages_this_layer(impl, mode: str, kv_sharing_target_layer_name: str | None) 
     return True
 
 
-def layer_numbers(layer_names) -> tuple[int, ...]:
+def layer_numbers(layer_names, num_layers: int) -> tuple[int, ...]:
     """The model layer of each of the target model's named attention layers, in order."""
-    return tuple(sorted(extract_layer_index(name) for name in model_layer_names(layer_names)))
+    return tuple(sorted(extract_layer_index(name) for name in model_layer_names(layer_names, num_layers)))
 
 
-def caches_by_layer(runner) -> dict[int, torch.Tensor]:
+def caches_by_layer(runner, num_layers: int) -> dict[int, torch.Tensor]:
     """This worker's KV caches of the target model's layers, by model layer. vLLM lists `runner.kv_caches` in layer
     order over every group, a draft model's layers beside the target's under the same numbers, so each layer's cache
     is found as the one its attention module was bound to (a view of it, at the same address)."""
     context = runner.compilation_config.static_forward_context
     by_address = {cache.data_ptr(): cache for cache in runner.kv_caches}
-    names = model_layer_names(name for group in runner.kv_cache_config.kv_cache_groups for name in group.layer_names)
+    groups = runner.kv_cache_config.kv_cache_groups
+    names = model_layer_names((name for group in groups for name in group.layer_names), num_layers)
     caches = {extract_layer_index(name): by_address.get(context[name].kv_cache.data_ptr()) for name in names}
     unbound = [index for index, cache in caches.items() if cache is None]
     if unbound or len(caches) != len(names):

@@ -183,7 +183,9 @@ ATTRIBUTES: tuple[tuple[str, str, str], ...] = (
      "read: the cache scales vLLM's own CPU attention passes to its ops"),
     ("Attention (a layer)", "_kvserve_layer_idx", "planted: the layer's model index, parsed once from its name"),
     ("Attention (a layer)", "layer_name, kv_cache",
-     "read: a draft model's layers (named `draft_model.`) stay vLLM's; each target layer's bound cache (model.py)"),
+     "read: a drafter's layers (a draft model's, named `draft_model.`; an EAGLE head's, numbered past the target's) "
+     "stay vLLM's; each target layer's bound cache (model.py)"),
+    ("Attention (a layer)", "_kvserve_drafter", "planted: whether the layer is a drafter's, once the worker attaches"),
     ("GPUModelRunner", "compilation_config.static_forward_context",
      "read: the attention layers by name, to find each target layer's cache beside a drafter's (model.py)"),
     ("UniformTypeKVCacheSpecs", "kv_cache_specs",

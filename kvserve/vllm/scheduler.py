@@ -77,7 +77,7 @@ class EvictingScheduler(Scheduler):
             manager = self.kv_cache_manager.coordinator.single_type_managers[self.paged_group]
             if type(manager) is not FullAttentionManager:
                 raise RuntimeError(f"kvserve: the paged KV-cache group has a {type(manager).__name__}")
-            spec = paged_spec(self.kv_cache_config.kv_cache_groups[self.paged_group])
+            spec = paged_spec(self.kv_cache_config.kv_cache_groups[self.paged_group], self.support.num_layers)
             # pages per block over every pipeline stage (the scheduler's cache config names the first stage's layers)
             # and every tensor-parallel rank (the spec counts one rank's KV heads)
             ranks = parallel.tensor_parallel_size

@@ -26,6 +26,7 @@ from kvserve.vllm.carriers import plan_of, with_report
 from kvserve.vllm.model import (
     caches_by_layer,
     layer_numbers,
+    mark_drafter_layers,
     paged_group,
     pipeline_group,
     rotary_tables,
@@ -57,8 +58,9 @@ def _attach(runner) -> WorkerRequests | None:
     group = paged_group(runner.kv_cache_config, support)
     if group is None:
         return None
-    model_layers = layer_numbers(runner.kv_cache_config.kv_cache_groups[group].layer_names)
-    caches = caches_by_layer(runner)
+    mark_drafter_layers(runner, support.num_layers)
+    model_layers = layer_numbers(runner.kv_cache_config.kv_cache_groups[group].layer_names, support.num_layers)
+    caches = caches_by_layer(runner, support.num_layers)
     layout = check_cache_contract([caches[index] for index in model_layers])
     ranks = tensor_group()
     rank = 0 if ranks is None else ranks.rank_in_group
