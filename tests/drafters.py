@@ -4,10 +4,10 @@
   default model with each KV head repeated for every query head of its group (9 KV heads of 64 where the default has
   3). Attention reads the same keys and values per query head, so it drafts the target's own tokens, while vLLM gives
   its layers a cache shape of their own (one KV-cache group of mixed shapes with the target's).
-- `eagle_head`: an EAGLE head in vLLM's `EagleLlamaForCausalLM` layout (EAGLE: Speculative Sampling Requires
-  Rethinking Feature Uncertainty, arXiv:2401.15077), trained here for a few hundred steps on pydoc's prose. It drafts
-  from the target's hidden states and keeps a KV cache of its own; a weak drafter (a few drafts in ten accepted), and
-  a deterministic one, which is all the tests need of it.
+- `eagle_head`, `eagle3_head`: EAGLE and EAGLE-3 heads in vLLM's layouts (`EagleLlamaForCausalLM`,
+  `Eagle3LlamaForCausalLM`), trained here for a few hundred steps on pydoc's prose. They draft from the target's
+  hidden states and keep a KV cache of their own: weak drafters (most drafts are rejected), and deterministic ones,
+  which is all the tests need of them.
 """
 
 from __future__ import annotations
