@@ -130,7 +130,8 @@ def _save_head(source: Path, folder: Path, weights: dict) -> None:
 
 
 def _train_eagle_head(source: Path, folder: Path) -> None:
-    """vLLM's EAGLE head for Llama: at position p, `fc(concat(embed(token p+1), h_p))` through one decoder layer
+    """vLLM's EAGLE head for Llama (EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty,
+    arXiv:2401.15077): at position p, `fc(concat(embed(token p+1), h_p))` through one decoder layer
     without its input norm, then the target's own LM head (no final norm), where h_p is the target's last hidden
     state (after its final norm). Trained to give h_{p+1} (EAGLE's feature regression, scaled to unit spread) and
     the target's greedy token p+2."""
