@@ -162,6 +162,7 @@ def test_streaming_chat_with_eviction(server, long_prompt):
         ({}, {"kv_budget": 300, "vllm_xargs": {"kv_policy": "snapkv", "kv_budget": 200}}, "kv_budget"),
         ({}, {"kv_policy": "snapkv", "kv_budjet": 300}, "kv_budjet"),  # a misspelt top-level key is not dropped
         ({}, {"guided_regex": "[0-9]+"}, "guided_regex"),  # removed in vLLM 0.32: would silently not constrain
+        ({}, {"best_of": 3}, "best_of"),  # removed in vLLM 0.32: the answer would silently be one sample
         # breaks mid-stream in vLLM 0.32 (found by the load fuzz; vanilla vLLM too)
         ({}, {"echo": True, "logprobs": 1, "n": 2, "temperature": 1.0, "stream": True}, "echo"),
     ],

@@ -27,6 +27,13 @@ def reject_what_vllm_cannot_serve(body: dict[str, Any], path: str) -> None:
                 f'not be constrained); send "structured_outputs": {{"{replacement}": ...}} instead',
             )
     n = body.get("n")
+    # OpenAI's best_of samples that many and returns the n most likely; vLLM 0.32 has no such field and ignores it
+    if body.get("best_of") not in (None, n or 1):
+        raise InvalidSetting(
+            "best_of",
+            "best_of was removed in vLLM 0.32 and would be ignored (the answer would be n samples, none chosen as "
+            "the best of more); ask for n choices with logprobs and pick among them, or use beam search",
+        )
     if (
         path == "/v1/completions"
         and body.get("stream")
