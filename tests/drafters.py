@@ -17,7 +17,9 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvserve.model import cache_dir, ensure_default_model
 
@@ -70,10 +72,28 @@ def eagle_head() -> Path:
 PROSE_TOKENS, TRAINING_STEPS, LENGTH = 16384, 200, 256  # about 2 min a head on a 2-core AVX2 machine
 
 
-def _target_on_prose(source: Path, layers: tuple[int, ...]):
-    """The default model (float32) and its run over pydoc's prose in rows of LENGTH tokens: (model, token rows, the
-    hidden states of `layers` as transformers numbers them: 0 the embeddings, k the input of layer k, the last the
-    final norm's output)."""
+@dataclass
+class Prose:
+    """The default model (float32) run over pydoc's prose in rows of LENGTH tokens, and what a head's training reads
+    of it: the rows' hidden states at `layers` as transformers numbers them (0 the embeddings, k the input of layer
+    k, the last the final norm's output), and the positions, causal mask and RoPE of a row less its last token."""
+
+    target: Any
+    tokens: Any
+    states: list
+    positions: Any
+    causal: Any
+    rotary: Any
+
+    def embedded(self, rows):
+        """The target's embeddings of `rows`' tokens after the first (token p+1 beside position p)."""
+        import torch
+
+        with torch.no_grad():
+            return self.target.model.embed_tokens(self.tokens[rows, 1:])
+
+
+def _target_on_prose(source: Path, layers: tuple[int, ...]) -> Prose:
     import pydoc_data.topics
 
     import torch
@@ -90,16 +110,19 @@ def _target_on_prose(source: Path, layers: tuple[int, ...]):
         for row in tokens.split(1):
             states = target.model(input_ids=row, output_hidden_states=True).hidden_states
             runs.append([states[layer] for layer in layers])
-    return target, tokens, [torch.cat(layer) for layer in zip(*runs, strict=True)]
+    states = [torch.cat(layer) for layer in zip(*runs, strict=True)]
+    positions = torch.arange(LENGTH - 1)[None]
+    causal = torch.full((LENGTH - 1,) * 2, float("-inf")).triu(1)[None, None]
+    return Prose(target, tokens, states, positions, causal, target.model.rotary_emb(states[-1], positions))
 
 
-def _fit(parameters: list, loss_of) -> None:
-    """TRAINING_STEPS of AdamW on `loss_of(rows)`, a batch of 4 random rows a step."""
+def _fit(parameters: list, loss_of, rows: int) -> None:
+    """TRAINING_STEPS of AdamW on `loss_of(batch)`, a batch of 4 of the `rows` rows drawn at random each step."""
     import torch
 
     optimizer = torch.optim.AdamW(parameters, lr=1e-3)
     for _ in range(TRAINING_STEPS):
-        loss_of(torch.randint(0, PROSE_TOKENS // LENGTH, (4,))).backward()
+        loss_of(torch.randint(0, rows, (4,))).backward()
         optimizer.step()
         optimizer.zero_grad()
 
@@ -138,7 +161,8 @@ def _train_eagle_head(source: Path, folder: Path) -> None:
     import torch
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    target, tokens, (hidden,) = _target_on_prose(source, (-1,))
+    prose = _target_on_prose(source, (-1,))
+    target, (hidden,) = prose.target, prose.states
     config = target.config
     layer = LlamaDecoderLayer(config, layer_idx=0)
     layer.input_layernorm = torch.nn.Identity()  # vLLM's EAGLE layer 0 has none
@@ -149,22 +173,19 @@ def _train_eagle_head(source: Path, folder: Path) -> None:
                 weight.normal_(0, 0.02)
         fc.weight.zero_()
         fc.weight[:, config.hidden_size :].copy_(torch.eye(config.hidden_size))  # starts as h_p itself
-    positions = torch.arange(LENGTH - 1)[None]
-    causal = torch.full((LENGTH - 1,) * 2, float("-inf")).triu(1)[None, None]
-    rotary = target.model.rotary_emb(hidden, positions)
     spread = hidden.std()
 
     def loss_of(rows):
-        with torch.no_grad():
-            embedded = target.model.embed_tokens(tokens[rows, 1:])
-        features = fc(torch.cat([embedded, hidden[rows, :-1]], dim=-1))
-        out = layer(features, attention_mask=causal, position_ids=positions, position_embeddings=rotary)
+        features = fc(torch.cat([prose.embedded(rows), hidden[rows, :-1]], dim=-1))
+        out = layer(
+            features, attention_mask=prose.causal, position_ids=prose.positions, position_embeddings=prose.rotary
+        )
         out = out[0] if isinstance(out, tuple) else out
         wanted = hidden[rows, 1:]
         regression = torch.nn.functional.smooth_l1_loss(out / spread, wanted / spread)
         return regression + 0.1 * _greedy_loss(target, out, wanted)
 
-    _fit([*layer.parameters(), *fc.parameters()], loss_of)
+    _fit([*layer.parameters(), *fc.parameters()], loss_of, len(prose.tokens))
     weights = {"fc.weight": fc.weight}  # vLLM prefixes "model."
     for name, weight in layer.state_dict().items():
         if not name.startswith("input_layernorm"):
@@ -186,7 +207,8 @@ def _train_eagle3_head(source: Path, folder: Path) -> None:
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 
     layers = json.loads((source / "config.json").read_text())["num_hidden_layers"]
-    target, tokens, (*aux, hidden) = _target_on_prose(source, (2, layers // 2, layers - 3, -1))  # vLLM's default
+    prose = _target_on_prose(source, (2, layers // 2, layers - 3, -1))  # vLLM's default layers, then the last
+    target, (*aux, hidden) = prose.target, prose.states
     aux, config = torch.cat(aux, dim=-1), target.config
     size = config.hidden_size
     attention = LlamaAttention(config, layer_idx=0)
@@ -201,22 +223,17 @@ def _train_eagle3_head(source: Path, folder: Path) -> None:
         for module in (attention, mlp, fc):
             for weight in module.parameters():
                 weight.normal_(0, 0.02)
-    positions = torch.arange(LENGTH - 1)[None]
-    causal = torch.full((LENGTH - 1,) * 2, float("-inf")).triu(1)[None, None]
-    rotary = target.model.rotary_emb(hidden, positions)
 
     def loss_of(rows):
-        with torch.no_grad():
-            embedded = target.model.embed_tokens(tokens[rows, 1:])
         x = fc(aux[rows, :-1])
-        read = torch.cat([norms["input_layernorm"](embedded), norms["hidden_norm"](x)], dim=-1)
-        attended = attention(read, position_embeddings=rotary, attention_mask=causal)[0]
+        read = torch.cat([norms["input_layernorm"](prose.embedded(rows)), norms["hidden_norm"](x)], dim=-1)
+        attended = attention(read, position_embeddings=prose.rotary, attention_mask=prose.causal)[0]
         residual = attended + x
         out = final_norm(mlp(norms["post_attention_layernorm"](residual)) + residual)
         return _greedy_loss(target, out, hidden[rows, 1:])
 
     modules = (attention, mlp, norms, final_norm, fc)
-    _fit([weight for module in modules for weight in module.parameters()], loss_of)
+    _fit([weight for module in modules for weight in module.parameters()], loss_of, len(prose.tokens))
     weights = {"fc.weight": fc.weight, "norm.weight": final_norm.weight}  # vLLM reads "midlayer." as layer 0
     weights |= {f"midlayer.self_attn.{name}": weight for name, weight in attention.state_dict().items()}
     weights |= {f"midlayer.mlp.{name}": weight for name, weight in mlp.state_dict().items()}
