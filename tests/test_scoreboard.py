@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from kvserve.tools.eval import kvpress_side, ruler4k, scoreboard
@@ -101,6 +102,37 @@ def test_the_mean_is_over_tasks_and_its_interval_adds_their_bounded_variances():
     assert ruler4k.mean_over_tasks(more)[2] - ruler4k.mean_over_tasks(more)[1] < high - low
 
 
+def test_the_paired_difference_is_over_tasks_with_an_interval_from_each_tasks_differences():
+    def rows(side_scores: dict[str, list[float]]) -> list[dict]:
+        return [
+            {"task": task, "key": [task, index], "score": score}
+            for task, scores in side_scores.items()
+            for index, score in enumerate(scores)
+        ]
+
+    ours = {"a": [1, 1, 0, 1, 0.5], "b": [0, 1, 1]}
+    theirs = {"a": [1, 0, 0, 0, 0.25], "b": [0, 1, 0, 1]}  # b's fourth case has no answer of ours: left out
+    mean, low, high, n = ruler4k.paired_difference(rows(ours), rows(theirs))
+    assert n == 8
+    # by hand: each task's differences, Agresti-Coull's z^2/4 pseudo-differences at +1 and at -1
+    z, expected_mean, variance = 1.96, [], 0.0
+    for task in ("a", "b"):
+        d = np.array(ours[task]) - np.array(theirs[task][: len(ours[task])])
+        expected_mean.append(d.mean())
+        values = np.concatenate([d, [1.0, -1.0]])
+        weights = np.concatenate([np.ones_like(d), [z * z / 4] * 2])
+        centre = np.average(values, weights=weights)
+        variance += np.average((values - centre) ** 2, weights=weights) / d.size
+    assert mean == pytest.approx(np.mean(expected_mean))
+    assert high - mean == pytest.approx(mean - low) == pytest.approx(z * math.sqrt(variance) / 2)
+    # sides that agree: zero, inside an interval; one side always right: an interval clear of zero
+    same = ruler4k.paired_difference(rows(ours), rows(ours))
+    assert same[0] == 0 and same[1] < 0 < same[2]
+    right, wrong = rows({"a": [1] * 20, "b": [1] * 20}), rows({"a": [0] * 20, "b": [0] * 20})
+    assert ruler4k.paired_difference(right, wrong)[1] > 0 > ruler4k.paired_difference(wrong, right)[2]
+    assert math.isnan(ruler4k.paired_difference(rows({"a": [1]}), rows({"b": [1]}))[0])
+
+
 @pytest.mark.parametrize(
     "text, label",
     [
@@ -157,6 +189,25 @@ def test_a_setting_without_a_press_or_a_ratio_is_refused(text):
         scoreboard.parse_setting(text)
 
 
+def test_kvserve_refuses_up_front_a_context_compressed_by_a_policy_of_per_head_counts():
+    """What the scoreboard refuses is what the server's kv_document refuses (kvserve/document_settings.py), checked
+    against the settings the server parses, so the two cannot drift apart."""
+    from kvserve.config import parse_kv_config
+    from kvserve.errors import InvalidSetting
+
+    for text in ("duoattention@0.75/outside", "tova@0.75/outside", "kvzip@0.75/outside", "duoattention@0.75/inside"):
+        setting = scoreboard.parse_setting(text)
+        request = {"kv_policy": setting.served_policy, "kv_budget": 256}
+        if setting.compresses_document:
+            request["kv_document"] = 1024
+        try:
+            parse_kv_config(request)
+            served = True
+        except InvalidSetting as error:
+            served = "kv_document" not in str(error)
+        assert (scoreboard.unserved(setting) is None) == served, text
+
+
 def _row(side: str, label: str, task: str, index: int, right: bool) -> dict:
     return {
         "side": side,
@@ -186,11 +237,61 @@ def test_the_figure_and_table_are_drawn_from_a_small_result_file(tmp_path):
     page.plot(rows, png, "test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = scoreboard.board_table(rows)
-    assert "| kvzip@0.5/outside/global | 100.0 " in text and "-25.0 (n=8)" in text
+    assert "| kvzip@0.5/outside/global | 100.0 " in text and "| -25.0 [" in text and "] (n=8) |" in text
     board = {"kvzip": {"model": "Big-8B", "ratio": 0.7, "score": 47.5, "full": 95.0}}
     line = page.leaderboard_line(board, rows, "Small")
     assert "KVzip at 0.7 keeps 50% of full on Big-8B (47.5 of 95.0)" in line
     assert "Small, question outside, 0.75: 50% on kvserve (50.0, n=8), 50% on kvpress 0.5.5 (50.0, n=8)." in line
+
+
+def test_the_goals_name_kvserves_best_setting_with_enough_answers_and_the_settings_that_trail(monkeypatch):
+    from kvserve.tools.report import scoreboard as page
+
+    monkeypatch.setattr(page, "GOAL_ANSWERS", 8)
+    rows = []
+    for index in range(4):
+        for task in ("niah_single_1", "vt"):
+            rows.append(_row("kvserve", "full", task, index, True))
+            rows.append(_row("kvpress", "kvzap@0.75/outside", task, index, True))
+            rows.append(_row("kvserve", "kvzip@0.75/outside/global", task, index, index < 3))  # 75%
+            rows.append(_row("kvserve", "kvzap@0.75/outside", task, index, index < 1))  # 25%, kvpress's 100%
+            rows.append(_row("kvserve", "kvzip@0.875/outside/global", task, index, True))  # 100%
+            if index < 3:  # too few answers to decide: never the best, however well it scores
+                rows.append(_row("kvserve", "kvzap@0.75/outside/global", task, index, True))
+    text = page.goal_table(rows)
+
+    def share(label: str) -> str:
+        ours = [row for row in scoreboard.scored(rows) if row["label"] == label]
+        full = [row for row in scoreboard.scored(rows) if row["side"] == "kvserve" and row["label"] == "full"]
+        difference, low, high, n = ruler4k.paired_difference(ours, full)
+        assert n == 8 and ruler4k.mean_over_tasks(full)[0] == 1  # a share of 1 + d: full's score is 1 here
+        return f"{1 + difference:.0%} [{1 + low:.0%}, {1 + high:.0%}]"
+
+    # a goal is decided by the whole interval, not by the point: 75% on 8 answers spans 95%
+    assert share("kvzip@0.75/outside/global").startswith("75% [")
+    assert (
+        f"| question outside, 0.75: best >= 95% of full | `kvzip@0.75/outside/global` (n=8) | "
+        f"{share('kvzip@0.75/outside/global')} | not decided: the interval spans it |"
+    ) in text
+    assert "| question inside, 0.75: default >= 95% of full | no setting with 8 answers |  | not decided |" in text
+    # decided both ways once the interval clears the goal: 40 answers a task
+    halves = (("full", 1), ("kvzip@0.875/outside/global", 1), ("kvzip@0.75/outside/global", 0))
+    many = [
+        _row("kvserve", label, task, index, right or index % 2)
+        for index in range(40)
+        for task in ("niah_single_1", "vt")
+        for label, right in halves
+    ]
+    decided = page.goal_table(many)
+    assert "| `kvzip@0.875/outside/global` (n=80) | 100% [" in decided and "| met |" in decided
+    assert "| `kvzip@0.75/outside/global` (n=80) | 50% [" in decided and "| not met |" in decided
+    mean, low, high, n = ruler4k.paired_difference(
+        [row for row in scoreboard.scored(rows) if row["label"] == "kvzap@0.75/outside"],
+        [row for row in scoreboard.scored(rows) if row["side"] == "kvpress"],
+    )
+    assert high < 0
+    line = f"`kvzap@0.75/outside` {100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}] (n=8)"
+    assert text.endswith(f"of 2 compared: {line}."), text
 
 
 def test_the_table_keeps_kvserves_own_settings_at_every_ratio_and_leaves_thresholds_out():

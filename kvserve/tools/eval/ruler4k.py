@@ -144,6 +144,32 @@ def mean_over_tasks(rows: Iterable[dict], z: float = 1.96) -> tuple[float, float
     return mean, max(mean - half, 0.0), min(mean + half, 1.0), sum(len(scores) for scores in by.values())
 
 
+def paired_difference(ours: Iterable[dict], theirs: Iterable[dict], z: float = 1.96) -> tuple[float, float, float, int]:
+    """(mean over tasks of ours - theirs on the cases both answered, 95% interval low, high, cases). Each task's
+    differences d = ours - theirs lie in [-1, 1]; their variance is the sample variance of d with Agresti-Coull's
+    z^2/2 pseudo-answers split between the extremes +1 and -1, so that two sides agreeing on a few cases still leave
+    an interval as wide as those few cases allow; the tasks' variances of their means add, as in `mean_over_tasks`."""
+    mine = {tuple(row["key"]): row for row in ours}
+    by: dict[str, list[float]] = {}
+    for row in theirs:
+        other = mine.get(tuple(row["key"]))
+        if other is not None:
+            by.setdefault(row["task"], []).append(other["score"] - row["score"])
+    if not by:
+        return math.nan, math.nan, math.nan, 0
+    pseudo = z * z / 4  # at +1 and at -1 each
+    variance = 0.0
+    for diffs in by.values():
+        n = len(diffs)
+        weight = n + 2 * pseudo
+        centre = sum(diffs) / weight  # the pseudo-answers cancel in the sum
+        spread = sum((d - centre) ** 2 for d in diffs) + pseudo * ((1 - centre) ** 2 + (1 + centre) ** 2)
+        variance += spread / weight / n
+    mean = sum(sum(diffs) / len(diffs) for diffs in by.values()) / len(by)
+    half = z * math.sqrt(variance) / len(by)
+    return mean, mean - half, mean + half, sum(len(diffs) for diffs in by.values())
+
+
 # --- generation: the harness's own generators, seeded ---
 
 

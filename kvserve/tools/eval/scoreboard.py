@@ -240,9 +240,26 @@ def served_setting(setting: BoardSetting, budget: int | None, model_dir: str, ca
     return Setting(setting.served_policy, budget, allocation=setting.allocation, knobs=knobs)
 
 
+def unserved(setting: BoardSetting) -> str | None:
+    """Why kvserve cannot serve a setting, checked before any case runs; None if it can. A context compressed before
+    the question is a document (`kv_document`), published as whole blocks: a policy that gives each head its own
+    count (DuoAttention's roles) cannot fill them, and the server refuses it."""
+    from kvserve.policies import POLICIES
+
+    if setting.compresses_document and POLICIES[setting.served_policy].own_counts:
+        return (
+            f"{setting.label}: kvserve compresses a context before its question as a document of whole blocks, which "
+            f"{setting.served_policy} cannot fill (each head keeps its own count); its row is kvpress's alone"
+        )
+    return None
+
+
 def run_kvserve(
     server: Server, model_dir: str, cases: list[BoardCase], settings: list[BoardSetting], out: str, block_size: int
 ) -> None:
+    refused = [why for why in map(unserved, settings) if why]
+    if refused:
+        raise SystemExit("kvserve eval scoreboard: " + "; ".join(refused))
     rows = load_rows(out)
     done = {(row["label"], tuple(row["key"])) for row in rows if row["side"] == "kvserve"}
     # kvpress's rows record the B they kept: the same B here, or the comparison is not of the same memory
@@ -333,12 +350,9 @@ def label_order(label: str) -> tuple:
 
 
 def paired_difference(theirs: list[dict], ours: list[dict]) -> str:
-    keys = {tuple(row["key"]) for row in theirs} & {tuple(row["key"]) for row in ours}
-    if not keys:
-        return ""
-    a = ruler4k.mean_over_tasks([row for row in ours if tuple(row["key"]) in keys])[0]
-    b = ruler4k.mean_over_tasks([row for row in theirs if tuple(row["key"]) in keys])[0]
-    return f"{100 * (a - b):+.1f} (n={len(keys)})"
+    """kvserve minus kvpress on the cases both answered, x100, with its 95% interval (`ruler4k.paired_difference`)."""
+    mean, low, high, n = ruler4k.paired_difference(ours, theirs)
+    return "" if not n else f"{100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}] (n={n})"
 
 
 def share(rows: list[dict], full: list[dict]) -> str:

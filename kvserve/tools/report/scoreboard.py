@@ -20,7 +20,8 @@ INTRO = (
     "need the hub). `outside`: the context compressed before the question (kvserve: `kv_document`, KVzip by its "
     "reconstruction); `inside`: with it; `default`: kvserve's serving default; `:knob=value`: tuned. Ratio r "
     "keeps (1 - r) x the context's entries per (layer, KV head) on both sides. Scores x100 [95% interval] (n "
-    "answers)."
+    "answers). DuoAttention's `outside` row is kvpress's alone: kvserve publishes a compressed context as whole "
+    "blocks, which DuoAttention's per-head counts cannot fill ([limits](guide/limits.md))."
 )
 
 
@@ -115,13 +116,76 @@ def section(data: DataDir, plots: Path, plot_link: str) -> str:
             f"### {title}",
             f"![RULER-4k score against compression ratio, {title}]({plot_link}/{png})",
             board_table(compared(source.data)),
-            *([leaderboard_line(data.load(LEADERBOARD).data, source.data, title)] if name == MODELS[0][1] else []),
+            *(
+                [leaderboard_line(data.load(LEADERBOARD).data, source.data, title), goal_table(source.data)]
+                if name == MODELS[0][1]
+                else []
+            ),
             "<details><summary>per task (score x100, answers)</summary>\n\n"
             + task_table(source.data)
             + "\n\n</details>",
             source.caption(),
         ]
     return "\n\n".join(parts)
+
+
+# the issue's goals on the first model (question, ratio, share of full to reach, kvserve's settings that may reach it)
+GOALS = (("outside", 0.75, 0.95, "best"), ("outside", 0.875, 0.90, "best"), ("inside", 0.75, 0.95, "default"))
+GOAL_ANSWERS = 110  # a setting decides a goal with at least this many answers (10 a task)
+
+
+def goal_table(rows: list[dict]) -> str:
+    """Each goal: kvserve's best setting for it (of those with GOAL_ANSWERS answers), its share of full on the same
+    cases with a 95% interval, met when the whole interval reaches the goal, not met when none of it does; then every
+    kvserve setting that trails its kvpress press beyond the paired interval."""
+    rows = scored(rows)
+    by: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        by.setdefault((row["side"], row["label"]), []).append(row)
+    full = by.get(("kvserve", "full"), [])
+    body = []
+    for question, ratio, wanted, which in GOALS:
+        candidates = []
+        for side, label in by:
+            if side != "kvserve" or label == "full" or len(by[(side, label)]) < GOAL_ANSWERS:
+                continue
+            setting = parse_setting(label)
+            if setting.threshold is None and setting.question == question and setting.ratio == ratio:
+                if which == "best" or setting.policy == which:
+                    candidates.append((ruler4k.mean_over_tasks(by[(side, label)])[0], label))
+        goal = f"question {question}, {ratio:g}: {'best' if which == 'best' else which} >= {wanted:.0%} of full"
+        if not candidates or not full:
+            body.append([goal, f"no setting with {GOAL_ANSWERS} answers", "", "not decided"])
+            continue
+        _, label = max(candidates)
+        got, low, high, n = share_of_full(by[("kvserve", label)], full)
+        verdict = "met" if low >= wanted else "not met" if high < wanted else "not decided: the interval spans it"
+        body.append([goal, f"`{label}` (n={n})", f"{got:.0%} [{low:.0%}, {high:.0%}]", verdict])
+    trailing = []
+    compared = 0
+    for side, label in by:
+        reference = parse_setting(label).reference if side == "kvserve" and label != "full" else None
+        if reference and ("kvpress", reference) in by:
+            compared += 1
+            mean, low, high, n = ruler4k.paired_difference(by[(side, label)], by[("kvpress", reference)])
+            if n and high < 0:
+                trailing.append(f"`{label}` {100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}] (n={n})")
+    gaps = ", ".join(sorted(trailing)) or "none"
+    return (
+        table(["goal", "kvserve's setting", "share of full [95% interval]", ""], body)
+        + f"\n\nkvserve settings below their kvpress press beyond the paired 95% interval, of {compared} compared: "
+        + gaps
+        + "."
+    )
+
+
+def share_of_full(rows: list[dict], full: list[dict]) -> tuple[float, float, float, int]:
+    """A setting's score as a share of full's on the cases both answered, with the paired difference's 95% interval
+    (`ruler4k.paired_difference`) carried over: (share, low, high, cases)."""
+    difference, low, high, n = ruler4k.paired_difference(rows, full)
+    keys = {tuple(row["key"]) for row in rows}
+    base = ruler4k.mean_over_tasks([row for row in full if tuple(row["key"]) in keys])[0]
+    return 1 + difference / base, 1 + low / base, 1 + high / base, n
 
 
 LEADERBOARD = "ruler4k/kvpress-leaderboard.json"  # kvpress's published KVzip row, not run here
