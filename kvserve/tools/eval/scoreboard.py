@@ -314,6 +314,14 @@ def scored(rows: list[dict]) -> list[dict]:
     ]
 
 
+def by_setting(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """Scored rows (`scored`) grouped by (side, label)."""
+    by: dict[tuple[str, str], list[dict]] = {}
+    for row in scored(rows):
+        by.setdefault((row["side"], row["label"]), []).append(row)
+    return by
+
+
 def cell(rows: list[dict]) -> str:
     if not rows:
         return ""
@@ -324,10 +332,7 @@ def cell(rows: list[dict]) -> str:
 def board_table(rows: list[dict]) -> str:
     """Per setting: kvpress's and kvserve's RULER-4k mean over tasks (x100) with its 95% interval and answer count,
     kvserve minus kvpress on the cases both answered, and each side's share of its own full."""
-    rows = scored(rows)
-    by: dict[tuple[str, str], list[dict]] = {}
-    for row in rows:
-        by.setdefault((row["side"], row["label"]), []).append(row)
+    by = by_setting(rows)
     # a kvserve row stands beside the press it names; a press no kvserve row names has a row of its own
     named = {parse_setting(label).reference for side, label in by if side == "kvserve"}
     labels = {label for side, label in by if side == "kvserve" or label not in named}
@@ -351,15 +356,24 @@ def label_order(label: str) -> tuple:
 
 def paired_difference(theirs: list[dict], ours: list[dict]) -> str:
     """kvserve minus kvpress on the cases both answered, x100, with its 95% interval (`ruler4k.paired_difference`)."""
-    mean, low, high, n = ruler4k.paired_difference(ours, theirs)
+    return difference_text(*ruler4k.paired_difference(ours, theirs))
+
+
+def difference_text(mean: float, low: float, high: float, n: int) -> str:
+    """A paired difference (`ruler4k.paired_difference`) x100 with its interval; empty without shared cases."""
     return "" if not n else f"{100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}] (n={n})"
+
+
+def full_on_same_cases(rows: list[dict], full: list[dict]) -> float:
+    """full's mean over tasks on the cases `rows` answered: the base of a share of full."""
+    keys = {tuple(row["key"]) for row in rows}
+    return ruler4k.mean_over_tasks([row for row in full if tuple(row["key"]) in keys])[0]
 
 
 def share(rows: list[dict], full: list[dict]) -> str:
     if not rows or not full:
         return ""
-    keys = {tuple(row["key"]) for row in rows}
-    base = ruler4k.mean_over_tasks([row for row in full if tuple(row["key"]) in keys])[0]
+    base = full_on_same_cases(rows, full)
     return "" if not base else f"{ruler4k.mean_over_tasks(rows)[0] / base:.0%}"
 
 

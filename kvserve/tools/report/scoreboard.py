@@ -6,7 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvserve.tools.eval import ruler4k
-from kvserve.tools.eval.scoreboard import board_table, parse_setting, scored, share
+from kvserve.tools.eval.scoreboard import (
+    board_table,
+    by_setting,
+    difference_text,
+    full_on_same_cases,
+    parse_setting,
+    scored,
+    share,
+)
 from kvserve.tools.markdown import table
 from kvserve.tools.report.plots import pyplot, save
 from kvserve.tools.report.sources import DataDir
@@ -138,10 +146,7 @@ def goal_table(rows: list[dict]) -> str:
     """Each goal: kvserve's best setting for it (of those with GOAL_ANSWERS answers), its share of full on the same
     cases with a 95% interval, met when the whole interval reaches the goal, not met when none of it does; then every
     kvserve setting that trails its kvpress press beyond the paired interval."""
-    rows = scored(rows)
-    by: dict[tuple[str, str], list[dict]] = {}
-    for row in rows:
-        by.setdefault((row["side"], row["label"]), []).append(row)
+    by = by_setting(rows)
     full = by.get(("kvserve", "full"), [])
     body = []
     for question, ratio, wanted, which in GOALS:
@@ -167,9 +172,9 @@ def goal_table(rows: list[dict]) -> str:
         reference = parse_setting(label).reference if side == "kvserve" and label != "full" else None
         if reference and ("kvpress", reference) in by:
             compared += 1
-            mean, low, high, n = ruler4k.paired_difference(by[(side, label)], by[("kvpress", reference)])
-            if n and high < 0:
-                trailing.append(f"`{label}` {100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}] (n={n})")
+            difference = ruler4k.paired_difference(by[(side, label)], by[("kvpress", reference)])
+            if difference[3] and difference[2] < 0:
+                trailing.append(f"`{label}` {difference_text(*difference)}")
     gaps = ", ".join(sorted(trailing)) or "none"
     return (
         table(["goal", "kvserve's setting", "share of full [95% interval]", ""], body)
@@ -183,8 +188,7 @@ def share_of_full(rows: list[dict], full: list[dict]) -> tuple[float, float, flo
     """A setting's score as a share of full's on the cases both answered, with the paired difference's 95% interval
     (`ruler4k.paired_difference`) carried over: (share, low, high, cases)."""
     difference, low, high, n = ruler4k.paired_difference(rows, full)
-    keys = {tuple(row["key"]) for row in rows}
-    base = ruler4k.mean_over_tasks([row for row in full if tuple(row["key"]) in keys])[0]
+    base = full_on_same_cases(rows, full)
     return 1 + difference / base, 1 + low / base, 1 + high / base, n
 
 
