@@ -244,6 +244,25 @@ def test_the_figure_and_table_are_drawn_from_a_small_result_file(tmp_path):
     assert "Small, question outside, 0.75: 50% on kvserve (50.0, n=8), 50% on kvpress 0.5.5 (50.0, n=8)." in line
 
 
+def test_the_readme_shows_every_models_rows_and_the_first_models_figure(tmp_path, monkeypatch):
+    from kvserve.tools.report import scoreboard as page
+    from kvserve.tools.report.sources import DataDir
+
+    run = json.dumps({"date": "2026-12-07", "command": "kvserve eval scoreboard ...", "machine": {"cpu": "test"}})
+    models = []
+    for size, right in (("0.5B", 4), ("7B", 1)):
+        rows = [_row("kvserve", "full", task, index, index < right) for task in ("vt", "cwe") for index in range(4)]
+        (tmp_path / f"{size}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        (tmp_path / f"{size}.runs.jsonl").write_text(run + "\n")
+        models.append((f"Model-{size}-Chat", f"{size}.jsonl", f"{size}.png"))
+    monkeypatch.setattr(page, "MODELS", tuple(models))
+    text = page.readme_part(DataDir(tmp_path), "plots")
+    assert text.count("![") == 1 and "(plots/0.5B.png)" in text
+    assert "| setting | 0.5B kvpress | 0.5B kvserve | 7B kvpress | 7B kvserve |" in text
+    assert "| `full` | pending | 100.0 (n=8) | pending | 25.0 (n=8) |" in text
+    assert "| `kvzip@0.75/outside/global` | pending | pending | pending | pending |" in text
+
+
 def test_the_goals_name_kvserves_best_setting_with_enough_answers_and_the_settings_that_trail(monkeypatch):
     from kvserve.tools.report import scoreboard as page
 

@@ -341,7 +341,9 @@ def board_table(rows: list[dict]) -> str:
     for label in labels:
         setting = parse_setting(label)
         ours, theirs = by.get(("kvserve", label), []), by.get(("kvpress", setting.reference or ""), [])
-        shares = f"{share(theirs, by.get(('kvpress', 'full'), []))} / {share(ours, by.get(('kvserve', 'full'), []))}"
+        shares = " / ".join(
+            share(group, by.get((side, "full"), [])) or "-" for side, group in (("kvpress", theirs), ("kvserve", ours))
+        )
         body.append([label, cell(theirs), cell(ours), paired_difference(theirs, ours), shares])
     return table(["setting", "kvpress", "kvserve", "kvserve - kvpress (same cases)", "share of full"], body)
 

@@ -3,6 +3,7 @@ beside kvpress on the same cases, per model; the figure, the table and each task
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from kvserve.tools.eval import ruler4k
@@ -20,7 +21,11 @@ from kvserve.tools.report.plots import pyplot, save
 from kvserve.tools.report.sources import DataDir
 
 TITLE = "## On kvpress's leaderboard: RULER at 4k"
-MODELS = (("Qwen2.5-Coder-0.5B-Instruct", "ruler4k/qwen05.jsonl", "ruler4k-qwen05.png"),)
+# (title, result file, figure); the goals and the leaderboard line are stated on the first
+MODELS = (
+    ("Qwen2.5-Coder-0.5B-Instruct", "ruler4k/qwen05.jsonl", "ruler4k-qwen05.png"),
+    ("Qwen2.5-Coder-1.5B-Instruct", "ruler4k/qwen15.jsonl", "ruler4k-qwen15.png"),
+)
 INTRO = (
     "kvpress's leaderboard protocol (RULER at 4,096 tokens, RULER's string match, mean over tasks): `kvserve eval "
     "scoreboard` gives kvpress 0.5.5 and a kvserve server the same tokens, from lm-evaluation-harness's generators "
@@ -29,7 +34,9 @@ INTRO = (
     "reconstruction); `inside`: with it; `default`: kvserve's serving default; `:knob=value`: tuned. Ratio r "
     "keeps (1 - r) x the context's entries per (layer, KV head) on both sides. Scores x100 [95% interval] (n "
     "answers). DuoAttention's `outside` row is kvpress's alone: kvserve publishes a compressed context as whole "
-    "blocks, which DuoAttention's per-head counts cannot fill ([limits](guide/limits.md))."
+    "blocks, which DuoAttention's per-head counts cannot fill ([limits](guide/limits.md)). kvserve's side asks a "
+    "server started as `kvserve serve MODEL --block-size 32 --max-model-len 12288 --kv-profile none`; on 2 cores, "
+    "`VLLM_CPU_OMP_THREADS_BIND=0-1` before it gives the model both (vLLM keeps one for HTTP otherwise)."
 )
 
 
@@ -219,28 +226,34 @@ def leaderboard_line(board: dict, rows: list[dict], model: str) -> str:
 README_SETTINGS = ("full", "kvzip@0.75/outside/global", "default@0.75/inside")
 
 
-def readme_table(rows: list[dict]) -> str:
-    """The README's RULER-4k table for one model: kvpress's and kvserve's score (x100, answers) per setting."""
-    scored_rows = scored(rows)
+def readme_table(models: list[tuple[str, list[dict]]]) -> str:
+    """The README's RULER-4k table: per setting, kvpress's and kvserve's score (x100, answers) on each model."""
+    header, columns = ["setting"], []
+    for title, rows in models:
+        size = re.search(r"\d+(?:\.\d+)?B", title)
+        short = size.group(0) if size else title
+        header += [f"{short} kvpress", f"{short} kvserve"]
+        columns.append(scored(rows))
     body = []
     for label in README_SETTINGS:
         setting = parse_setting(label)
         cells = []
-        for side, wanted in (("kvpress", setting.reference), ("kvserve", label)):
-            group = [row for row in scored_rows if row["side"] == side and row["label"] == wanted]
-            mean, _, _, n = ruler4k.mean_over_tasks(group)
-            cells.append(f"{100 * mean:.1f} (n={n})" if group else ("-" if wanted is None else "not run yet"))
+        for scored_rows in columns:
+            for side, wanted in (("kvpress", setting.reference), ("kvserve", label)):
+                group = [row for row in scored_rows if row["side"] == side and row["label"] == wanted]
+                mean, _, _, n = ruler4k.mean_over_tasks(group)
+                cells.append(f"{100 * mean:.1f} (n={n})" if group else ("-" if wanted is None else "pending"))
         body.append([f"`{label}`", *cells])
-    return table(["setting", "kvpress 0.5.5", "kvserve"], body)
+    return table(header, body)
 
 
 def readme_part(data: DataDir, plot_link: str) -> str:
-    """The README's RULER-4k lines: the figure the benchmarks page draws, and the table."""
-    title, name, png = MODELS[0]
+    """The README's RULER-4k lines: the first model's figure (the benchmarks page draws it), and every model's rows."""
+    title, _, png = MODELS[0]
     return "\n\n".join(
         [
-            f"**{title}, RULER-4k** (kvpress's protocol):",
+            f"**RULER-4k**, kvserve beside kvpress 0.5.5 (its protocol; figure: {title}):",
             f"![RULER-4k score against compression ratio]({plot_link}/{png})",
-            readme_table(data.load(name).data),
+            readme_table([(title, data.load(name).data) for title, name, _ in MODELS]),
         ]
     )
