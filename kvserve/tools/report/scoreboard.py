@@ -74,6 +74,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         style = "-" if side == "kvserve" else "--"
         ax.plot(ratios, means, style, marker="o", color=colour, label=f"{side} {method}")
         ax.fill_between(ratios, lows, highs, color=colour, alpha=0.12)
+        if len(ratios) == 1:  # a band needs two ratios: one ratio's interval is a bar, kvpress's left of kvserve's
+            x = ratios[0] + (0.008 if side == "kvserve" else -0.008)
+            bar = [[means[0] - lows[0]], [highs[0] - means[0]]]
+            ax.errorbar([x], means, yerr=bar, fmt="none", color=colour, capsize=3, alpha=0.6, linestyle=style)
     full_rows = [row for row in scored(rows) if row["label"] == "full"]
     full = {side: [row for row in full_rows if row["side"] == side] for side in ("kvserve", "kvpress")}
     for side, group in full.items():
@@ -90,6 +94,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.set_ylabel("RULER-4k score (mean over tasks)")
     ax.set_title(title)
     ax.set_ylim(0, 100)
+    # the leaderboard's ratios (0.25 to 0.875) and any other run, however few a model has run so far
+    ticks = sorted({*ruler4k.RATIOS, *(ratio for points in lines.values() for ratio, *_ in points)})
+    ax.set_xlim(ticks[0] - 0.05, ticks[-1] + 0.05)
+    ax.set_xticks(ticks, [f"{tick:g}" for tick in ticks])
     ax.legend(fontsize=7, loc="lower left")
     ax.grid(alpha=0.3)
     save(fig, path)
