@@ -262,6 +262,6 @@ def readme_part(data: DataDir, plot_link: str) -> str:
         [
             f"**RULER-4k**, kvserve beside kvpress 0.5.5 (its protocol; figure: {title}):",
             f"![RULER-4k score against compression ratio]({plot_link}/{png})",
-            readme_table([(title, data.load(name).data) for title, name, _ in MODELS]),
+            readme_table([(model, data.load(name).data) for model, name, _ in MODELS]),
         ]
     )
