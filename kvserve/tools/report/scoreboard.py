@@ -241,14 +241,14 @@ def readme_table(models: list[tuple[str, list[dict]]]) -> str:
         size = re.search(r"\d+(?:\.\d+)?B", title)
         short = size.group(0) if size else title
         header += [f"{short} kvpress", f"{short} kvserve"]
-        columns.append(scored(rows))
+        columns.append(by_setting(rows))
     body = []
     for label in README_SETTINGS:
         setting = parse_setting(label)
         cells = []
-        for scored_rows in columns:
+        for by in columns:
             for side, wanted in (("kvpress", setting.reference), ("kvserve", label)):
-                group = [row for row in scored_rows if row["side"] == side and row["label"] == wanted]
+                group = by.get((side, wanted), [])
                 mean, _, _, n = ruler4k.mean_over_tasks(group)
                 cells.append(f"{100 * mean:.1f} (n={n})" if group else ("-" if wanted is None else "pending"))
         body.append([f"`{label}`", *cells])
