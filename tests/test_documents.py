@@ -121,6 +121,33 @@ def test_kvzip_ranks_every_layer_and_head_together_and_publishes_whole_pages(eng
     assert engine.free_blocks() == free
 
 
+def test_kvzip_max_pools_its_scores_over_neighbouring_entries_when_asked(engine, hf_model):
+    """`kv_kernel_size=k` (kvserve's own knob, 1 the paper's): each document entry scores the most reconstruction
+    attention any document entry within k // 2 of it got, and each list keeps the top B of those (the sinks first);
+    the pooled choice is not the per-entry one."""
+    document = haystack(engine.tokenizer, 300, seed=35)
+    kernel, half = 5, 2
+    kv = compress_settings(document, kv_span=1, kv_allocation="uniform", kv_kernel_size=kernel)
+    free = engine.free_blocks()
+    salt = uuid.uuid4().hex
+    (compressed,) = run(
+        engine, [salted(document + instruction(engine) + document, salt)], {**kv, "kv_reconstruct": 1}, 1
+    )
+    state = engine.eviction_state(compressed.request_id)
+    plain_keep, ref_scores = kvzip_reference(hf_model, document, instruction(engine), BUDGET, SINKS)
+    n = len(document)
+    differs = False
+    for layer, peak in enumerate(ref_scores):
+        pooled = torch.stack([peak[:, max(0, i - half) : i + half + 1].amax(-1) for i in range(n)], dim=-1)
+        ranked = pooled.masked_fill(torch.arange(n) < SINKS, float("inf"))
+        keep = torch.sort(torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :BUDGET], dim=-1).values
+        kept = state.layers[layer].kept_positions
+        _assert_same_kept(kept, keep, pooled, layer)
+        differs |= not torch.equal(kept, plain_keep[layer])
+    assert differs
+    assert engine.free_blocks() == free
+
+
 def test_a_document_reconstructed_piece_by_piece_keeps_what_every_pieces_reconstruction_attends_to(engine, hf_model):
     """The compress route's pieces (here of 128 tokens: three for a 300-token document), run in order: the last one
     compacts with the most attention any piece's reconstruction gave each entry (a transformers reference running
