@@ -7,12 +7,14 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from kvserve.errors import InvalidSetting
+from kvserve.policies import POLICIES
 from kvserve.policies.knobs import parse_bool, parse_int
 
 KVConfig = TypeVar("KVConfig")  # kvserve.config.KVConfig, which imports this module
 
 # a compressed document's lists keep B each (uniform) or the counts of one ranking over every layer and head
-# (global, KVzip's own allotment), rounded to whole pages so that they are published as whole blocks
+# (global, KVzip's own allotment) or the policy's own (DuoAttention's roles), rounded to whole pages so that they are
+# published as whole blocks
 DOCUMENT_ALLOCATIONS = ("uniform", "global")
 
 
@@ -56,10 +58,10 @@ def with_document(config: KVConfig, request: dict[str, Any]) -> KVConfig:
             f"no kv_evict_every_chunk, kv_allocation other than {' or '.join(DOCUMENT_ALLOCATIONS)}, "
             "kv_evict_when=pressure or kv_checkpoint"
         )
-    elif config.own_counts:
+    elif config.own_counts and not POLICIES[config.policy].fixed_counts:
         why = (
-            f"is published as whole blocks, which {config.policy} cannot fill: it gives each head its own count "
-            "(its trained roles, or kv_threshold)"
+            f"is published as whole blocks, which {config.policy} cannot fill: kv_threshold gives each head its own "
+            "count from its scores"
         )
     if why is not None:
         raise InvalidSetting("kv_document", why)

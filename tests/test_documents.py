@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 from engine_settings import BLOCK_SIZE
-from hf_reference import generate_after_kept_prefix, kvzip_pieces_reference, kvzip_reference
+from hf_reference import generate_after_kept_prefix, kvzip_pieces_reference, kvzip_reference, snapkv_reference
 from test_checkpoints import counter
 from test_engine import _assert_same_kept
 from test_prefix_cache import evicted, question, run, salted
@@ -255,6 +255,59 @@ def test_any_policy_compresses_a_document_where_it_ends_and_its_questions_keep_t
     assert engine.free_blocks() == free
 
 
+def test_duoattention_compresses_a_document_to_whole_pages_of_its_roles_counts(engine, hf_model):
+    """DuoAttention's counts differ by head (its trained roles), so a document it compresses is rounded to whole pages:
+    a streaming head keeps its sinks and newest entries rounded up to a page, the retrieval heads split the rest of
+    L x H x B as evenly as pages allow and keep SnapKV's choice (the same reference as without a document). The lists
+    fill whole blocks, so the document is published, and the same question resumed from it gets the same answer."""
+    from kvserve.duo.roles import HeadRoles
+    from kvserve.model import DEFAULT_MODEL_NAME
+    from kvserve.policies.duo_attention import DuoAttention
+
+    document = haystack(engine.tokenizer, 300, seed=36)
+    duo = DuoAttention()
+    budget = 4 * BLOCK_SIZE
+    kv = {"kv_policy": "duoattention", "kv_budget": budget, "kv_span": 1, "kv_document": len(document)}
+    roles = HeadRoles.for_model(DEFAULT_MODEL_NAME, hf_model.config.num_key_value_heads).retrieval(
+        duo.retrieval_fraction
+    )
+    streaming_pages = -(-(duo.sink_tokens + duo.recent) // BLOCK_SIZE)
+    retrieval_pages = roles.numel() * budget // BLOCK_SIZE - int((~roles).sum()) * streaming_pages
+    fewest, extra = divmod(retrieval_pages, int(roles.sum()))
+    wanted = sorted([fewest * BLOCK_SIZE] * (int(roles.sum()) - extra) + [(fewest + 1) * BLOCK_SIZE] * extra)
+    free, salt, asked = engine.free_blocks(), uuid.uuid4().hex, question(engine, "What is this text about?")
+    published = counter("checkpoints_published")
+    (first,) = run(engine, [salted(document + asked, salt)], kv, max_tokens=6)
+    assert counter("checkpoints_published") == published + 1
+    assert evicted(first) == len(document) - budget  # L x H x B entries kept of the document, its question in full
+    state = engine.eviction_state(first.request_id)
+    kept = [[[p for p in row if 0 <= p < len(document)] for row in state.layers[layer].kept_positions.tolist()]
+            for layer in sorted(state.layers)]  # fmt: skip
+    retrieval_kept = sorted(
+        len(row) for layer, rows in enumerate(kept) for head, row in enumerate(rows) if roles[layer, head]
+    )
+    assert retrieval_kept == wanted
+    streaming = set(range(duo.sink_tokens)) | set(range(len(document) - duo.recent, len(document)))
+    references = {
+        count: snapkv_reference(hf_model, document, count, duo.window, duo.kernel_size) for count in set(wanted)
+    }
+    for layer, rows in enumerate(kept):
+        for head, row in enumerate(rows):
+            if roles[layer, head]:
+                keep, scores = references[len(row)]
+                _assert_same_kept(
+                    torch.tensor([row]), keep[layer][head : head + 1], scores[layer][head : head + 1], layer
+                )
+            else:
+                assert len(row) == streaming_pages * BLOCK_SIZE and streaming <= set(row), (layer, head)
+
+    hits = counter("checkpoint_hits")
+    (second,) = run(engine, [salted(document + asked, salt)], kv, max_tokens=6)
+    assert second.num_cached_tokens == len(document) and counter("checkpoint_hits") == hits + 1
+    assert list(second.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+    assert engine.free_blocks() == free
+
+
 @pytest.mark.parametrize(
     "kv, field",
     [
@@ -269,6 +322,7 @@ def test_any_policy_compresses_a_document_where_it_ends_and_its_questions_keep_t
         ({"kv_policy": "snapkv", "kv_budget": 64, "kv_document": 0}, "kv_document"),
         ({"kv_policy": "snapkv", "kv_budget": 64, "kv_document": 64}, "kv_document"),  # fits: nothing to compress
         ({"kv_policy": "tova", "kv_budget": 64, "kv_document": 300, "kv_evict_every_chunk": 1}, "kv_document"),
+        ({"kv_policy": "kvzap", "kv_threshold": -6, "kv_budget": 256, "kv_document": 300}, "kv_document"),
     ],
 )
 def test_document_settings_that_cannot_hold_are_refused(kv, field):

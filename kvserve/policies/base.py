@@ -185,6 +185,9 @@ class Policy:
     ragged: ClassVar[bool] = False
     # True: the policy gives each head its own count from the budget (DuoAttention's roles), not an allocation's
     own_counts: ClassVar[bool] = False
+    # True: those counts follow from the budget before any score is read (trained roles, not a threshold), so a
+    # compressed document's can be rounded to whole pages together (`kvserve/worker/allocated.py`) and published
+    fixed_counts: ClassVar[bool] = False
     # True: the policy runs something trained for the served model (gates, head roles, a surrogate), so it serves
     # only models that have one
     trained: ClassVar[bool] = False

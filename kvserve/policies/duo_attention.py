@@ -12,7 +12,8 @@ keeps `sink_tokens` + `recent` entries (the first and the newest tokens); the re
 model's L x H x B equally, so each keeps (L x H x B - streaming heads x (sink_tokens + recent)) / retrieval heads,
 choosing by SnapKV's window votes (the paper's "composed" setting) when that is below what it holds. A budget of
 `max_model_len` lets retrieval heads keep every entry, the paper's plain form. During decoding each list returns to
-its count once a block of new tokens arrived.
+its count once a block of new tokens arrived. A compressed document (`kv_document`) rounds the counts to whole pages
+(`kvserve/worker/allocated.py`), so that it is published as whole blocks.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvserve.policies.snapkv import SnapKV
 class DuoAttention(SnapKV):
     name = "duoattention"
     own_counts: ClassVar[bool] = True
+    fixed_counts: ClassVar[bool] = True
     trained: ClassVar[bool] = True
     # the retrieval heads' pool as every DuoAttention result was measured (SnapKV's was 7 then; its 15 is untested here)
     kernel_size: int = knob(7, "pooling kernel over keys (odd)", minimum=1, odd=True)

@@ -44,6 +44,7 @@ class Deferred:
     table: torch.Tensor
     keys: torch.Tensor  # [H, n] ranking keys: normalised scores, protected first, padding last
     limits: torch.Tensor  # [H] entries each head holds
+    counts: torch.Tensor | None = None  # [H] the policy's own counts, to round to whole pages (None: `global`)
 
 
 def select(
@@ -79,6 +80,9 @@ def select(
         plan.deferred.append(Deferred(layer_idx, layer, obs, cache, table, keys, limits))
         return None
     keys = ranked(scores, protected, padding)
+    if counts is not None and policy.decides_counts() and config.compresses_document:
+        plan.deferred.append(Deferred(layer_idx, layer, obs, cache, table, keys, limits, counts))
+        return None
     if counts is None:  # heads: the layer's H*B over its heads by score, above the floor
         (counts,) = shares([keys], obs.num_heads * budget, head_floor(budget, policy.protected_tokens()), [limits])
     layer.share = counts
@@ -99,10 +103,13 @@ def planned_counts(plan: RowPlan, layer_idx: int) -> np.ndarray:
     return np.minimum(plan.state.pages.lens[layer_idx], budget)
 
 
-def finish_global(plan: RowPlan) -> list[tuple[Deferred, Selection]]:
-    """The step's deferred layers with their selections: L*H*B entries over all of them, ranked together (every
-    layout's operations address the whole page view, so each deferred layer is still compacted where it lies)."""
+def finish_deferred(plan: RowPlan) -> list[tuple[Deferred, Selection]]:
+    """The step's deferred layers with their selections: L*H*B entries over all of them, ranked together (`global`;
+    every layout's operations address the whole page view, so each deferred layer is still compacted where it lies),
+    or a document's own counts rounded to whole pages together (`whole_counts`)."""
     deferred, plan.deferred = plan.deferred, []
+    if deferred[0].counts is not None:
+        return whole_counts(plan, deferred)
     budget, policy = plan.compaction.keep_tokens, plan.state.policy
     # comparable scores need no safeguard (KVzip ranks every entry together, keeping only its sinks regardless)
     floor = policy.protected_tokens() if policy.comparable_scores else head_floor(budget, policy.protected_tokens())
@@ -117,6 +124,25 @@ def finish_global(plan: RowPlan) -> list[tuple[Deferred, Selection]]:
         counts = whole_pages(counts, total // block_size, block_size, floor // block_size, limits)
     selections = []
     for item, layer_counts in zip(deferred, counts, strict=True):
+        item.layer.share = layer_counts
+        selections.append((item, Selection(top_counts(item.keys, layer_counts), keep_counts=layer_counts)))
+    return selections
+
+
+def whole_counts(plan: RowPlan, deferred: list[Deferred]) -> list[tuple[Deferred, Selection]]:
+    """A compressed document under a policy's own counts (DuoAttention's roles): the step's lists together keep
+    L*H*B entries as whole pages, each list as near its count as pages allow and never below the pages that hold what
+    the policy protects (a streaming head's sinks and newest entries, rounded up to pages), so that the document is
+    published as whole blocks. A budget the counts leave unused (a retrieval head capped at what it holds) goes to the
+    lists nearest a further page."""
+    budget, block_size = plan.compaction.keep_tokens, plan.state.pages.layout.block_size
+    total = sum(item.obs.num_heads for item in deferred) * budget
+    floor_pages = -(-max(plan.state.policy.protected_tokens(), 1) // block_size)
+    limits = [item.limits for item in deferred]
+    counts = whole_pages([item.counts for item in deferred], total // block_size, block_size, floor_pages, limits)
+    selections = []
+    for item, layer_counts in zip(deferred, counts, strict=True):
+        layer_counts = layer_counts.to(item.counts)
         item.layer.share = layer_counts
         selections.append((item, Selection(top_counts(item.keys, layer_counts), keep_counts=layer_counts)))
     return selections

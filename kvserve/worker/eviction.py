@@ -274,14 +274,16 @@ def _compact(
 ) -> None:
     with phases.timed("compaction"):
         config = plan.state.config
-        if config.allocation == "uniform" and config.span == 1:
+        # a document's own counts (DuoAttention's) are rounded to whole pages with the step's other layers
+        whole_counts = config.compresses_document and config.own_counts
+        if config.allocation == "uniform" and config.span == 1 and not whole_counts:
             _move(plan, layer, layer_idx, obs, cache, table, plan.state.policy.select(obs, plan.compaction.keep_tokens))
             return
         selection = allocated.select(plan, layer, layer_idx, obs, cache, table)
         if selection is not None:
             _move(plan, layer, layer_idx, obs, cache, table, selection)
-        if plan.deferred and layer_idx == plan.state.pages.layout.num_layers - 1:  # global: every layer is scored
-            for item, chosen in allocated.finish_global(plan):
+        if plan.deferred and layer_idx == plan.state.pages.layout.num_layers - 1:  # every layer is scored
+            for item, chosen in allocated.finish_deferred(plan):
                 _move(plan, item.layer, item.layer_idx, item.obs, item.cache, item.table, chosen)
 
 

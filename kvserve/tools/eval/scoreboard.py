@@ -242,14 +242,12 @@ def served_setting(setting: BoardSetting, budget: int | None, model_dir: str, ca
 
 def unserved(setting: BoardSetting) -> str | None:
     """Why kvserve cannot serve a setting, checked before any case runs; None if it can. A context compressed before
-    the question is a document (`kv_document`), published as whole blocks: a policy that gives each head its own
-    count (DuoAttention's roles) cannot fill them, and the server refuses it."""
-    from kvserve.policies import POLICIES
-
-    if setting.compresses_document and POLICIES[setting.served_policy].own_counts:
+    the question is a document (`kv_document`), published as whole blocks: counts a threshold gives each head from
+    its scores cannot be rounded to fill them, and the server refuses it."""
+    if setting.compresses_document and setting.threshold is not None:
         return (
             f"{setting.label}: kvserve compresses a context before its question as a document of whole blocks, which "
-            f"{setting.served_policy} cannot fill (each head keeps its own count); its row is kvpress's alone"
+            f"a threshold's counts cannot fill; its row is kvpress's alone"
         )
     return None
 

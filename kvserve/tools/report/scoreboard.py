@@ -33,8 +33,9 @@ INTRO = (
     "need the hub). `outside`: the context compressed before the question (kvserve: `kv_document`, KVzip by its "
     "reconstruction); `inside`: with it; `default`: kvserve's serving default; `:knob=value`: tuned. Ratio r "
     "keeps (1 - r) x the context's entries per (layer, KV head) on both sides. Scores x100 [95% interval] (n "
-    "answers). DuoAttention's `outside` row is kvpress's alone: kvserve publishes a compressed context as whole "
-    "blocks, which DuoAttention's per-head counts cannot fill ([limits](guide/limits.md)). kvserve's side asks a "
+    "answers). DuoAttention `outside`: kvserve publishes a compressed context as whole blocks, so each head's count "
+    "is rounded to whole pages (a streaming head's sinks and newest entries rounded up, the retrieval heads sharing "
+    "the rest); kvpress keeps them exact. kvserve's side asks a "
     "server started as `kvserve serve MODEL --block-size 32 --max-model-len 12288 --kv-profile none`; on 2 cores, "
     "`VLLM_CPU_OMP_THREADS_BIND=0-1` before it gives the model both (vLLM keeps one for HTTP otherwise)."
 )
