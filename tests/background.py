@@ -11,6 +11,9 @@ for its run's JSON.
 vLLM binds a CPU worker's threads to CPUs it picks the same way in every process (`VLLM_CPU_OMP_THREADS_BIND=auto`:
 the first CPU of a 2-CPU machine, where the in-process engine's worker, i.e. this process, already computes), so
 the runs are bound to the last CPU this process may use, unless the user chose a binding or the run binds itself.
+The tests that read runs come last, so once the first of them waits this process's CPU is idle: a second thread then
+takes runs from the same queue, in the same order, bound to the first CPU (no run starts later than with one thread,
+so no test waits longer). A run that binds itself (to both CPUs) runs alone.
 
 A run that outlives its timeout is not simply killed: Python's fault handler (on in every run) first prints the stack
 of each of its threads into its log, and the failure names the machine and what else was running, so a hang seen
@@ -28,6 +31,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +50,7 @@ class Run:
     # filled in by Background
     hung: str | None = None  # the diagnosis of a first attempt that timed out, when the second one passed
     seconds: float = 0.0  # how long its attempts ran
+    cpu: str = ""  # the CPU its worker threads were bound to ("" : the run's own binding)
     waited: float = 0.0  # how long the tests that read it waited for it
     out: Path | None = None
     log: Path | None = None
@@ -57,36 +62,63 @@ class Background:
     def __init__(self) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="kvserve-tests-background-"))
         self.runs: dict[str, list[Run]] = {}
-        self.process: subprocess.Popen | None = None
+        self.queue: deque[Run] = deque()
+        self.changed = threading.Condition()  # guards queue, running, alone, processes, threads, stopped
+        self.running = 0  # runs going now
+        self.alone = False  # the run going binds itself: no other starts beside it
+        self.processes: set[subprocess.Popen] = set()
+        self.threads: list[threading.Thread] = []
         self.stopped = False
-        self.thread: threading.Thread | None = None
 
     def start(self, runs: list[Run]) -> None:
         for number, run in enumerate(runs):
             run.out = self.folder / f"{number}-{run.fixture}.json"
             run.log = run.out.with_suffix(".log")
             self.runs.setdefault(run.fixture, []).append(run)
-        self.thread = threading.Thread(target=self._run_all, args=(runs,), name="background-runs", daemon=True)
-        self.thread.start()
+        self.queue.extend(runs)
+        self._add_worker(-1)
 
-    def _run_all(self, runs: list[Run]) -> None:
-        for run in runs:
+    def _add_worker(self, cpu: int) -> None:
+        """A thread that runs the queue's runs in order, binding them to this process's CPU number `cpu`."""
+        thread = threading.Thread(target=self._work, args=(cpu,), name=f"background-runs-{cpu}", daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def _work(self, cpu: int) -> None:
+        while (run := self._take()) is not None:
             try:
-                if not self.stopped:
-                    self._run(run)
+                self._run(run, cpu)
             except Exception as error:  # noqa: BLE001 - the fixture that reads it reports it
                 run.error = f"{type(error).__name__}: {error}"
             finally:
+                with self.changed:
+                    self.running -= 1
+                    self.alone = False
+                    self.changed.notify_all()
                 run.done.set()
 
-    def _run(self, run: Run) -> None:
+    def _take(self) -> Run | None:
+        """The queue's next run once it may start (None when the queue is done or the session ended): in order,
+        never beside a run that binds itself, and one that binds itself only when nothing else runs."""
+        with self.changed:
+            while not self.stopped and self.queue:
+                run = self.queue[0]
+                if not self.alone and (run.bind_cpu or self.running == 0):
+                    self.queue.popleft()
+                    self.running += 1
+                    self.alone = not run.bind_cpu
+                    return run
+                self.changed.wait()
+            return None
+
+    def _run(self, run: Run, cpu: int) -> None:
         started = time.monotonic()
         if run.prepare is not None:
             run.prepare()
-        error, timed_out = self._attempt(run)
+        error, timed_out = self._attempt(run, cpu)
         if timed_out and not self.stopped:
             first = error
-            error, _ = self._attempt(run)
+            error, _ = self._attempt(run, cpu)
             if error is None:
                 run.hung = first
             else:
@@ -94,12 +126,13 @@ class Background:
         run.error = error
         run.seconds = time.monotonic() - started
 
-    def _attempt(self, run: Run) -> tuple[str | None, bool]:
+    def _attempt(self, run: Run, cpu: int) -> tuple[str | None, bool]:
         """Run the command once: (the failure with the log's end, or None; whether it outlived its timeout)."""
         env = dict(os.environ)
         cpus = sorted(os.sched_getaffinity(0))
         if run.bind_cpu and len(cpus) > 1:
-            env.setdefault(BIND, str(cpus[-1]))
+            env.setdefault(BIND, str(cpus[cpu]))
+        run.cpu = env.get(BIND, "") if run.bind_cpu else ""
         for key, value in run.env.items():
             if value is None:
                 env.pop(key, None)
@@ -111,20 +144,26 @@ class Background:
         started = time.monotonic()
         with open(run.log, "w") as log:
             # a session of its own: what it started (a bench command's servers) goes with it when it is killed
-            self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            with self.changed:
+                self.processes.add(process)
+                if self.stopped:  # the session ended while it was starting: stopped as `stop` stops the others
+                    process.send_signal(signal.SIGINT)
             try:
-                code = self.process.wait(timeout=run.timeout_s)
+                code = process.wait(timeout=run.timeout_s)
             except subprocess.TimeoutExpired:
                 busy = f"machine: {machine_line()}; load {os.getloadavg()}; processes:\n{_processes()}"
-                self.process.send_signal(signal.SIGABRT)
+                process.send_signal(signal.SIGABRT)
                 try:
-                    self.process.wait(timeout=30)
+                    process.wait(timeout=30)
                 except subprocess.TimeoutExpired:
-                    self.process.kill()
-                    self.process.wait()
+                    process.kill()
+                    process.wait()
                 code = f"killed (timeout {run.timeout_s} s; its threads' stacks end the log)"
             finally:
-                _kill_group(self.process)
+                _kill_group(process)
+                with self.changed:
+                    self.processes.discard(process)
         if code == 0:
             return None, False
         failure = f"{' '.join(argv[1:2])} exited {code} after {time.monotonic() - started:.0f} s:\n"
@@ -137,6 +176,7 @@ class Background:
         runs = self.runs.get(fixture)
         if not runs:
             raise RuntimeError(f"no background run for fixture {fixture!r} was started (see tests/background.py)")
+        self._share_this_cpu()
         for run in runs:
             waiting = time.monotonic()
             run.done.wait()
@@ -148,6 +188,15 @@ class Background:
                 warnings.warn(message, stacklevel=2)
         return [json.loads(run.out.read_text()) for run in runs]
 
+    def _share_this_cpu(self) -> None:
+        """A test waits for a run: from now on this process's CPU mostly idles (the readers come last), so a second
+        thread takes runs too, bound to the first CPU (not when the user chose the binding, or with one CPU)."""
+        cpus = sorted(os.sched_getaffinity(0))
+        with self.changed:
+            if len(self.threads) != 1 or len(cpus) < 2 or BIND in os.environ or self.stopped:
+                return
+            self._add_worker(0)
+
     def printed(self, fixture: str) -> str:
         """What the runs of `fixture` printed (stdout and stderr), once they finished."""
         self.results(fixture)
@@ -157,22 +206,34 @@ class Background:
         """A line per run: how long it ran and how long its readers waited (the suite's length is the longer of
         the in-process tests and this queue; what the readers waited is what the queue added)."""
         runs = [run for group in self.runs.values() for run in group]
-        lines = [f"{run.fixture}: ran {run.seconds:.0f} s, waited for {run.waited:.0f} s" for run in runs]
+        lines = [
+            f"{run.fixture}: ran {run.seconds:.0f} s{f' on CPU {run.cpu}' if run.cpu else ''}, waited for "
+            f"{run.waited:.0f} s"
+            for run in runs
+        ]
         return lines + [f"background runs in all: {sum(run.seconds for run in runs):.0f} s"] if runs else []
 
     def stop(self) -> None:
         """The session ends (a run may still be going when it ends early, as under `pytest -x`): the run is
         interrupted first, so that a bench command stops the servers it started (each in a session of its own, out
         of reach of the group kill), then whatever is left in its session is killed."""
-        self.stopped = True
-        if self.process is not None:
-            if self.process.poll() is None:
-                self.process.send_signal(signal.SIGINT)
-                try:
-                    self.process.wait(timeout=90)
-                except subprocess.TimeoutExpired:
-                    pass
-            _kill_group(self.process)
+        with self.changed:
+            self.stopped = True
+            left, processes = list(self.queue), list(self.processes)
+            self.queue.clear()
+            self.changed.notify_all()
+        for run in left:  # never started: a fixture still asking is told so rather than left waiting
+            run.error = "the session ended before it started"
+            run.done.set()
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+        for process in processes:
+            try:
+                process.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                pass
+            _kill_group(process)
 
 
 def _kill_group(process: subprocess.Popen) -> None:

@@ -5,11 +5,12 @@ included, which the run stops on its way out)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
-from background import Background, Run
+from background import BIND, Background, Run
 from waiting import wait_until
 
 # sleeps in a function of its own, so the stack names it; hangs on the first attempt only (a marker file says which),
@@ -98,3 +99,37 @@ def test_a_session_that_ends_during_a_run_leaves_nothing_the_run_started():
     pid = wait_until(lambda: child.exists() and child.read_text(), 60, f"the run's child's pid in {child}")
     background.stop()
     _assert_ends(Path(f"/proc/{pid}/stat"))
+
+
+# records the CPU binding it was given and when it ran
+RECORDS = """
+import json, os, sys, time
+started = time.time()
+time.sleep(float(sys.argv[2]))
+json.dump({"bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "started": started, "ended": time.time()},
+          open(sys.argv[1], "w"))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or BIND in os.environ, reason="needs 2 CPUs and no set binding")
+def test_once_a_test_waits_the_runs_share_both_cpus_and_a_self_binding_run_goes_alone():
+    """Before any test reads a run, one thread runs them on the last CPU; once one waits, a second thread takes the
+    queue's next runs on the first CPU, side by side with the first (never two on one CPU); a run that binds itself
+    starts only when the runs before it have ended."""
+    cpus = {str(cpu) for cpu in (min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0)))}
+    background = Background()
+    bound = [Run(name, [sys.executable, "-c", RECORDS, "{out}", seconds]) for name, seconds in SLEEPS]
+    alone = Run("alone", [sys.executable, "-c", RECORDS, "{out}", "1"], bind_cpu=False)
+    background.start([*bound, alone])
+    records = [background.results(run.fixture)[0] for run in bound]
+    (own,) = background.results("alone")
+    assert {record["bind"] for record in records} == cpus and own["bind"] is None
+    overlapping = [(a, b) for a in records for b in records if a is not b and a["started"] < b["ended"] <= a["ended"]]
+    assert overlapping, records  # side by side
+    assert all(a["bind"] != b["bind"] for a, b in overlapping), records
+    assert own["started"] >= max(record["ended"] for record in records), (own, records)
+    lines = background.timings()
+    assert sum("on CPU" in line for line in lines) == len(bound), lines
+
+
+SLEEPS = (("first", "1"), ("second", "3"), ("third", "3"))
