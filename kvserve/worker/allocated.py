@@ -80,7 +80,7 @@ def select(
         plan.deferred.append(Deferred(layer_idx, layer, obs, cache, table, keys, limits))
         return None
     keys = ranked(scores, protected, padding)
-    if counts is not None and policy.decides_counts() and config.compresses_document:
+    if policy.decides_counts() and config.compresses_document:  # rounded to whole pages with the other layers
         plan.deferred.append(Deferred(layer_idx, layer, obs, cache, table, keys, limits, counts))
         return None
     if counts is None:  # heads: the layer's H*B over its heads by score, above the floor
@@ -106,10 +106,18 @@ def planned_counts(plan: RowPlan, layer_idx: int) -> np.ndarray:
 def finish_deferred(plan: RowPlan) -> list[tuple[Deferred, Selection]]:
     """The step's deferred layers with their selections: L*H*B entries over all of them, ranked together (`global`;
     every layout's operations address the whole page view, so each deferred layer is still compacted where it lies),
-    or a document's own counts rounded to whole pages together (`whole_counts`)."""
+    or a document's own counts rounded to whole pages together (`whole_page_counts`)."""
     deferred, plan.deferred = plan.deferred, []
-    if deferred[0].counts is not None:
-        return whole_counts(plan, deferred)
+    counts = whole_page_counts(plan, deferred) if deferred[0].counts is not None else global_counts(plan, deferred)
+    selections = []
+    for item, layer_counts in zip(deferred, counts, strict=True):
+        item.layer.share = layer_counts
+        selections.append((item, Selection(top_counts(item.keys, layer_counts), keep_counts=layer_counts)))
+    return selections
+
+
+def global_counts(plan: RowPlan, deferred: list[Deferred]) -> list[torch.Tensor]:
+    """`global`: each deferred layer's [H] counts of L*H*B entries ranked together, in whole pages for a document."""
     budget, policy = plan.compaction.keep_tokens, plan.state.policy
     # comparable scores need no safeguard (KVzip ranks every entry together, keeping only its sinks regardless)
     floor = policy.protected_tokens() if policy.comparable_scores else head_floor(budget, policy.protected_tokens())
@@ -122,14 +130,10 @@ def finish_deferred(plan: RowPlan) -> list[tuple[Deferred, Selection]]:
     counts = shares([item.keys for item in deferred], total, floor, limits)
     if whole:
         counts = whole_pages(counts, total // block_size, block_size, floor // block_size, limits)
-    selections = []
-    for item, layer_counts in zip(deferred, counts, strict=True):
-        item.layer.share = layer_counts
-        selections.append((item, Selection(top_counts(item.keys, layer_counts), keep_counts=layer_counts)))
-    return selections
+    return counts
 
 
-def whole_counts(plan: RowPlan, deferred: list[Deferred]) -> list[tuple[Deferred, Selection]]:
+def whole_page_counts(plan: RowPlan, deferred: list[Deferred]) -> list[torch.Tensor]:
     """A compressed document under a policy's own counts (DuoAttention's roles): the step's lists together keep
     L*H*B entries as whole pages, each list as near its count as pages allow and never below the pages that hold what
     the policy protects (a streaming head's sinks and newest entries, rounded up to pages), so that the document is
@@ -139,10 +143,4 @@ def whole_counts(plan: RowPlan, deferred: list[Deferred]) -> list[tuple[Deferred
     total = sum(item.obs.num_heads for item in deferred) * budget
     floor_pages = -(-max(plan.state.policy.protected_tokens(), 1) // block_size)
     limits = [item.limits for item in deferred]
-    counts = whole_pages([item.counts for item in deferred], total // block_size, block_size, floor_pages, limits)
-    selections = []
-    for item, layer_counts in zip(deferred, counts, strict=True):
-        layer_counts = layer_counts.to(item.counts)
-        item.layer.share = layer_counts
-        selections.append((item, Selection(top_counts(item.keys, layer_counts), keep_counts=layer_counts)))
-    return selections
+    return whole_pages([item.counts for item in deferred], total // block_size, block_size, floor_pages, limits)
