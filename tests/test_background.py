@@ -101,35 +101,41 @@ def test_a_session_that_ends_during_a_run_leaves_nothing_the_run_started():
     _assert_ends(Path(f"/proc/{pid}/stat"))
 
 
-# records the CPU binding it was given and when it ran
+# records the CPU binding it was given and when it ran; with a partner, it first leaves a marker and waits (up to a
+# generous deadline) for the partner's: both markers seen means the two ran side by side
 RECORDS = """
 import json, os, sys, time
+out, mine, partner = sys.argv[1:4]
 started = time.time()
-time.sleep(float(sys.argv[2]))
-json.dump({"bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "started": started, "ended": time.time()},
-          open(sys.argv[1], "w"))
+met = None
+if partner:
+    open(mine, "w").close()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(partner) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    met = os.path.exists(partner)
+json.dump({"bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "met": met, "started": started, "ended": time.time()},
+          open(out, "w"))
 """
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or BIND in os.environ, reason="needs 2 CPUs and no set binding")
-def test_once_a_test_waits_the_runs_share_both_cpus_and_a_self_binding_run_goes_alone():
+def test_once_a_test_waits_the_runs_share_both_cpus_and_a_self_binding_run_goes_alone(tmp_path):
     """Before any test reads a run, one thread runs them on the last CPU; once one waits, a second thread takes the
     queue's next runs on the first CPU, side by side with the first (never two on one CPU); a run that binds itself
     starts only when the runs before it have ended."""
     cpus = {str(cpu) for cpu in (min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0)))}
     background = Background()
-    bound = [Run(name, [sys.executable, "-c", RECORDS, "{out}", seconds]) for name, seconds in SLEEPS]
-    alone = Run("alone", [sys.executable, "-c", RECORDS, "{out}", "1"], bind_cpu=False)
-    background.start([*bound, alone])
-    records = [background.results(run.fixture)[0] for run in bound]
+    here = {name: str(tmp_path / f"{name}.here") for name in ("second", "third")}
+    first = Run("first", [sys.executable, "-c", RECORDS, "{out}", "", ""])
+    second = Run("second", [sys.executable, "-c", RECORDS, "{out}", here["second"], here["third"]])
+    third = Run("third", [sys.executable, "-c", RECORDS, "{out}", here["third"], here["second"]])
+    alone = Run("alone", [sys.executable, "-c", RECORDS, "{out}", "", ""], bind_cpu=False)
+    background.start([first, second, third, alone])
+    records = [background.results(run.fixture)[0] for run in (first, second, third)]
     (own,) = background.results("alone")
-    assert {record["bind"] for record in records} == cpus and own["bind"] is None
-    overlapping = [(a, b) for a in records for b in records if a is not b and a["started"] < b["ended"] <= a["ended"]]
-    assert overlapping, records  # side by side
-    assert all(a["bind"] != b["bind"] for a, b in overlapping), records
-    assert own["started"] >= max(record["ended"] for record in records), (own, records)
+    assert records[1]["met"] and records[2]["met"], records  # side by side
+    assert records[1]["bind"] != records[2]["bind"] and {record["bind"] for record in records} == cpus, records
+    assert own["bind"] is None and own["started"] >= max(record["ended"] for record in records), (own, records)
     lines = background.timings()
-    assert sum("on CPU" in line for line in lines) == len(bound), lines
-
-
-SLEEPS = (("first", "1"), ("second", "3"), ("third", "3"))
+    assert sum("on CPU" in line for line in lines) == 3, lines
