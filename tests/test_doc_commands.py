@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import re
 import shlex
 import subprocess
@@ -80,10 +81,60 @@ class Dead(Exception):
     """A command that would not run as printed: what is missing."""
 
 
+class HelpWorker:
+    """One process answering every kvserve, vllm and `python -m` command's `--help` (tests/help_worker.py), started
+    when first asked; None where it died answering, and the next question starts another."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+
+    def ask(self, argv: tuple[str, ...]) -> tuple[int, str] | None:
+        if self.process is None or self.process.poll() is not None:
+            worker = [sys.executable, str(ROOT / "tests" / "help_worker.py")]
+            self.process = subprocess.Popen(worker, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        try:
+            self.process.stdin.write(json.dumps(list(argv)) + "\n")
+            self.process.stdin.flush()
+            line = self.process.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            self.process.kill()
+            self.process.wait()
+            return None
+        status, text = json.loads(line)
+        return status, text
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait(timeout=60)
+
+
+HELP_WORKER = HelpWorker()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _help_worker():
+    yield
+    HELP_WORKER.close()
+
+
 @functools.cache
 def help_text(*argv: str) -> tuple[int, str]:
-    """(exit status, stdout + stderr) of `argv --help` (vLLM's CLI lists every flag only under --help=all)."""
+    """(exit status, stdout + stderr) of `argv --help` (vLLM's CLI lists every flag only under --help=all). kvserve's,
+    vLLM's and `python -m` commands are answered by one worker process. `kvserve serve --help` is kvserve's parser, then
+    `vllm serve --help=all` (kvserve/cli.py `print_help`), which flags_of adds: only the parser's part is asked."""
     flag = "--help=all" if argv[0].endswith("vllm") else "--help"
+    if argv[1:] == ("serve",) and argv[0].endswith("kvserve"):
+        from kvserve.cli import SUBCOMMANDS, _serve_parser
+
+        if "serve" in SUBCOMMANDS:
+            return 0, _serve_parser().format_help()
+    answered = HELP_WORKER.ask((*argv, flag))
+    if answered is not None:
+        return answered
+    # the worker died answering: the command alone, as a user runs it
     done = subprocess.run([*argv, flag], capture_output=True, text=True, timeout=600, cwd=ROOT)
     return done.returncode, done.stdout + done.stderr
 
@@ -260,3 +311,24 @@ def test_the_check_fails_an_unknown_model_name():
 
     [problem] = problems("kvserve setup-model llama-9b")
     assert problem == f"kvserve setup-model: no model 'llama-9b' ({', '.join(MODEL_NAMES)})"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("kvserve", "bench", "capacity"),
+        ("kvserve", "eval", "nosuchtask"),
+        ("python", "-m", "kvserve.tools.eval"),
+    ],
+)
+def test_the_help_worker_answers_as_the_command_run_alone(argv):
+    """The worker's answer (one process for many commands) is what the command prints run on its own: the same exit
+    status and the same flags, for a command that exists and one that does not. (vLLM's, 20 s alone, is checked by
+    the pages' own commands: `kvserve serve`'s flags are vLLM's, and test_the_check_fails_a_dead_command's.)"""
+    program = sys.executable if argv[0] == "python" else str(BIN / argv[0])
+    argv = (program, *argv[1:], "--help=all" if argv[0] == "vllm" else "--help")
+    alone = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    status, text = HELP_WORKER.ask(argv)
+    assert status == alone.returncode
+    flags = re.compile(r"--[a-z][a-z0-9-]*")
+    assert set(flags.findall(text)) == set(flags.findall(alone.stdout + alone.stderr))

@@ -189,23 +189,33 @@ def test_a_setting_without_a_press_or_a_ratio_is_refused(text):
         scoreboard.parse_setting(text)
 
 
-def test_kvserve_refuses_up_front_a_context_compressed_by_a_policy_of_per_head_counts():
-    """What the scoreboard refuses is what the server's kv_document refuses (kvserve/document_settings.py), checked
-    against the settings the server parses, so the two cannot drift apart."""
+def test_every_setting_the_scoreboard_parses_is_one_the_server_accepts():
+    """The scoreboard refuses up front (parse_setting) what the server's kv_document refuses
+    (kvserve/document_settings.py): a threshold's counts with the question outside. Checked against the settings the
+    server parses, so the two cannot drift apart: what parses here is served, what the server refuses does not parse."""
     from kvserve.config import parse_kv_config
-    from kvserve.errors import InvalidSetting
 
-    for text in ("duoattention@0.75/outside", "tova@0.75/outside", "kvzip@0.75/outside", "duoattention@0.75/inside"):
+    for text in (
+        "duoattention@0.75/outside",
+        "tova@0.75/outside",
+        "kvzip@0.75/outside",
+        "kvzap@0.75/outside",
+        "duoattention@0.75/inside",
+        "kvzap@t-6/inside",
+    ):
         setting = scoreboard.parse_setting(text)
         request = {"kv_policy": setting.served_policy, "kv_budget": 256}
+        if setting.threshold is not None:
+            request["kv_threshold"] = setting.threshold
         if setting.compresses_document:
             request["kv_document"] = 1024
-        try:
-            parse_kv_config(request)
-            served = True
-        except InvalidSetting as error:
-            served = "kv_document" not in str(error)
-        assert (scoreboard.unserved(setting) is None) == served, text
+        parse_kv_config(request)
+    with pytest.raises(ValueError, match="kvzap@tTHRESHOLD/inside"):
+        scoreboard.parse_setting("kvzap@t-6/outside")
+    from kvserve.errors import InvalidSetting
+
+    with pytest.raises(InvalidSetting, match="kv_document"):
+        parse_kv_config({"kv_policy": "kvzap", "kv_budget": 256, "kv_threshold": -6.0, "kv_document": 1024})
 
 
 def _row(side: str, label: str, task: str, index: int, right: bool) -> dict:
