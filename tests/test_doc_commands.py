@@ -134,8 +134,12 @@ def help_text(*argv: str) -> tuple[int, str]:
     answered = HELP_WORKER.ask((*argv, flag))
     if answered is not None:
         return answered
-    # the worker died answering: the command alone, as a user runs it
-    done = subprocess.run([*argv, flag], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    return run_alone((*argv, flag))  # the worker died answering
+
+
+def run_alone(argv: tuple[str, ...]) -> tuple[int, str]:
+    """(exit status, stdout + stderr) of `argv` in a process of its own, as a user runs it."""
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
     return done.returncode, done.stdout + done.stderr
 
 
@@ -326,9 +330,9 @@ def test_the_help_worker_answers_as_the_command_run_alone(argv):
     status and the same flags, for a command that exists and one that does not. (vLLM's, 20 s alone, is checked by
     the pages' own commands: `kvserve serve`'s flags are vLLM's, and test_the_check_fails_a_dead_command's.)"""
     program = sys.executable if argv[0] == "python" else str(BIN / argv[0])
-    argv = (program, *argv[1:], "--help=all" if argv[0] == "vllm" else "--help")
-    alone = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    argv = (program, *argv[1:], "--help")
+    alone_status, alone_text = run_alone(argv)
     status, text = HELP_WORKER.ask(argv)
-    assert status == alone.returncode
+    assert status == alone_status
     flags = re.compile(r"--[a-z][a-z0-9-]*")
-    assert set(flags.findall(text)) == set(flags.findall(alone.stdout + alone.stderr))
+    assert set(flags.findall(text)) == set(flags.findall(alone_text))
