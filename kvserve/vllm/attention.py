@@ -19,11 +19,12 @@ compacted lists.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from kvserve_kernels import cpu as cpu_kernel
 from vllm import _custom_ops as ops
 from vllm import envs
-from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
 from kvserve import phases
@@ -34,34 +35,10 @@ from kvserve.worker.step import StepPages, current_step
 
 
 class KVServeAttentionImpl(CPUAttentionBackendImpl):
-    def __init__(
-        self,
-        num_heads,
-        head_size,
-        scale,
-        num_kv_heads,
-        alibi_slopes,
-        sliding_window,
-        kv_cache_dtype,
-        logits_soft_cap=None,
-        attn_type=AttentionType.DECODER,
-        kv_sharing_target_layer_name=None,
-        sinks=None,
-    ) -> None:
-        super().__init__(
-            num_heads,
-            head_size,
-            scale,
-            num_kv_heads,
-            alibi_slopes,
-            sliding_window,
-            kv_cache_dtype,
-            logits_soft_cap,
-            attn_type,
-            kv_sharing_target_layer_name,
-            sinks,
-        )
-        self.paged = pages_this_layer(self, "KVSERVE_ATTENTION=vllm", kv_sharing_target_layer_name)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # vLLM's constructor as it is (its parameters are checked at `attention_init`, kvserve/vllm/points.py)
+        super().__init__(*args, **kwargs)
+        self.paged = pages_this_layer(self, "KVSERVE_ATTENTION=vllm")
         self._layout: layouts.CachePages | None = None
         if self.paged and cpu_kernel.enabled():
             cpu_kernel.load()  # built or loaded at start-up (once per process), not at the first request that needs it

@@ -16,8 +16,9 @@ kernels never touch them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
 from kvserve.policies.base import PassStatistics
@@ -30,34 +31,10 @@ from kvserve.worker.step import current_step
 
 
 class KVServeKernelAttentionImpl(CPUAttentionBackendImpl):
-    def __init__(
-        self,
-        num_heads,
-        head_size,
-        scale,
-        num_kv_heads,
-        alibi_slopes,
-        sliding_window,
-        kv_cache_dtype,
-        logits_soft_cap=None,
-        attn_type=AttentionType.DECODER,
-        kv_sharing_target_layer_name=None,
-        sinks=None,
-    ) -> None:
-        super().__init__(
-            num_heads,
-            head_size,
-            scale,
-            num_kv_heads,
-            alibi_slopes,
-            sliding_window,
-            kv_cache_dtype,
-            logits_soft_cap,
-            attn_type,
-            kv_sharing_target_layer_name,
-            sinks,
-        )
-        self.paged = pages_this_layer(self, f"{ATTENTION_ENV}=kernels", kv_sharing_target_layer_name)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # vLLM's constructor as it is (its parameters are checked at `attention_init`, kvserve/vllm/points.py)
+        super().__init__(*args, **kwargs)
+        self.paged = pages_this_layer(self, f"{ATTENTION_ENV}=kernels")
         self._layout: CachePages | None = None
         if self.paged and self.logits_soft_cap:
             raise RuntimeError(

@@ -117,7 +117,7 @@ def layer_index(layer, layout: PageLayout) -> int:
     return layout.local_index(index)
 
 
-def pages_this_layer(impl, mode: str, kv_sharing_target_layer_name: str | None) -> bool:
+def pages_this_layer(impl, mode: str) -> bool:
     """Whether this attention layer's cache is head pages (read and written by kvserve) or stays vLLM's (a model
     that does not evict; a hybrid model's sliding-window layer). Read at model construction, where vLLM's config of
     the engine being built is current. (The cache layout and dtype are the metadata builder's to check:
@@ -130,7 +130,7 @@ def pages_this_layer(impl, mode: str, kv_sharing_target_layer_name: str | None) 
         "attention type other than decoder": impl.attn_type != AttentionType.DECODER,
         "ALiBi": impl.alibi_slopes is not None,
         "attention sinks": impl.sinks is not None,
-        "KV sharing between layers": kv_sharing_target_layer_name is not None,
+        "KV sharing between layers": impl.kv_sharing_target_layer_name is not None,
     }
     refused = [name for name, present in unsupported.items() if present]
     if refused:  # the config reading said this model evicts: it is wrong about this model, so fail loudly
